@@ -1,0 +1,47 @@
+"""The controller's HTTP API (Flask). Gunicorn serves ``app:create_app()``.
+
+Nothing binds at import time: ``create_app`` builds the Redis client and the lookup client
+per app (per gunicorn worker, since the app is not preloaded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flask import Flask
+
+from kvlookup import config as kvconfig
+from kvlookup.client import Client
+from kvlookup.redis_server import connect
+
+
+def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) -> Flask:
+    """Build the controller app.
+
+    settings: a Settings object, a mapping of setting overrides, or None (defaults, then the
+    file named by ``KVLOOKUP_CONFIG`` and ``KVLOOKUP_*`` variables). The Redis URL must be set
+    (the CLI starts an embedded Redis and passes its URL). Raises ValueError on bad settings.
+    """
+    import os
+
+    if not isinstance(settings, kvconfig.Settings):
+        settings = kvconfig.load(os.environ.get("KVLOOKUP_CONFIG"), overrides=settings or {})
+    if not settings.redis_url:
+        raise ValueError("redis_url is not set (KVLOOKUP_REDIS_URL, --redis-url, or run `kvlookup controller`)")
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False
+    redis_client = connect(settings.redis_url, socket_timeout=5, health_check_interval=30)
+    app.extensions["kvlookup"] = {
+        "settings": settings,
+        "redis": redis_client,
+        "client": Client(redis=redis_client, profile=settings.profile(), max_tokens=settings.max_tokens,
+                         instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s),
+    }
+    from app import errors, health, lookup
+
+    errors.init_app(app)
+    app.register_blueprint(lookup.bp)
+    app.register_blueprint(health.bp)
+    return app

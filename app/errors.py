@@ -1,0 +1,39 @@
+"""Every error leaves the API as JSON: ``{"error": "<what is wrong>"}`` with a 4xx/5xx status."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask, jsonify
+from werkzeug.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error to send to the client. status: HTTP status; message names the problem."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def init_app(app: Flask) -> None:
+    """Register the JSON error handlers."""
+
+    @app.errorhandler(ApiError)
+    def _api_error(exc: ApiError):
+        return jsonify(error=exc.message), exc.status
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        message = exc.description or exc.name
+        if exc.code == 413:
+            message = "request body too large"
+        return jsonify(error=message), exc.code
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        log.exception("unhandled error")
+        return jsonify(error=f"internal error: {type(exc).__name__}"), 500

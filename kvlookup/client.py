@@ -1,0 +1,156 @@
+"""In-process lookups: ``kvlookup.Client(...).lookup(tokens)`` for routers that want no HTTP hop."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
+
+import redis
+
+from kvlookup import keys
+from kvlookup.hashing import HashProfile
+from kvlookup.redis_server import connect
+from kvlookup.store import Chain, Match, Store
+
+#: Tier order that breaks ties when a prefix spans locations equally.
+LOCATION_PRIORITY = ("GPU", "LocalCPUBackend", "LocalDiskBackend")
+MAX_TOKEN = 2**32
+
+
+@dataclass
+class InstanceMatch:
+    """An instance's answer for one prompt.
+
+    location: the tier holding most of the matched prefix (ties: GPU, LocalCPUBackend,
+    LocalDiskBackend, then others by name). matched_prefix_length: tokens.
+    locations: tokens of the prefix held per location. ranks: per-rank matched lengths for
+    instances whose ranks are walked one by one (vLLM data parallel); empty otherwise.
+    """
+
+    instance_id: str
+    location: str
+    matched_prefix_length: int
+    locations: dict[str, int] = field(default_factory=dict)
+    ranks: dict[str, int] = field(default_factory=dict)
+
+    def detail(self) -> dict:
+        """JSON-ready detail: location, matched_prefix_length, locations, ranks (when any)."""
+        out: dict = {"location": self.location, "matched_prefix_length": self.matched_prefix_length,
+                     "locations": self.locations}
+        if self.ranks:
+            out["ranks"] = self.ranks
+        return out
+
+
+#: A token id: an int in [0, 2^32) (bools are not ints here).
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN)]
+
+
+def validate_tokens(tokens: object, max_tokens: int | None = None) -> list[int]:
+    """Check a token list at C speed; returns it.
+
+    Raises ValueError naming the first bad element (not a list, non-integer, bool, negative,
+    >= 2^32); OverflowError when longer than ``max_tokens``.
+    """
+    if not isinstance(tokens, list):
+        raise ValueError(f"'tokens' must be a list of integers, got {type(tokens).__name__}")
+    if max_tokens is not None and len(tokens) > max_tokens:
+        raise OverflowError(f"'tokens' has {len(tokens)} ids, more than the maximum {max_tokens}")
+    try:
+        msgspec.convert(tokens, list[TokenId])
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"'tokens': {str(exc).replace('$[', 'tokens[')}") from None
+    return tokens
+
+
+def pick_location(locations: dict[str, int]) -> str:
+    """The location holding most tokens; ties by :data:`LOCATION_PRIORITY`, then by name."""
+    def rank(item: tuple[str, int]) -> tuple:
+        loc, tokens = item
+        prio = LOCATION_PRIORITY.index(loc) if loc in LOCATION_PRIORITY else len(LOCATION_PRIORITY)
+        return (-tokens, prio, loc)
+    return min(locations.items(), key=rank)[0] if locations else ""
+
+
+def merge_matches(matches: Sequence[Match]) -> list[InstanceMatch]:
+    """Fold per-rank matches into one entry per instance, longest first.
+
+    An instance walked rank by rank answers with its best rank's length and location.
+    """
+    by_inst: dict[str, InstanceMatch] = {}
+    for m in matches:
+        cur = by_inst.get(m.instance_id)
+        cand = InstanceMatch(m.instance_id, pick_location(m.locations), m.matched_prefix_length, m.locations)
+        if m.worker_id:
+            ranks = cur.ranks if cur else {}
+            ranks[m.worker_id] = m.matched_prefix_length
+            cand.ranks = ranks
+        if cur is None or cand.matched_prefix_length > cur.matched_prefix_length:
+            by_inst[m.instance_id] = cand
+    return sorted(by_inst.values(), key=lambda im: (-im.matched_prefix_length, im.instance_id))
+
+
+ChainSource = Callable[[Sequence[int]], list[Chain]]
+
+
+class Client:
+    """Answers lookups from the index, with no HTTP hop.
+
+    redis_url or redis: where the index lives. profile: the engines' :class:`HashProfile`.
+    extra_chains: callables adding chains of other hash spaces (vLLM instances).
+    max_tokens: prompts longer than this raise OverflowError.
+    """
+
+    def __init__(self, redis_url: str | None = None, profile: HashProfile | None = None, *,
+                 redis: redis.Redis | None = None, store: Store | None = None,
+                 extra_chains: Sequence[ChainSource] = (), max_tokens: int | None = 1_048_576,
+                 instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0):
+        if store is None:
+            if redis is None:
+                if redis_url is None:
+                    raise ValueError("Client needs redis_url, redis or store")
+                redis = connect(redis_url)
+            store = Store(redis, instance_ttl_s=instance_ttl_s, worker_ttl_s=worker_ttl_s)
+        self.store = store
+        self.profile = profile or HashProfile()
+        self.extra_chains = list(extra_chains)
+        self.max_tokens = max_tokens
+
+    def chains(self, tokens: Sequence[int]) -> list[Chain]:
+        """Every hash chain a lookup of ``tokens`` walks."""
+        hashes = self.profile.chunk_hashes(tokens)
+        ends = [end for _start, end in self.profile.chunk_bounds(len(tokens))]
+        chains = [Chain([keys.chunk_key(h) for h in hashes], ends)]
+        for source in self.extra_chains:
+            chains.extend(source(tokens))
+        return chains
+
+    def matches(self, tokens: Sequence[int], *, validate: bool = True) -> list[InstanceMatch]:
+        """Every instance holding a prefix of ``tokens``, longest first.
+
+        validate: check tokens first (see :func:`validate_tokens`); callers that already
+        validated (the HTTP layer) pass False.
+        """
+        if validate:
+            validate_tokens(tokens, self.max_tokens)
+        return merge_matches(self.store.lookup(self.chains(tokens), now_ms=int(time.time() * 1000)))
+
+    def lookup(self, tokens: list[int]) -> tuple[str, dict[str, tuple[str, int]]]:
+        """LMCache's ``lookup(tokens) -> (event_id, layout_info)``.
+
+        tokens: token ids. Returns ``("Lookup<uuid4>", {instance_id: (location,
+        matched_prefix_length)})`` ordered longest first; ``{}`` when nothing matches.
+        Raises ValueError/OverflowError on bad tokens (see :func:`validate_tokens`).
+        """
+        layout = {m.instance_id: (m.location, m.matched_prefix_length) for m in self.matches(tokens)}
+        return new_event_id("Lookup"), layout
+
+
+def new_event_id(prefix: str) -> str:
+    """LMCache-style event id: the prefix followed directly by a uuid4."""
+    return f"{prefix}{uuid.uuid4()}"

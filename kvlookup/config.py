@@ -1,0 +1,134 @@
+"""Settings, loaded in layers: defaults, YAML file, ``KVLOOKUP_*`` environment, command line.
+
+Validated once, at startup. docs/configuration.md has a row per setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvlookup.hashing import HashProfile, profile_from_lmcache_yaml
+
+ENV_PREFIX = "KVLOOKUP_"
+LOOKUP_RESPONSES = ("flat", "layout_info")
+
+
+def _default_hash() -> dict[str, Any]:
+    return {"chunk_size": 256, "save_unfull_chunk": True, "none_hash": 0,
+            "hash_seed": os.environ.get("PYTHONHASHSEED"), "extra_keys": "empty"}
+
+
+@dataclass
+class Settings:
+    """Every setting of the controller and the sidecar, with its default.
+
+    Units: seconds (``*_s``), bytes (``*_bytes``), tokens (``max_tokens``).
+    """
+
+    redis_url: str | None = None
+    data_dir: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 9000
+    monitor_port: int | None = None
+    monitor_ports: dict[str, int] | None = None
+    gunicorn_workers: int = 2
+    gunicorn_threads: int = 4
+    lookup_response: str = "flat"
+    max_tokens: int = 1_048_576
+    max_body_bytes: int = 16 * 1024 * 1024
+    instance_ttl_s: float = 30.0
+    worker_ttl_s: float = 0.0
+    api_token: str | None = None
+    hash: dict[str, Any] = field(default_factory=_default_hash)
+    lmcache_config: str | None = None
+    instance_id: str | None = None
+    pull_url: str | None = None
+    reply_url: str | None = None
+    advertise_reply: str = ""
+    log_level: str = "INFO"
+
+    def validate(self) -> Settings:
+        """Raise ValueError naming the first bad setting; returns self."""
+        if self.lookup_response not in LOOKUP_RESPONSES:
+            raise ValueError(f"lookup_response must be one of {LOOKUP_RESPONSES}, got {self.lookup_response!r}")
+        for name in ("port", "max_tokens", "max_body_bytes", "gunicorn_workers", "gunicorn_threads"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.instance_ttl_s < 0 or self.worker_ttl_s < 0:
+            raise ValueError("instance_ttl_s and worker_ttl_s must be >= 0")
+        self.profile()
+        return self
+
+    def profile(self) -> HashProfile:
+        """The engines' hash profile: ``hash`` settings, overridden by the LMCache YAML if given."""
+        if self.lmcache_config:
+            data = yaml.safe_load(Path(self.lmcache_config).read_text()) or {}
+            return profile_from_lmcache_yaml(data, self.hash)
+        return HashProfile.from_settings(self.hash)
+
+    def pull_port(self) -> int | None:
+        """The embedded sidecar's PULL port (``monitor_ports.pull`` or ``monitor_port``)."""
+        if self.monitor_ports and "pull" in self.monitor_ports:
+            return int(self.monitor_ports["pull"])
+        return self.monitor_port
+
+    def reply_port(self) -> int | None:
+        """The embedded sidecar's ROUTER port (``monitor_ports.reply``), if any."""
+        if self.monitor_ports and "reply" in self.monitor_ports:
+            return int(self.monitor_ports["reply"])
+        return None
+
+
+def _coerce(name: str, raw: str) -> Any:
+    current = {f.name: f for f in dataclasses.fields(Settings)}[name]
+    kind = str(current.type)
+    if kind.startswith("int"):
+        return int(raw)
+    if kind.startswith("float"):
+        return float(raw)
+    if kind.startswith("dict"):
+        return json.loads(raw)
+    return raw
+
+
+def load(path: str | None = None, overrides: Mapping[str, Any] | None = None,
+         env: Mapping[str, str] | None = None) -> Settings:
+    """Build validated settings: defaults < YAML file < ``KVLOOKUP_*`` env < overrides.
+
+    ``hash`` settings merge key by key; env ``KVLOOKUP_HASH__CHUNK_SIZE=512`` sets one of them.
+    Raises ValueError on unknown keys or bad values.
+    """
+    env = os.environ if env is None else env
+    settings = Settings()
+    names = {f.name for f in dataclasses.fields(Settings)}
+    layers: list[Mapping[str, Any]] = []
+    if path:
+        layers.append(yaml.safe_load(Path(path).read_text()) or {})
+    env_layer: dict[str, Any] = {}
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name.startswith("hash__"):
+            env_layer.setdefault("hash", {})[name[6:]] = raw
+        elif name in names and name != "hash":
+            env_layer[name] = _coerce(name, raw)
+    layers.append(env_layer)
+    layers.append({k: v for k, v in (overrides or {}).items() if v is not None})
+    for layer in layers:
+        for key, value in layer.items():
+            if key not in names:
+                raise ValueError(f"unknown setting {key!r}")
+            if key == "hash":
+                settings.hash = {**settings.hash, **dict(value)}
+            else:
+                setattr(settings, key, value)
+    return settings.validate()

@@ -1,0 +1,106 @@
+"""Every Redis key kvlookup reads or writes, built in this one module.
+
+The schema is a persisted public API: the prefix carries its version (``kvl:v1:``) so a
+future layout can live beside this one. docs/redis-schema.md lists each key with its type,
+writer, reader and lifetime; tests/test_keys.py pins the exact strings.
+
+Lua scripts never invent key names: they receive full keys through KEYS, or (for keys found
+while walking, such as holder hashes) a prefix from this module through ARGV.
+"""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+PREFIX = f"kvl:v{SCHEMA_VERSION}:"
+
+#: Prefix of per-chunk sorted sets; the full key is ``PREFIX + "chunk:" + [space ":"] + hash``.
+CHUNK_PREFIX = PREFIX + "chunk:"
+#: Prefix of holder hashes (``holder:<id>``) and their reverse-index sets (``holder:<id>:chunks``).
+HOLDER_PREFIX = PREFIX + "holder:"
+#: Prefix of worker hashes (``worker:<instance_id>:<worker_id>``).
+WORKER_PREFIX = PREFIX + "worker:"
+#: Prefix of instance hashes and their companion keys (``instance:<instance_id>[:facet]``).
+INSTANCE_PREFIX = PREFIX + "instance:"
+
+
+def chunk_prefix(space: str = "") -> str:
+    """Prefix of chunk keys in one hash space.
+
+    space: "" for LMCache chunk hashes (the engines' own keys); a short tag such as
+    ``"v16"`` for hash chains kvlookup computes itself (vLLM blocks of 16 tokens).
+    """
+    return CHUNK_PREFIX + (f"{space}:" if space else "")
+
+
+def chunk_key(chunk_hash: int | str, space: str = "") -> str:
+    """Sorted set of the holders of one chunk: member holder id, score admit time (unix ms)."""
+    return f"{chunk_prefix(space)}{chunk_hash}"
+
+
+def holder_key(holder_id: int | str) -> str:
+    """Hash describing one holder: instance, worker, location, space, dead flag."""
+    return f"{HOLDER_PREFIX}{holder_id}"
+
+
+def holder_chunks_key(holder_id: int | str) -> str:
+    """Set of the chunk hashes one holder holds (reverse index; purge never scans)."""
+    return f"{HOLDER_PREFIX}{holder_id}:chunks"
+
+
+def holder_seq_key() -> str:
+    """Counter that allocates holder ids (INCR)."""
+    return PREFIX + "holders:seq"
+
+
+def dead_holders_key() -> str:
+    """Set of retired holder ids whose records still wait to be purged."""
+    return PREFIX + "holders:dead"
+
+
+def instances_key() -> str:
+    """Set of every known instance_id."""
+    return PREFIX + "instances"
+
+
+def instance_key(instance_id: str) -> str:
+    """Hash of instance facts: kind (lmcache|vllm), worker_rule (all|any), block_size."""
+    return f"{INSTANCE_PREFIX}{instance_id}"
+
+
+def instance_workers_key(instance_id: str) -> str:
+    """Set of the registered worker ids (TP ranks, or DP ranks for vLLM) of one instance."""
+    return f"{INSTANCE_PREFIX}{instance_id}:workers"
+
+
+def instance_alive_key(instance_id: str) -> str:
+    """String with a TTL, refreshed by the instance's sidecar; absent means the instance is silent."""
+    return f"{INSTANCE_PREFIX}{instance_id}:alive"
+
+
+def worker_key(instance_id: str, worker_id: int | str) -> str:
+    """Hash of one worker: ip, port, peer_init_url, registered_at, last_heartbeat, epoch, loc:<location>."""
+    return f"{WORKER_PREFIX}{instance_id}:{worker_id}"
+
+
+def ip_index_key(ip: str) -> str:
+    """Set of ``instance_id|port`` registered from one IP (serves /query_instance without scanning)."""
+    return f"{PREFIX}ip:{ip}"
+
+
+def block_sizes_key() -> str:
+    """Set of the block sizes (tokens) of vLLM instances, so lookups know which chains to compute."""
+    return PREFIX + "vllm:block_sizes"
+
+
+def engine_map_key(instance_id: str) -> str:
+    """Hash engine block hash -> kvlookup chunk hash, per vLLM instance (resolves BlockRemoved)."""
+    return f"{INSTANCE_PREFIX}{instance_id}:blocks"
+
+
+#: The field of a worker hash that names the current holder id of one location.
+LOCATION_FIELD_PREFIX = "loc:"
+
+
+def location_field(location: str) -> str:
+    """Field of the worker hash holding the current holder id for ``location``."""
+    return LOCATION_FIELD_PREFIX + location

@@ -1,0 +1,293 @@
+"""LMCache worker <-> controller messages: lenient decoding and exact encodings.
+
+LMCache encodes every message as a msgspec Struct tagged by ``"type"`` (the class name),
+as a msgpack map (or a JSON object) with every field in declaration order. Field names and
+order below are facts from LMCache 0.3.x and 0.5.6 (../shared/research/lmcache-controller.md §1.3, §2).
+
+Decoding accepts every era at once: a frame is JSON when it starts with ``{``, msgpack
+otherwise; the ``"type"`` tag picks a lenient target struct whose era-specific fields are
+optional. Anything else raises :class:`FrameError` with a short reason, for counting.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+# -- decoding targets (lenient: era-specific fields optional, unknown fields ignored) -------
+
+ChunkKey = int | str
+
+
+class Register(msgspec.Struct):
+    """RegisterMsg / HeartbeatMsg: distributed_url (0.3.3-0.3.9) or peer_init_url (0.3.12+)."""
+
+    instance_id: str
+    worker_id: int
+    ip: str = ""
+    port: int = 0
+    distributed_url: str | None = None
+    peer_init_url: str | None = None
+
+
+class DeRegister(msgspec.Struct):
+    instance_id: str
+    worker_id: int
+    ip: str = ""
+    port: int = 0
+
+
+class KVOp(msgspec.Struct):
+    """KVAdmitMsg / KVEvictMsg (0.3.x; str keys in 0.3.0-0.3.2) and KVOperationMsg."""
+
+    instance_id: str
+    worker_id: int
+    key: ChunkKey
+    location: str
+    seq_num: int = 0
+
+
+class KVOpEvent(msgspec.Struct):
+    op_type: Literal["admit", "evict"]
+    key: ChunkKey
+    seq_num: int = 0
+
+
+class BatchedKVOperation(msgspec.Struct):
+    instance_id: str
+    worker_id: int
+    location: str
+    operations: list[KVOpEvent]
+
+
+class FullSyncStart(msgspec.Struct):
+    instance_id: str
+    worker_id: int
+    location: str
+    sync_id: str
+    total_keys: int = 0
+    batch_count: int = 0
+
+
+class FullSyncBatch(msgspec.Struct):
+    instance_id: str
+    worker_id: int
+    location: str
+    sync_id: str
+    batch_id: int
+    keys: list[ChunkKey]
+
+
+class FullSyncEnd(msgspec.Struct):
+    instance_id: str
+    worker_id: int
+    location: str
+    sync_id: str
+    actual_total_keys: int = 0
+
+
+class FullSyncStatus(msgspec.Struct):
+    instance_id: str
+    worker_id: int
+    sync_id: str
+
+
+class BatchedP2PLookup(msgspec.Struct):
+    hashes: list[int]
+    instance_id: str
+    worker_id: int
+
+
+#: tag -> (target struct, operation kind for KVOp)
+DECODE_TARGETS: dict[str, type] = {
+    "RegisterMsg": Register,
+    "HeartbeatMsg": Register,
+    "DeRegisterMsg": DeRegister,
+    "KVAdmitMsg": KVOp,
+    "KVEvictMsg": KVOp,
+    "BatchedKVOperationMsg": BatchedKVOperation,
+    "FullSyncStartMsg": FullSyncStart,
+    "FullSyncBatchMsg": FullSyncBatch,
+    "FullSyncEndMsg": FullSyncEnd,
+    "FullSyncStatusMsg": FullSyncStatus,
+    "BatchedP2PLookupMsg": BatchedP2PLookup,
+}
+
+MAX_NAME = 256
+_HEX_KEY = re.compile(r"[0-9a-f]{1,64}")
+
+
+class FrameError(ValueError):
+    """A frame that cannot be applied. ``reason`` is a short metric label."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+_json = msgspec.json.Decoder()
+_msgpack = msgspec.msgpack.Decoder()
+
+
+def decode_frame(frame: bytes) -> tuple[str, Any]:
+    """Decode one worker frame into ``(tag, message)``.
+
+    frame: msgpack map or JSON object bytes with a ``"type"`` tag. Returns the tag and an
+    instance of its target struct. Raises FrameError(reason) with reason one of
+    ``undecodable``, ``not_a_map``, ``unknown_type``, ``invalid_fields``, ``invalid_key``.
+    """
+    try:
+        raw = _json.decode(frame) if frame[:1] == b"{" else _msgpack.decode(frame)
+    except (msgspec.DecodeError, UnicodeDecodeError, ValueError) as exc:
+        raise FrameError("undecodable", str(exc)[:200]) from None
+    if not isinstance(raw, dict):
+        raise FrameError("not_a_map", f"expected a map with 'type', got {type(raw).__name__}")
+    tag = raw.get("type")
+    target = DECODE_TARGETS.get(tag) if isinstance(tag, str) else None
+    if target is None:
+        raise FrameError("unknown_type", f"unknown message type {str(tag)[:80]!r}")
+    try:
+        msg = msgspec.convert(raw, target)
+    except msgspec.ValidationError as exc:
+        raise FrameError("invalid_fields", f"{tag}: {exc}"[:300]) from None
+    _check(tag, msg)
+    return tag, msg
+
+
+def _check(tag: str, msg: Any) -> None:
+    """Reject names and keys that cannot be stored faithfully."""
+    for name in ("instance_id", "location"):
+        value = getattr(msg, name, None)
+        if value is not None and not (0 < len(value) <= MAX_NAME):
+            raise FrameError("invalid_fields", f"{tag}: {name} must be 1..{MAX_NAME} characters")
+    worker_id = getattr(msg, "worker_id", 0)
+    if not 0 <= worker_id < 1 << 31:
+        raise FrameError("invalid_fields", f"{tag}: worker_id {worker_id} out of range")
+    keys: list = []
+    if isinstance(msg, KVOp):
+        keys = [msg.key]
+    elif isinstance(msg, BatchedKVOperation):
+        keys = [op.key for op in msg.operations]
+    elif isinstance(msg, FullSyncBatch):
+        keys = msg.keys
+    for key in keys:
+        if isinstance(key, str) and not _HEX_KEY.fullmatch(key):
+            raise FrameError("invalid_key", f"{tag}: chunk key {key[:80]!r} is neither an int nor a hex digest")
+
+
+# -- exact encodings (what LMCache itself sends and expects) ---------------------------------
+
+
+class RegisterMsgV3(msgspec.Struct, tag="RegisterMsg"):
+    """0.3.3-0.3.9 RegisterMsg (PUSH)."""
+
+    instance_id: str
+    worker_id: int
+    ip: str
+    port: int
+    distributed_url: str
+
+
+class HeartbeatMsgV3(msgspec.Struct, tag="HeartbeatMsg"):
+    instance_id: str
+    worker_id: int
+    ip: str
+    port: int
+    distributed_url: str
+
+
+class KVAdmitMsg(msgspec.Struct, tag=True):
+    instance_id: str
+    worker_id: int
+    key: ChunkKey
+    location: str
+
+
+class KVEvictMsg(msgspec.Struct, tag=True):
+    instance_id: str
+    worker_id: int
+    key: ChunkKey
+    location: str
+
+
+class DeRegisterMsg(msgspec.Struct, tag=True):
+    instance_id: str
+    worker_id: int
+    ip: str
+    port: int
+
+
+class RegisterMsg(msgspec.Struct, tag=True):
+    """0.3.12-0.5.6 RegisterMsg (DEALER -> ROUTER)."""
+
+    instance_id: str
+    worker_id: int
+    ip: str
+    port: int
+    peer_init_url: str | None
+
+
+class HeartbeatMsg(msgspec.Struct, tag=True):
+    instance_id: str
+    worker_id: int
+    ip: str
+    port: int
+    peer_init_url: str | None
+
+
+class OpEvent(msgspec.Struct):
+    op_type: str
+    key: int
+    seq_num: int
+
+
+class BatchedKVOperationMsg(msgspec.Struct, tag=True):
+    instance_id: str
+    worker_id: int
+    location: str
+    operations: list[OpEvent]
+
+
+class RegisterRetMsg(msgspec.Struct, tag=True):
+    extra_config: dict[str, str] = {}
+
+
+class FullSyncCommand(msgspec.Struct, tag="full_sync", tag_field="command_type"):
+    reason: str | None = None
+    args: dict[str, Any] | None = None
+
+
+class HeartbeatRetMsg(msgspec.Struct, tag=True):
+    commands: list[FullSyncCommand] = []
+
+
+class FullSyncStartRetMsg(msgspec.Struct, tag=True):
+    sync_id: str
+    accepted: bool
+    error_msg: str | None = None
+
+
+class FullSyncStatusRetMsg(msgspec.Struct, tag=True):
+    sync_id: str
+    is_complete: bool
+    global_progress: float
+    can_exit_freeze: bool
+    missing_batches: list[int] = []
+
+
+class BatchedP2PLookupRetMsg(msgspec.Struct, tag=True):
+    layout_info: list[tuple[str, str, int, str]]
+
+
+class ErrorMsg(msgspec.Struct, tag=True):
+    error: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack bytes of a message, exactly as LMCache's msgspec encoder writes them."""
+    return _encoder.encode(msg)

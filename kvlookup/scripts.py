@@ -1,0 +1,262 @@
+"""Lua scripts of the index, one constant each, with their KEYS/ARGV contract.
+
+Each script is atomic, which is why it is Lua: registration retires a worker's old holders
+and writes the new epoch without a lookup seeing half of it; ``APPLY_OPS`` refuses to write
+for a holder retired since the caller resolved it; ``LOOKUP`` reads a consistent snapshot in
+one round trip. Full keys come through KEYS; keys discovered while running (holders, workers,
+instances found in a chunk's sorted set) are built from prefixes that kvlookup.keys passes in
+ARGV. Scripts are registered once per client (redis-py ``register_script``, EVALSHA).
+"""
+
+from __future__ import annotations
+
+# Shared by every script that retires holders. A retired holder is marked dead at once (a
+# lookup skips it) and queued in the dead set; PURGE deletes its records later, in bounded steps.
+_RETIRE = """
+local function retire(worker_key, dead_key, holder_prefix, only_field)
+  local fields = redis.call('HGETALL', worker_key)
+  local n = 0
+  for i = 1, #fields, 2 do
+    local f = fields[i]
+    if (only_field and f == only_field) or (not only_field and string.sub(f, 1, 4) == 'loc:') then
+      redis.call('HSET', holder_prefix .. fields[i + 1], 'dead', '1')
+      redis.call('SADD', dead_key, fields[i + 1])
+      redis.call('HDEL', worker_key, f)
+      n = n + 1
+    end
+  end
+  return n
+end
+"""
+
+#: Register (or re-register) a worker: a new epoch, old holders retired.
+#: KEYS[1] worker hash, KEYS[2] instance workers set, KEYS[3] instances set,
+#: KEYS[4] dead holders set, KEYS[5] instance hash, KEYS[6] ip index set of the new ip
+#: ARGV[1] holder key prefix, ARGV[2] worker_id, ARGV[3] instance_id, ARGV[4] ip index prefix,
+#: ARGV[5] ip index member ("<port>:<instance_id>"), ARGV[6] instance kind, ARGV[7] worker_rule,
+#: ARGV[8..] worker hash field/value pairs.
+#: Returns the new epoch (1 for a first registration).
+REGISTER = _RETIRE + """
+local old = redis.call('HMGET', KEYS[1], 'ip', 'port', 'epoch')
+retire(KEYS[1], KEYS[4], ARGV[1], nil)
+if old[1] then
+  redis.call('SREM', ARGV[4] .. old[1], (old[2] or '') .. ':' .. ARGV[3])
+end
+local epoch = tonumber(old[3] or '0') + 1
+redis.call('DEL', KEYS[1])
+local fields = {}
+for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], 'epoch', epoch, unpack(fields))
+redis.call('SADD', KEYS[2], ARGV[2])
+redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('HSET', KEYS[5], 'kind', ARGV[6], 'worker_rule', ARGV[7])
+redis.call('SADD', KEYS[6], ARGV[5])
+return epoch
+"""
+
+#: Deregister a worker: retire its holders, drop it from the registry; drop the instance
+#: when it was the last worker. Other instances are never touched.
+#: KEYS[1] worker hash, KEYS[2] instance workers set, KEYS[3] instances set,
+#: KEYS[4] dead holders set, KEYS[5] instance hash
+#: ARGV[1] holder key prefix, ARGV[2] worker_id, ARGV[3] instance_id, ARGV[4] ip index prefix
+#: Returns the number of holders retired, or -1 when the worker was not registered.
+DEREGISTER = _RETIRE + """
+local known = redis.call('SISMEMBER', KEYS[2], ARGV[2]) == 1 or redis.call('EXISTS', KEYS[1]) == 1
+if not known then return -1 end
+local old = redis.call('HMGET', KEYS[1], 'ip', 'port')
+local n = retire(KEYS[1], KEYS[4], ARGV[1], nil)
+if old[1] then
+  redis.call('SREM', ARGV[4] .. old[1], (old[2] or '') .. ':' .. ARGV[3])
+end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[2])
+if redis.call('SCARD', KEYS[2]) == 0 then
+  redis.call('SREM', KEYS[3], ARGV[3])
+  redis.call('DEL', KEYS[5])
+end
+return n
+"""
+
+#: Retire the holder of one (worker, location): its records stop counting (full sync start,
+#: location cleared). KEYS[1] worker hash, KEYS[2] dead holders set
+#: ARGV[1] holder key prefix, ARGV[2] location field. Returns holders retired (0 or 1).
+RETIRE_LOCATION = _RETIRE + """
+return retire(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
+"""
+
+#: Current holder id of (instance, worker, location), created on first use.
+#: KEYS[1] worker hash, KEYS[2] holder id counter
+#: ARGV[1] holder key prefix, ARGV[2] location field, ARGV[3] instance_id, ARGV[4] worker_id,
+#: ARGV[5] location, ARGV[6] chunk key prefix of the holder's hash space
+#: Returns the holder id, or false when the worker is not registered.
+HOLDER = """
+local hid = redis.call('HGET', KEYS[1], ARGV[2])
+if hid then return hid end
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+hid = redis.call('INCR', KEYS[2])
+redis.call('HSET', ARGV[1] .. hid, 'instance', ARGV[3], 'worker', ARGV[4], 'location', ARGV[5],
+           'chunk_prefix', ARGV[6])
+redis.call('HSET', KEYS[1], ARGV[2], hid)
+return hid
+"""
+
+#: Apply admits and evicts of one holder, in order.
+#: KEYS[1] holder hash, KEYS[2] holder chunks set
+#: ARGV[1] chunk key prefix, ARGV[2] holder id, ARGV[3] score (admit time, unix ms),
+#: ARGV[4..] pairs of op ('a' admit, 'e' evict) and chunk hash.
+#: Returns the number of ops applied, or -1 when the holder was retired (the caller resolves
+#: the current holder and applies again).
+APPLY_OPS = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'dead') == 1 then return -1 end
+local p, hid, score = ARGV[1], ARGV[2], ARGV[3]
+for i = 4, #ARGV, 2 do
+  local h = ARGV[i + 1]
+  if ARGV[i] == 'a' then
+    redis.call('ZADD', p .. h, score, hid)
+    redis.call('SADD', KEYS[2], h)
+  else
+    redis.call('ZREM', p .. h, hid)
+    redis.call('SREM', KEYS[2], h)
+  end
+end
+return (#ARGV - 3) / 2
+"""
+
+#: Delete the records of retired holders, at most ARGV[2] records per call.
+#: KEYS[1] dead holders set; ARGV[1] holder key prefix, ARGV[2] budget (records).
+#: Returns the number of (chunk, holder) records removed.
+PURGE = """
+local budget = tonumber(ARGV[2])
+local done = 0
+while done < budget do
+  local hid = redis.call('SRANDMEMBER', KEYS[1])
+  if not hid then break end
+  local hk = ARGV[1] .. hid
+  local ck = hk .. ':chunks'
+  local cp = redis.call('HGET', hk, 'chunk_prefix')
+  local hs = redis.call('SPOP', ck, budget - done)
+  if cp then
+    for _, h in ipairs(hs) do redis.call('ZREM', cp .. h, hid) end
+  end
+  done = done + #hs
+  if redis.call('EXISTS', ck) == 0 then
+    redis.call('DEL', hk)
+    redis.call('SREM', KEYS[1], hid)
+  end
+end
+return done
+"""
+
+#: Walk a prompt's chunk chains; credit every live instance with its longest run of
+#: consecutive chunks from token 0. An instance with worker_rule 'all' (LMCache TP ranks)
+#: needs every registered worker to hold a chunk; with 'any' (vLLM DP ranks) each worker is
+#: walked on its own. A chain stops as soon as no instance can extend its match.
+#: KEYS: chunk keys of every chain, chain after chain, in token order.
+#: ARGV[1] holder key prefix, ARGV[2] worker key prefix, ARGV[3] instance key prefix,
+#: ARGV[4] now (unix ms), ARGV[5] worker heartbeat TTL (ms, 0 = off),
+#: ARGV[6] '1' to require the instance's sidecar liveness key, ARGV[7] number of chains,
+#: then per chain: n, then n chunk end offsets (tokens).
+#: Returns a flat array of records: instance_id, worker_id ('' for 'all'), matched end,
+#: number of locations, then (location, tokens held there) pairs.
+LOOKUP = """
+local hp, wp, ip = ARGV[1], ARGV[2], ARGV[3]
+local now, wttl, check_alive = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] == '1'
+local instances, workers, holders = {}, {}, {}
+
+local function instance(inst)
+  local c = instances[inst]
+  if c ~= nil then return c end
+  local ik = ip .. inst
+  c = {alive = true, rule = redis.call('HGET', ik, 'worker_rule') or 'all', need = 1}
+  if check_alive then c.alive = redis.call('EXISTS', ik .. ':alive') == 1 end
+  if c.rule == 'all' then c.need = redis.call('SCARD', ik .. ':workers') end
+  instances[inst] = c
+  return c
+end
+
+local function worker_alive(inst, wid)
+  local k = inst .. ':' .. wid
+  local v = workers[k]
+  if v ~= nil then return v end
+  local f = redis.call('HMGET', wp .. k, 'heartbeats', 'last_heartbeat')
+  v = f[1] ~= false
+  if v and wttl > 0 and tonumber(f[1]) > 0 then
+    v = now - tonumber(f[2]) * 1000 <= wttl
+  end
+  workers[k] = v
+  return v
+end
+
+local function holder(hid)
+  local h = holders[hid]
+  if h ~= nil then return h end
+  h = false
+  local f = redis.call('HMGET', hp .. hid, 'instance', 'worker', 'location', 'dead')
+  if f[1] and not f[4] then
+    local c = instance(f[1])
+    if c.alive and c.need > 0 and worker_alive(f[1], f[2]) then
+      local group, wid = f[1], ''
+      if c.rule == 'any' then group, wid = f[1] .. ':' .. f[2], f[2] end
+      h = {group = group, inst = f[1], wid = wid, rank = f[2], loc = f[3], need = c.need}
+    end
+  end
+  holders[hid] = h
+  return h
+end
+
+local out = {}
+local ki, ai = 0, 8
+for _ = 1, tonumber(ARGV[7]) do
+  local n = tonumber(ARGV[ai])
+  ai = ai + 1
+  local active, results, prev = nil, {}, 0
+  for i = 1, n do
+    local e = tonumber(ARGV[ai + i - 1])
+    local tally = {}
+    for _, hid in ipairs(redis.call('ZRANGE', KEYS[ki + i], 0, -1)) do
+      local h = holder(hid)
+      if h and (active == nil or active[h.group]) then
+        local t = tally[h.group]
+        if not t then
+          t = {h = h, ranks = {}, nranks = 0, locs = {}}
+          tally[h.group] = t
+        end
+        if not t.ranks[h.rank] then
+          t.ranks[h.rank] = true
+          t.nranks = t.nranks + 1
+        end
+        t.locs[h.loc] = true
+      end
+    end
+    local nxt, any = {}, false
+    for g, t in pairs(tally) do
+      if t.nranks >= t.h.need then
+        nxt[g], any = true, true
+        local r = results[g]
+        if not r then
+          r = {inst = t.h.inst, wid = t.h.wid, locs = {}}
+          results[g] = r
+        end
+        r.e = e
+        for loc in pairs(t.locs) do r.locs[loc] = (r.locs[loc] or 0) + (e - prev) end
+      end
+    end
+    if not any then break end
+    active, prev = nxt, e
+  end
+  for _, r in pairs(results) do
+    local locs = {}
+    for loc, tok in pairs(r.locs) do
+      locs[#locs + 1] = loc
+      locs[#locs + 1] = tok
+    end
+    out[#out + 1] = r.inst
+    out[#out + 1] = r.wid
+    out[#out + 1] = r.e
+    out[#out + 1] = #locs / 2
+    for _, v in ipairs(locs) do out[#out + 1] = v end
+  end
+  ki, ai = ki + n, ai + n
+end
+return out
+"""

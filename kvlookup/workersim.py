@@ -1,0 +1,116 @@
+"""A simulated LMCache worker that speaks the real wire protocol, byte for byte.
+
+Era ``"0.3"`` (0.3.7-0.3.9, the seed's era): RegisterMsg with distributed_url, then one
+KVAdmitMsg/KVEvictMsg per frame on PUSH, up to 50 frames per multipart message.
+Era ``"0.5"`` (0.3.12-0.5.6): RegisterMsg over DEALER -> ROUTER (waits for RegisterRetMsg),
+then BatchedKVOperationMsg with seq_num per location on PUSH.
+
+Used by the demo, the tests and the benchmarks. It is not LMCache: tests prove compatibility
+against the real LMCache code separately (tests/test_lmcache_real.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+
+from kvlookup import lmcache_protocol as proto
+from kvlookup.hashing import ChunkHash
+from kvlookup.zmqaddr import endpoint
+
+MAX_FRAMES = 50
+
+
+class WorkerSim:
+    """One LMCache worker (one TP rank) of one instance.
+
+    era: "0.3" or "0.5". pull_url / reply_url: the controller's (sidecar's) addresses.
+    """
+
+    def __init__(self, instance_id: str, worker_id: int = 0, *, era: str = "0.3", pull_url: str,
+                 reply_url: str | None = None, ip: str = "127.0.0.1", port: int = 8001,
+                 ctx: zmq.Context | None = None):
+        if era not in ("0.3", "0.5"):
+            raise ValueError(f"era must be '0.3' or '0.5', got {era!r}")
+        if era == "0.5" and not reply_url:
+            raise ValueError("era 0.5 workers need reply_url (LMCache controller_reply_url)")
+        self.instance_id, self.worker_id, self.era = instance_id, worker_id, era
+        self.ip, self.port = ip, port
+        self.ctx = ctx or zmq.Context.instance()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 2000)
+        self.push.connect(endpoint(pull_url))
+        self.dealer = None
+        if reply_url:
+            self.dealer = self.ctx.socket(zmq.DEALER)
+            self.dealer.setsockopt(zmq.LINGER, 0)
+            self.dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+            self.dealer.connect(endpoint(reply_url))
+        self.seq: dict[str, int] = {}
+
+    # -- registration ----------------------------------------------------------------------
+
+    def register(self) -> dict | None:
+        """Register; era 0.5 returns the decoded RegisterRetMsg."""
+        if self.era == "0.3":
+            url = f"localhost:{8200 + self.worker_id}"
+            self.push.send_multipart([proto.encode(proto.RegisterMsgV3(
+                self.instance_id, self.worker_id, self.ip, self.port, url))])
+            return None
+        return self.request(proto.RegisterMsg(self.instance_id, self.worker_id, self.ip, self.port, None))
+
+    def heartbeat(self) -> dict | None:
+        """Send a heartbeat (era 0.3 on PUSH; era 0.5 as a request, returning the reply)."""
+        if self.era == "0.3":
+            url = f"localhost:{8200 + self.worker_id}"
+            self.push.send_multipart([proto.encode(proto.HeartbeatMsgV3(
+                self.instance_id, self.worker_id, self.ip, self.port, url))])
+            return None
+        return self.request(proto.HeartbeatMsg(self.instance_id, self.worker_id, self.ip, self.port, None))
+
+    def deregister(self) -> None:
+        """Send DeRegisterMsg on PUSH (both eras)."""
+        self.push.send_multipart([proto.encode(proto.DeRegisterMsg(
+            self.instance_id, self.worker_id, self.ip, self.port))])
+
+    def request(self, msg: msgspec.Struct) -> dict:
+        """Send a request over DEALER as ``[b"", payload]`` and decode the last reply frame."""
+        if self.dealer is None:
+            raise RuntimeError("no reply_url: this worker cannot send requests")
+        self.dealer.send_multipart([b"", proto.encode(msg)])
+        return msgspec.msgpack.decode(self.dealer.recv_multipart()[-1])
+
+    # -- chunk events ----------------------------------------------------------------------
+
+    def admit(self, keys: Sequence[ChunkHash], location: str = "LocalCPUBackend") -> None:
+        """Report chunks stored in ``location``."""
+        self._ops("admit", keys, location)
+
+    def evict(self, keys: Sequence[ChunkHash], location: str = "LocalCPUBackend") -> None:
+        """Report chunks removed from ``location``."""
+        self._ops("evict", keys, location)
+
+    def _ops(self, op: str, keys: Sequence[ChunkHash], location: str) -> None:
+        if self.era == "0.3":
+            cls = proto.KVAdmitMsg if op == "admit" else proto.KVEvictMsg
+            frames = [proto.encode(cls(self.instance_id, self.worker_id, k, location)) for k in keys]
+        else:
+            frames = []
+            for start in range(0, len(keys), MAX_FRAMES):
+                ops = []
+                for k in keys[start:start + MAX_FRAMES]:
+                    seq = self.seq.get(location, 0)
+                    self.seq[location] = seq + 1
+                    ops.append(proto.OpEvent(op, int(k), seq))
+                frames.append(proto.encode(proto.BatchedKVOperationMsg(
+                    self.instance_id, self.worker_id, location, ops)))
+        for start in range(0, len(frames), MAX_FRAMES):
+            self.push.send_multipart(frames[start:start + MAX_FRAMES])
+
+    def close(self) -> None:
+        """Close the sockets (pending PUSH frames get up to 2 s to leave)."""
+        self.push.close()
+        if self.dealer is not None:
+            self.dealer.close()

@@ -1,0 +1,40 @@
+"""Test helpers: free ports, waiting for eventual results, a sidecar in a thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvlookup.redis_server import free_port
+from kvlookup.store import Store
+from sidecar.service import Sidecar
+
+
+def wait_for(fn: Callable[[], Any], expected: Any, timeout: float = 10.0) -> Any:
+    """Poll ``fn`` until it returns ``expected``; returns the last value (assert on it)."""
+    deadline = time.monotonic() + timeout
+    value = fn()
+    while value != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+        value = fn()
+    return value
+
+
+class SidecarThread:
+    """A real Sidecar (real ZMQ sockets on loopback) running in a background thread."""
+
+    def __init__(self, store: Store, *, reply: bool = True, **kwargs):
+        self.pull_url = f"127.0.0.1:{free_port()}"
+        self.reply_url = f"127.0.0.1:{free_port()}" if reply else None
+        self.sidecar = Sidecar(store, self.pull_url, self.reply_url, **kwargs)
+        self.thread = threading.Thread(target=self.sidecar.run, daemon=True)
+
+    def __enter__(self) -> SidecarThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sidecar.stop()
+        self.thread.join(5)
