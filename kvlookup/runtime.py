@@ -1,0 +1,71 @@
+"""Process plumbing shared by the CLI commands: Redis URL resolution, logging, gunicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from gunicorn.app.base import BaseApplication
+
+from kvlookup import redis_server
+from kvlookup.config import Settings
+
+log = logging.getLogger("kvlookup")
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """One log format for every kvlookup process."""
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def ensure_redis(settings: Settings) -> redis_server.EmbeddedRedis | None:
+    """Make sure ``settings.redis_url`` points at a server.
+
+    With no URL configured, reuse the embedded server of the data dir if one answers, else
+    start one (returned, so the caller stops it on exit). Sets ``settings.redis_url``.
+    """
+    if settings.redis_url:
+        return None
+    data_dir = settings.data_dir or str(redis_server.default_data_dir())
+    url = redis_server.running_url(data_dir)
+    if url:
+        log.info("using the embedded Redis already serving %s at %s", data_dir, url)
+        settings.redis_url = url
+        return None
+    server = redis_server.EmbeddedRedis(data_dir)
+    settings.redis_url = server.start()
+    log.info("started embedded Redis at %s (data dir %s, AOF everysec)", settings.redis_url, data_dir)
+    return server
+
+
+class GunicornController(BaseApplication):
+    """Serves ``app.create_app(settings)`` with gunicorn; the app is built in each worker."""
+
+    def __init__(self, settings: Settings, extra: dict[str, Any] | None = None):
+        self.settings = settings
+        self.extra = extra or {}
+        super().__init__()
+
+    def load_config(self) -> None:
+        s = self.settings
+        options = {
+            "bind": f"{s.host}:{s.port}",
+            "workers": s.gunicorn_workers,
+            "threads": s.gunicorn_threads,
+            "worker_class": "gthread" if s.gunicorn_threads > 1 else "sync",
+            "loglevel": s.log_level.lower(),
+            "timeout": 30,
+            "graceful_timeout": 5,
+            "keepalive": 5,
+            "preload_app": False,
+            **self.extra,
+        }
+        for key, value in options.items():
+            self.cfg.set(key, value)
+
+    def load(self):
+        from app import create_app
+
+        return create_app(self.settings)
