@@ -1,0 +1,113 @@
+"""POST /lookup through the Flask app: response shapes and bad input (4xx JSON, never 500)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app import create_app
+from kvlookup.store import ADMIT
+from tests.conftest import SEED_HASH, SEED_TOKENS
+
+
+@pytest.fixture()
+def make_app(redis_url):
+    def make(**overrides):
+        return create_app({"redis_url": redis_url, **overrides}).test_client()
+    return make
+
+
+@pytest.fixture()
+def http(make_app, store):
+    store.register_worker("lmcache_default_instance", 0, "127.0.0.1", 8001)
+    store.apply([("lmcache_default_instance", 0, "LocalCPUBackend", [(ADMIT, SEED_HASH)])])
+    return make_app()
+
+
+def post(http, body, path="/lookup", raw=None):
+    resp = http.post(path, data=raw if raw is not None else json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+    return resp.status_code, resp.get_json()
+
+
+def test_seed_answer_flat_shape(http):
+    status, body = post(http, {"tokens": SEED_TOKENS})
+    assert status == 200
+    assert list(body) == ["event_id", "lmcache_default_instance"]
+    assert body["event_id"].startswith("Lookup")
+    assert body["lmcache_default_instance"] == ["LocalCPUBackend", 12]
+
+
+def test_layout_info_shape_per_request_and_config(http, make_app):
+    status, body = post(http, {"tokens": SEED_TOKENS}, path="/lookup?format=layout_info")
+    assert (status, body["layout_info"]) == (200, {"lmcache_default_instance": ["LocalCPUBackend", 12]})
+    status, body = post(make_app(lookup_response="layout_info"), {"tokens": SEED_TOKENS})
+    assert (status, list(body)) == (200, ["event_id", "layout_info"])
+
+
+def test_no_match_is_event_id_only(http):
+    status, body = post(http, {"tokens": [1, 2, 3]})
+    assert status == 200 and list(body) == ["event_id"]
+    status, body = post(http, {"tokens": []}, path="/lookup?format=layout_info")
+    assert (status, body["layout_info"]) == (200, {})
+
+
+def test_detail(http):
+    status, body = post(http, {"tokens": SEED_TOKENS}, path="/lookup?detail=1")
+    assert body["detail"] == {"lmcache_default_instance": {
+        "location": "LocalCPUBackend", "matched_prefix_length": 12, "locations": {"LocalCPUBackend": 12}}}
+
+
+@pytest.mark.parametrize(("raw", "status", "fragment"), [
+    (b"not json", 400, "body is not valid JSON"),
+    (b"", 400, "body is not valid JSON"),
+    (b"[1,2]", 400, "Expected `object`, got `array`"),
+    (b"{}", 400, "missing required field `tokens`"),
+    (b'{"tokens": "abc"}', 400, "Expected `array`, got `str` - at `$.tokens`"),
+    (b'{"tokens": [1, "2"]}', 400, "Expected `int`, got `str` - at `$.tokens[1]`"),
+    (b'{"tokens": [1, 2.5]}', 400, "Expected `int`, got `float` - at `$.tokens[1]`"),
+    (b'{"tokens": [true]}', 400, "Expected `int`, got `bool` - at `$.tokens[0]`"),
+    (b'{"tokens": [-1]}', 400, "Expected `int` >= 0 - at `$.tokens[0]`"),
+    (b'{"tokens": [4294967296]}', 400, "Expected `int` <= 4294967295 - at `$.tokens[0]`"),
+    (b'{"tokens": [null]}', 400, "Expected `int`, got `null` - at `$.tokens[0]`"),
+    (b'{"tokens": [1e400]}', 400, "Number out of range - at `$.tokens[0]`"),
+])
+def test_bad_bodies(http, raw, status, fragment):
+    got_status, body = post(http, None, raw=raw)
+    assert got_status == status
+    assert fragment in body["error"]
+
+
+def test_too_many_tokens_is_413(make_app):
+    http = make_app(max_tokens=10)
+    status, body = post(http, {"tokens": list(range(11))})
+    assert status == 413
+    assert body == {"error": "'tokens' has 11 ids, more than the maximum 10"}
+
+
+def test_body_size_limit_is_413(make_app):
+    http = make_app(max_body_bytes=100)
+    status, body = post(http, {"tokens": list(range(100))})
+    assert (status, body) == (413, {"error": "request body too large"})
+
+
+def test_bad_format_and_unknown_route(http):
+    status, body = post(http, {"tokens": [1]}, path="/lookup?format=xml")
+    assert (status, body) == (400, {"error": "query parameter 'format' must be 'flat' or 'layout_info'"})
+    resp = http.get("/lookup")
+    assert resp.status_code == 405 and "error" in resp.get_json()
+
+
+def test_health_reports_redis(http):
+    resp = http.get("/health")
+    assert resp.status_code == 200
+    assert resp.get_json()["redis"] == "ok"
+
+
+def test_health_when_redis_is_down(make_app):
+    http = create_app({"redis_url": "redis://127.0.0.1:1/0"}).test_client()
+    resp = http.get("/health")
+    assert (resp.status_code, resp.get_json()["redis"]) == (503, "unreachable")
+    status, body = post(http, {"tokens": [1]})
+    assert status == 503 and body["error"].startswith("index unavailable")

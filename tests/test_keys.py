@@ -1,0 +1,30 @@
+"""The Redis key schema is a public API: pin every key string (docs/redis-schema.md)."""
+
+from kvlookup import keys
+
+
+def test_key_strings():
+    assert keys.chunk_key(4690244967161877535) == "kvl:v1:chunk:4690244967161877535"
+    assert keys.chunk_key(-5, space="v16") == "kvl:v1:chunk:v16:-5"
+    assert keys.chunk_prefix() == "kvl:v1:chunk:"
+    assert keys.holder_key(7) == "kvl:v1:holder:7"
+    assert keys.holder_chunks_key(7) == "kvl:v1:holder:7:chunks"
+    assert keys.holder_seq_key() == "kvl:v1:holders:seq"
+    assert keys.dead_holders_key() == "kvl:v1:holders:dead"
+    assert keys.instances_key() == "kvl:v1:instances"
+    assert keys.instance_key("lmcache_default_instance") == "kvl:v1:instance:lmcache_default_instance"
+    assert keys.instance_workers_key("a") == "kvl:v1:instance:a:workers"
+    assert keys.instance_alive_key("a") == "kvl:v1:instance:a:alive"
+    assert keys.worker_key("a", 1) == "kvl:v1:worker:a:1"
+    assert keys.ip_index_key("10.0.0.1") == "kvl:v1:ip:10.0.0.1"
+    assert keys.block_sizes_key() == "kvl:v1:vllm:block_sizes"
+    assert keys.engine_map_key("a") == "kvl:v1:instance:a:blocks"
+    assert keys.location_field("LocalCPUBackend") == "loc:LocalCPUBackend"
+
+
+def test_prefixes_used_by_lua_match_builders():
+    assert keys.holder_key(3) == keys.HOLDER_PREFIX + "3"
+    assert keys.worker_key("i", 0) == keys.WORKER_PREFIX + "i:0"
+    assert keys.instance_alive_key("i") == keys.INSTANCE_PREFIX + "i:alive"
+    assert keys.instance_workers_key("i") == keys.INSTANCE_PREFIX + "i:workers"
+    assert keys.PREFIX == "kvl:v1:"

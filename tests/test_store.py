@@ -1,0 +1,161 @@
+"""Index semantics on a real Redis: instances, TP ranks, tiers, evictions, epochs."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlookup import keys
+from kvlookup.client import Client, pick_location
+from kvlookup.hashing import HashProfile
+from kvlookup.store import ADMIT, EVICT, NotRegistered, Store
+from tests.conftest import SEED_HASH, SEED_TOKENS
+
+CPU, DISK = "LocalCPUBackend", "LocalDiskBackend"
+S600 = SEED_TOKENS + list(range(1000, 1588))
+H600 = HashProfile().chunk_hashes(S600)
+S1000 = S600[:512] + list(range(3000, 3488))
+H1000 = HashProfile().chunk_hashes(S1000)
+
+
+def admit(store, inst, hashes, loc=CPU, wid=0):
+    store.apply([(inst, wid, loc, [(ADMIT, h) for h in hashes])])
+
+
+def evict(store, inst, hashes, loc=CPU, wid=0):
+    store.apply([(inst, wid, loc, [(EVICT, h) for h in hashes])])
+
+
+@pytest.fixture()
+def client(store):
+    return Client(store=store)
+
+
+def layout(client, tokens):
+    return client.lookup(tokens)[1]
+
+
+def test_seed_lookup(store, client):
+    store.register_worker("lmcache_default_instance", 0, "127.0.0.1", 8001)
+    admit(store, "lmcache_default_instance", [SEED_HASH])
+    event_id, info = client.lookup(SEED_TOKENS)
+    assert event_id.startswith("Lookup") and len(event_id) == len("Lookup") + 36
+    assert info == {"lmcache_default_instance": (CPU, 12)}
+    assert layout(client, SEED_TOKENS + [1]) == {}
+    assert layout(client, SEED_TOKENS[:11]) == {}
+
+
+def test_every_instance_reported_longest_first(store, client):
+    store.register_worker("inst-x", 0, "127.0.0.1", 8002)
+    store.register_worker("inst-y", 0, "127.0.0.1", 8003)
+    admit(store, "inst-x", H600[:2])
+    admit(store, "inst-y", H1000)
+    assert list(layout(client, S1000).items()) == [("inst-y", (CPU, 1000)), ("inst-x", (CPU, 512))]
+    # both hold s600's first two chunks; LMCache 0.5.6 would name only the first registered
+    assert list(layout(client, S600).items()) == [("inst-x", (CPU, 512)), ("inst-y", (CPU, 512))]
+    evict(store, "inst-x", H600[:1])
+    assert layout(client, S1000) == {"inst-y": (CPU, 1000)}  # suffix-only holder is not credited
+
+
+def test_walk_stops_at_first_gap(store, client):
+    store.register_worker("a", 0)
+    admit(store, "a", [H600[0], H600[2]])
+    assert layout(client, S600) == {"a": (CPU, 256)}
+
+
+def test_tp_ranks_all_must_hold(store, client):
+    store.register_worker("tp", 0, "127.0.0.1", 8004)
+    store.register_worker("tp", 1, "127.0.0.1", 8005)
+    admit(store, "tp", H600, wid=0)
+    assert layout(client, S600) == {}
+    admit(store, "tp", H600[:2], wid=1)
+    assert layout(client, S600) == {"tp": (CPU, 512)}
+    admit(store, "tp", H600[2:], wid=1)
+    assert layout(client, S600) == {"tp": (CPU, 600)}
+    evict(store, "tp", H600[1:2], wid=1)
+    assert layout(client, S600) == {"tp": (CPU, 256)}
+
+
+def test_location_holding_most_of_the_prefix(store, client):
+    store.register_worker("a", 0)
+    admit(store, "a", H600[:1], loc=DISK)
+    admit(store, "a", H600[1:], loc=CPU)
+    assert layout(client, S600) == {"a": (CPU, 600)}  # 344 tokens in CPU vs 256 on disk
+    match = client.matches(S600)[0]
+    assert match.locations == {CPU: 344, DISK: 256}
+    evict(store, "a", H600[2:], loc=CPU)
+    admit(store, "a", H600[2:], loc=DISK)
+    assert layout(client, S600) == {"a": (DISK, 600)}
+
+
+def test_location_ties_prefer_faster_tier():
+    assert pick_location({DISK: 256, CPU: 256}) == CPU
+    assert pick_location({"GPU": 10, CPU: 10, DISK: 10}) == "GPU"
+    assert pick_location({"Zeta": 5, "Alpha": 5}) == "Alpha"
+    assert pick_location({"Remote": 300, CPU: 12}) == "Remote"
+
+
+def test_chunk_in_two_tiers_counts_for_both(store, client):
+    store.register_worker("a", 0)
+    admit(store, "a", [SEED_HASH], loc=CPU)
+    admit(store, "a", [SEED_HASH], loc=DISK)
+    match = client.matches(SEED_TOKENS)[0]
+    assert (match.location, match.matched_prefix_length, match.locations) == (CPU, 12, {CPU: 12, DISK: 12})
+    evict(store, "a", [SEED_HASH], loc=CPU)
+    assert layout(client, SEED_TOKENS) == {"a": (DISK, 12)}
+
+
+def test_reregistration_starts_cold_epoch(store, client, r):
+    assert store.register_worker("a", 0, "127.0.0.1", 8001) == 1
+    admit(store, "a", H600)
+    assert store.register_worker("a", 0, "127.0.0.1", 8001) == 2
+    assert layout(client, S600) == {}
+    admit(store, "a", H600[:1])
+    assert layout(client, S600) == {"a": (CPU, 256)}
+    assert store.purge() == 3
+    assert r.zrange(keys.chunk_key(H600[0]), 0, -1) == ["2"]
+    assert r.exists(keys.chunk_key(H600[1])) == 0
+    assert r.smembers(keys.dead_holders_key()) == set()
+
+
+def test_deregister_touches_no_other_instance(store, client, r):
+    store.register_worker("a", 0, "10.0.0.1", 8001)
+    store.register_worker("b", 0, "10.0.0.1", 8002)
+    admit(store, "a", H600)
+    admit(store, "b", H600)
+    assert store.deregister_worker("a", 0) is True
+    assert store.deregister_worker("a", 0) is False
+    assert layout(client, S600) == {"b": (CPU, 600)}
+    store.purge()
+    assert r.smembers(keys.instances_key()) == {"b"}
+    assert r.smembers(keys.ip_index_key("10.0.0.1")) == {"8002:b"}
+    assert all(r.zrange(keys.chunk_key(h), 0, -1) == ["2"] for h in H600)
+
+
+def test_records_for_unknown_worker_are_refused(store):
+    with pytest.raises(NotRegistered):
+        admit(store, "ghost", [SEED_HASH])
+
+
+def test_silent_instance_is_excluded(r, client):
+    store = Store(r, instance_ttl_s=30)
+    store.register_worker("a", 0)
+    admit(store, "a", [SEED_HASH])
+    r.delete(keys.instance_alive_key("a"))
+    assert Client(store=store).lookup(SEED_TOKENS)[1] == {}
+    store.touch_instance("a")
+    assert Client(store=store).lookup(SEED_TOKENS)[1] == {"a": (CPU, 12)}
+
+
+def test_detail_and_redis_layout(store, client, r):
+    store.register_worker("a", 0, "127.0.0.1", 8001, "localhost:8200", now=1700000000.5)
+    admit(store, "a", [SEED_HASH])
+    assert r.hgetall(keys.worker_key("a", 0)) == {
+        "epoch": "1", "ip": "127.0.0.1", "port": "8001", "peer_init_url": "localhost:8200",
+        "registered_at": "1700000000.5", "last_heartbeat": "1700000000.5", "heartbeats": "0",
+        "loc:LocalCPUBackend": "1"}
+    assert r.hgetall(keys.holder_key(1)) == {"instance": "a", "worker": "0", "location": CPU,
+                                             "chunk_prefix": "kvl:v1:chunk:"}
+    assert r.smembers(keys.holder_chunks_key(1)) == {str(SEED_HASH)}
+    assert r.hgetall(keys.instance_key("a")) == {"kind": "lmcache", "worker_rule": "all"}
+    assert client.matches(SEED_TOKENS)[0].detail() == {
+        "location": CPU, "matched_prefix_length": 12, "locations": {CPU: 12}}
