@@ -1,0 +1,104 @@
+"""Real processes for end-to-end tests: the kvlookup controller (gunicorn) and the real
+LMCache 0.5.6 worker harness (../shared/tools/lmcache_real_client.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from kvlookup.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("KVLOOKUP_SHARED", ROOT.parent / "shared"))
+
+
+class ControllerProc:
+    """``python -m kvlookup controller ...`` as a subprocess; ``.http`` is its base URL."""
+
+    def __init__(self, *args: str, env: dict | None = None, port: int | None = None):
+        self.port = port or free_port()
+        self.http = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "kvlookup", "controller", "--host", "127.0.0.1", "--port", str(self.port),
+               "--log-level", "WARNING", *args]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, start_new_session=True)
+        self.session = requests.Session()
+
+    def wait_ready(self, timeout: float = 30.0) -> ControllerProc:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"controller exited with {self.proc.returncode}")
+            try:
+                if self.session.get(f"{self.http}/health", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("controller did not answer /health")
+
+    def lookup(self, tokens: list[int], query: str = "") -> dict:
+        resp = self.session.post(f"{self.http}/lookup{query}", json={"tokens": tokens}, timeout=10)
+        resp.raise_for_status()
+        return resp.json()
+
+    def layout(self, tokens: list[int]) -> dict:
+        """The lookup answer without its event_id."""
+        return {k: v for k, v in self.lookup(tokens).items() if k != "event_id"}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.session.close()
+
+
+class RealLMCacheWorker:
+    """The real LMCache 0.5.6 engine + worker, driven one op at a time over stdin."""
+
+    def __init__(self, python: str, instance_id: str, pull_url: str, reply_url: str, *args: str):
+        cmd = [python, str(SHARED / "tools" / "lmcache_real_client.py"), "--pull-url", pull_url,
+               "--reply-url", reply_url, "--instance-id", instance_id, "--ops", "-", *args]
+        env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=True, cwd=ROOT)
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"LMCache client exited (rc={self.proc.poll()})")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def op(self, **op) -> dict:
+        """Run one op (store/evict/clear/keys/hashes ...); returns its result line."""
+        self.proc.stdin.write(json.dumps(op) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> dict:
+        """End the ops; the harness flushes, deregisters and exits. Returns the exit line."""
+        self.proc.stdin.close()
+        last = {}
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                last = json.loads(line)
+        self.proc.wait(30)
+        return last
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)

@@ -1,0 +1,67 @@
+"""End to end through real processes: gunicorn controller, sidecar child, Redis, ZMQ traffic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvlookup.hashing import HashProfile
+from kvlookup.redis_server import free_port
+from kvlookup.workersim import WorkerSim
+from tests.conftest import SEED_HASH, SEED_TOKENS
+from tests.helpers import wait_for
+from tests.procs import ControllerProc
+
+pytestmark = pytest.mark.slow
+SEED_ANSWER = {"lmcache_default_instance": ["LocalCPUBackend", 12]}
+
+
+def test_seed_command_with_embedded_redis(tmp_path):
+    """The seed's own command line: embedded Redis, PULL on the monitor port, 0.3.7 traffic."""
+    pull = free_port()
+    ctrl = ControllerProc("--monitor-port", str(pull), env={"KVLOOKUP_DATA_DIR": str(tmp_path)})
+    try:
+        ctrl.wait_ready()
+        assert (tmp_path / "redis.url").exists()
+        w = WorkerSim("lmcache_default_instance", era="0.3", pull_url=f"localhost:{pull}")
+        w.register()
+        w.admit([SEED_HASH])
+        assert wait_for(lambda: ctrl.layout(SEED_TOKENS), SEED_ANSWER) == SEED_ANSWER
+        body = ctrl.lookup(SEED_TOKENS, "?format=layout_info")
+        assert body["layout_info"] == SEED_ANSWER and body["event_id"].startswith("Lookup")
+        w.close()
+    finally:
+        ctrl.stop()
+    assert not (tmp_path / "redis.url").exists()  # the embedded server stopped with the controller
+
+
+def test_both_eras_several_instances_tiers_and_tp(redis_url):
+    pull, reply = free_port(), free_port()
+    ctrl = ControllerProc("--redis-url", redis_url, "--monitor-ports", json.dumps({"pull": pull, "reply": reply}),
+                          "--workers", "2")
+    try:
+        ctrl.wait_ready()
+        s600 = SEED_TOKENS + list(range(1000, 1588))
+        h600 = HashProfile().chunk_hashes(s600)
+        old = WorkerSim("inst-03", era="0.3", pull_url=f"127.0.0.1:{pull}")
+        new = [WorkerSim("inst-tp", r, era="0.5", pull_url=f"127.0.0.1:{pull}", reply_url=f"127.0.0.1:{reply}",
+                         port=8010 + r) for r in (0, 1)]
+        old.register()
+        assert [w.register()["type"] for w in new] == ["RegisterRetMsg", "RegisterRetMsg"]
+        old.admit(h600[:2], location="LocalDiskBackend")
+        for w in new:
+            w.admit(h600)
+        expected = {"inst-tp": ["LocalCPUBackend", 600], "inst-03": ["LocalDiskBackend", 512]}
+        assert wait_for(lambda: ctrl.layout(s600), expected) == expected
+        assert list(ctrl.layout(s600)) == ["inst-tp", "inst-03"]
+        new[1].evict(h600[1:2])  # rank 1 lost chunk 1: the TP instance can serve only chunk 0
+        expected = {"inst-03": ["LocalDiskBackend", 512], "inst-tp": ["LocalCPUBackend", 256]}
+        assert wait_for(lambda: ctrl.layout(s600), expected) == expected
+        old.deregister()
+        expected = {"inst-tp": ["LocalCPUBackend", 256]}
+        assert wait_for(lambda: ctrl.layout(s600), expected) == expected
+        for w in [old, *new]:
+            w.close()
+    finally:
+        ctrl.stop()
