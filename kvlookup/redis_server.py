@@ -74,14 +74,17 @@ class EmbeddedRedis:
     data_dir: where AOF files and ``redis.url`` live (created if missing).
     port: 0 picks a free loopback port.
     appendonly: AOF persistence with fsync every second (the default); False for throwaway servers.
+    password: ``requirepass`` (the URL then carries it). unix_socket: also listen on this path.
     """
 
     def __init__(self, data_dir: str | os.PathLike, port: int = 0, *, appendonly: bool = True,
-                 binary: str | None = None):
+                 binary: str | None = None, password: str | None = None, unix_socket: str | None = None):
         self.data_dir = Path(data_dir)
         self.port = port
         self.appendonly = appendonly
         self.binary = binary
+        self.password = password
+        self.unix_socket = unix_socket
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
 
@@ -94,6 +97,8 @@ class EmbeddedRedis:
             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
             "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log"),
             "--maxclients", "1000",
+            *(["--requirepass", self.password] if self.password else []),
+            *(["--unixsocket", self.unix_socket, "--unixsocketperm", "700"] if self.unix_socket else []),
         ]
 
     def start(self, timeout: float = 15.0) -> str:
@@ -103,7 +108,8 @@ class EmbeddedRedis:
             self.port = free_port()
         self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         deadline = time.monotonic() + timeout
         while not ping(self.url):
             if self.proc.poll() is not None:

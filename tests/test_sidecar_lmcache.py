@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import zmq
+
+from kvlookup import lmcache_protocol as proto
 
 from kvlookup.client import Client
 from kvlookup.hashing import HashProfile
@@ -56,4 +59,53 @@ def test_garbage_frames_do_not_stop_ingest(sidecar, client):
     assert wait_for(lambda: client.lookup(SEED_TOKENS)[1], {"inst": ("LocalCPUBackend", 12)}) == {
         "inst": ("LocalCPUBackend", 12)}
     push.close()
+    w.close()
+
+
+def test_heartbeats_and_full_sync_replace_a_location(r, sidecar, client):
+    w = WorkerSim("inst", era="0.5", pull_url=sidecar.pull_url, reply_url=sidecar.reply_url)
+    w.register()
+    assert w.heartbeat() == {"type": "HeartbeatRetMsg", "commands": []}
+    w.admit(S600_HASHES)
+    assert wait_for(lambda: client.lookup(S600)[1], {"inst": ("LocalCPUBackend", 600)}) == {
+        "inst": ("LocalCPUBackend", 600)}
+    start = proto.FullSyncStart("inst", 0, "LocalCPUBackend", "inst_0_abc", 1, 1)
+    reply = w.request(proto.FullSyncStartMsgOut(**msgspec.structs.asdict(start)))
+    assert reply == {"type": "FullSyncStartRetMsg", "sync_id": "inst_0_abc", "accepted": True, "error_msg": None}
+    assert client.lookup(S600)[1] == {}  # the sync replaces what the index had for that location
+    w.push.send_multipart([proto.encode(proto.FullSyncBatchMsgOut("inst", 0, "LocalCPUBackend", "inst_0_abc", 0,
+                                                                   [SEED_HASH]))])
+    assert wait_for(lambda: client.lookup(SEED_TOKENS)[1], {"inst": ("LocalCPUBackend", 12)}) == {
+        "inst": ("LocalCPUBackend", 12)}
+    status = w.request(proto.FullSyncStatusMsgOut("inst", 0, "inst_0_abc"))
+    assert (status["is_complete"], status["can_exit_freeze"]) == (True, True)
+    w.close()
+
+
+def test_unknown_worker_heartbeat_reregisters_and_asks_for_sync(r, sidecar, client):
+    w = WorkerSim("fresh", era="0.5", pull_url=sidecar.pull_url, reply_url=sidecar.reply_url)
+    reply = w.heartbeat()
+    assert reply["commands"] == [{"command_type": "full_sync", "reason": "worker_re_registered", "args": None}]
+    assert Store(r).is_registered("fresh", 0)
+    w.close()
+
+
+def test_sidecar_restart_asks_known_workers_for_full_sync(r, client):
+    with SidecarThread(Store(r)) as first:
+        w = WorkerSim("inst", era="0.5", pull_url=first.pull_url, reply_url=first.reply_url)
+        w.register()
+        w.close()
+    with SidecarThread(Store(r)) as second:  # a new process: registry in Redis, worker unseen here
+        w = WorkerSim("inst", era="0.5", pull_url=second.pull_url, reply_url=second.reply_url)
+        reply = w.heartbeat()
+        assert reply["commands"][0]["reason"] == "controller_restart"
+        assert w.heartbeat()["commands"] == []
+        w.close()
+
+
+def test_request_socket_answers_errors_as_errormsg(sidecar):
+    w = WorkerSim("inst", era="0.5", pull_url=sidecar.pull_url, reply_url=sidecar.reply_url)
+    w.dealer.send_multipart([b"", b"\xc1garbage"])
+    reply = msgspec.msgpack.decode(w.dealer.recv_multipart()[-1])
+    assert reply["type"] == "ErrorMsg" and reply["error"].startswith("undecodable")
     w.close()
