@@ -1,0 +1,53 @@
+"""Settings load in layers; shipped example files stay valid; compose file parses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvlookup.config import load
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_layers_defaults_file_env_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("port: 9100\nlookup_response: layout_info\nhash: {chunk_size: 512}\n")
+    settings = load(str(path), overrides={"port": 9200}, env={"KVLOOKUP_MAX_TOKENS": "77",
+                                                              "KVLOOKUP_HASH__SAVE_UNFULL_CHUNK": "false"})
+    assert (settings.port, settings.lookup_response, settings.max_tokens) == (9200, "layout_info", 77)
+    profile = settings.profile()
+    assert (profile.chunk_size, profile.save_unfull_chunk, profile.extra_keys) == (512, False, "empty")
+    assert settings.host == "127.0.0.1"  # loopback unless configured
+
+
+@pytest.mark.parametrize(("layer", "message"), [
+    ({"lookup_response": "xml"}, "lookup_response must be one of"),
+    ({"port": 0}, "port must be >= 1"),
+    ({"nope": 1}, "unknown setting 'nope'"),
+    ({"hash": {"chunk_size": -1}}, "chunk_size must be a positive integer"),
+])
+def test_bad_settings_are_named(layer, message):
+    with pytest.raises(ValueError, match=message):
+        load(None, overrides=layer, env={})
+
+
+@pytest.mark.parametrize("name", ["controller.yaml", "sidecar.yaml"])
+def test_example_configs_load(name):
+    settings = load(str(ROOT / "config" / name), env={})
+    assert settings.profile().chunk_size == 256
+
+
+def test_monitor_ports():
+    settings = load(None, overrides={"monitor_ports": {"pull": 9001, "reply": 9002}}, env={})
+    assert (settings.pull_port(), settings.reply_port()) == (9001, 9002)
+    settings = load(None, overrides={"monitor_port": 9001}, env={})
+    assert (settings.pull_port(), settings.reply_port()) == (9001, None)
+
+
+def test_compose_file_is_valid_yaml_with_three_services():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert set(compose["services"]) == {"redis", "controller", "sidecar"}
+    assert compose["services"]["controller"]["command"][0] == "controller"
