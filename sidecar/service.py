@@ -15,6 +15,7 @@ from collections.abc import Callable
 import redis
 import zmq
 
+from kvlookup import metrics
 from kvlookup.store import Store
 from kvlookup.zmqaddr import endpoint
 from sidecar.lmcache_ingest import LMCacheIngest
@@ -80,6 +81,9 @@ class Sidecar:
 
     def _on_pull(self, sock: zmq.Socket) -> None:
         frames = sock.recv_multipart(copy=True)
+        if len(frames) > MAX_FRAMES_PER_MESSAGE:
+            metrics.REJECTED.labels("lmcache", "too_many_frames").inc(len(frames) - MAX_FRAMES_PER_MESSAGE)
+            log.warning("multipart of %d frames: only the first %d applied", len(frames), MAX_FRAMES_PER_MESSAGE)
         self.lmcache.handle_push(frames[:MAX_FRAMES_PER_MESSAGE])
 
     def _on_router(self, sock: zmq.Socket) -> None:
@@ -124,6 +128,10 @@ class Sidecar:
                 log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
+            except Exception:  # the loop never dies; the failure is counted and logged
+                metrics.REJECTED.labels("sidecar", "loop_error").inc()
+                log.exception("sidecar loop error")
+                self._stop.wait(0.1)
         self.close()
 
     def stop(self) -> None:
