@@ -250,6 +250,42 @@ class BatchedKVOperationMsg(msgspec.Struct, tag=True):
     operations: list[OpEvent]
 
 
+class FullSyncStartMsg(msgspec.Struct, tag=True):
+    """0.5.x full sync, worker -> controller (DEALER): a sync of one location begins."""
+
+    instance_id: str
+    worker_id: int
+    location: str
+    sync_id: str
+    total_keys: int
+    batch_count: int
+
+
+class FullSyncBatchMsg(msgspec.Struct, tag=True):
+    """0.5.x full sync (PUSH): one batch of the location's chunk hashes."""
+
+    instance_id: str
+    worker_id: int
+    location: str
+    sync_id: str
+    batch_id: int
+    keys: list[int]
+
+
+class FullSyncEndMsg(msgspec.Struct, tag=True):
+    instance_id: str
+    worker_id: int
+    location: str
+    sync_id: str
+    actual_total_keys: int
+
+
+class FullSyncStatusMsg(msgspec.Struct, tag=True):
+    instance_id: str
+    worker_id: int
+    sync_id: str
+
+
 class RegisterRetMsg(msgspec.Struct, tag=True):
     extra_config: dict[str, str] = {}
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import redis
 import zmq
 
+from kvlookup import metrics
+from kvlookup.fleet import reap
 from kvlookup.store import Store
 from kvlookup.zmqaddr import endpoint
 from sidecar.lmcache_ingest import LMCacheIngest
@@ -47,7 +49,7 @@ class Sidecar:
         self.lmcache = LMCacheIngest(store, heartbeat_url=hb_url)
         self.lmcache.instances.update(instance_ids)
         self.heartbeat_s = heartbeat_s or max(0.5, store.instance_ttl_ms / 3000)
-        self.tasks: list[Callable[[], None]] = [self._touch_instances, self._purge]
+        self.tasks: list[Callable[[], None]] = [self._touch_instances, self._reap, self._purge]
         self._stop = threading.Event()
         self.pull = self.router = None
         if pull_url:
@@ -97,6 +99,11 @@ class Sidecar:
     def _touch_instances(self) -> None:
         for instance_id in list(self.lmcache.instances):
             self.store.touch_instance(instance_id)
+
+    def _reap(self) -> None:
+        for instance_id, worker_id in reap(self.store):
+            metrics.REAPED.inc()
+            self.lmcache.forget(instance_id, worker_id)
 
     def _purge(self) -> None:
         removed = self.store.purge(PURGE_BUDGET)
