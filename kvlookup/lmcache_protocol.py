@@ -173,6 +173,8 @@ def _check(tag: str, msg: Any) -> None:
     elif isinstance(msg, FullSyncBatch):
         keys = msg.keys
     for key in keys:
+        if isinstance(key, int) and not -(1 << 63) <= key < 1 << 64:
+            raise FrameError("invalid_key", f"{tag}: chunk key {str(key)[:40]} is outside the 64-bit range")
         if isinstance(key, str) and not _HEX_KEY.fullmatch(key):
             raise FrameError("invalid_key", f"{tag}: chunk key {key[:80]!r} is neither an int nor a hex digest")
 

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 #: Records purged per periodic step (bounded so ingest is never starved).
 PURGE_BUDGET = 20_000
 MAX_FRAMES_PER_MESSAGE = 10_000
+#: Largest frame a peer may send (ZMQ_MAXMSGSIZE); a peer sending more is disconnected.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
 class Sidecar:
@@ -64,6 +66,7 @@ class Sidecar:
         sock.setsockopt(zmq.LINGER, 0)
         if kind in (zmq.PULL, zmq.SUB, zmq.ROUTER):
             sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if bind:
             sock.bind(bind)
         if connect:
