@@ -90,7 +90,9 @@ def lmcache_workers(instance_id: str) -> list[WorkerInfo]:
     if not workers:
         raise ApiError(404, f"instance {instance_id!r} has no registered workers")
     if kind not in (None, "lmcache"):
-        raise ApiError(409, f"instance {instance_id!r} is a {kind} instance; only LMCache workers take control calls")
+        raise ApiError(
+            409, f"instance {instance_id!r} is a {kind} instance; only LMCache workers take control calls"
+        )
     return workers
 
 
@@ -101,14 +103,19 @@ def fan_out(event_id: str, workers: list[WorkerInfo], make_msg, retries: int | N
     failed = [r for r in results if r.outcome != ctl.OK]
     if failed:
         status = 504 if any(r.outcome == ctl.TIMEOUT for r in failed) else 502
-        body = {"error": "; ".join(f"worker {r.worker_id}: {r.error}" for r in failed), "event_id": event_id,
-                "workers": {str(r.worker_id): {"outcome": r.outcome, "error": r.error} for r in results}}
+        body = {
+            "error": "; ".join(f"worker {r.worker_id}: {r.error}" for r in failed),
+            "event_id": event_id,
+            "workers": {str(r.worker_id): {"outcome": r.outcome, "error": r.error} for r in results},
+        }
         _record(event_id, "failed")
         return jsonify(body), status
     counts = {str(r.worker_id): r.reply.num_tokens for r in results}
     if len(set(counts.values())) > 1:
         _record(event_id, "failed")
-        return jsonify(error="workers disagree on num_tokens", event_id=event_id, num_tokens_by_worker=counts), 502
+        return jsonify(
+            error="workers disagree on num_tokens", event_id=event_id, num_tokens_by_worker=counts
+        ), 502
     _record(event_id, "finished")
     return jsonify(event_id=event_id, num_tokens=next(iter(counts.values())))
 
@@ -126,8 +133,11 @@ def clear():
     """``{"instance_id","location"}`` -> ``{"event_id":"Clear<uuid>","num_tokens"}``."""
     req = parse(ClearRequest)
     eid = new_event_id("Clear")
-    return fan_out(eid, lmcache_workers(req.instance_id),
-                   lambda w: ctl.ClearWorkerMsg(f"Worker{w.worker_id}{eid}", req.location))
+    return fan_out(
+        eid,
+        lmcache_workers(req.instance_id),
+        lambda w: ctl.ClearWorkerMsg(f"Worker{w.worker_id}{eid}", req.location),
+    )
 
 
 @bp.post("/pin")
@@ -136,16 +146,23 @@ def pin():
     """``{"instance_id","location","tokens"}`` -> ``{"event_id":"Pin<uuid>","num_tokens"}``."""
     req = parse(PinRequest)
     eid = new_event_id("Pin")
-    return fan_out(eid, lmcache_workers(req.instance_id),
-                   lambda w: ctl.PinWorkerMsg(f"Worker{w.worker_id}{eid}", req.location, req.tokens))
+    return fan_out(
+        eid,
+        lmcache_workers(req.instance_id),
+        lambda w: ctl.PinWorkerMsg(f"Worker{w.worker_id}{eid}", req.location, req.tokens),
+    )
 
 
 def _compress(prefix: str, msg_type: type):
     req = parse(CompressRequest)
     eid = new_event_id(prefix)
-    return fan_out(eid, lmcache_workers(req.instance_id),
-                   lambda w: msg_type(f"{prefix}Worker{w.worker_id}{uuid.uuid4()}", req.method, req.location,
-                                      req.tokens))
+    return fan_out(
+        eid,
+        lmcache_workers(req.instance_id),
+        lambda w: msg_type(
+            f"{prefix}Worker{w.worker_id}{uuid.uuid4()}", req.method, req.location, req.tokens
+        ),
+    )
 
 
 @bp.post("/compress")
@@ -171,17 +188,30 @@ def move():
     Not retried (a move is not idempotent)."""
     req = parse(MoveRequest)
     if req.new_position[1] != "LocalCPUBackend":
-        raise ApiError(400, "'new_position'[1] must be 'LocalCPUBackend' (the only move target LMCache supports)")
+        raise ApiError(
+            400, "'new_position'[1] must be 'LocalCPUBackend' (the only move target LMCache supports)"
+        )
     src = lmcache_workers(req.old_position[0])
     dst = {w.worker_id: w for w in lmcache_workers(req.new_position[0])}
     missing = [w.worker_id for w in src if not (dst.get(w.worker_id) and dst[w.worker_id].peer_init_url)]
     if missing:
-        raise ApiError(409, f"destination {req.new_position[0]!r} has no peer_init_url for worker(s) {missing}")
+        raise ApiError(
+            409, f"destination {req.new_position[0]!r} has no peer_init_url for worker(s) {missing}"
+        )
     copy = bool(req.should_copy if req.should_copy is not None else req.copy)
     eid = new_event_id("Move")
-    return fan_out(eid, src, lambda w: ctl.MoveWorkerMsg(
-        f"MoveWorker{w.worker_id}{uuid.uuid4()}", req.old_position[1],
-        (dst[w.worker_id].peer_init_url, req.new_position[1]), req.tokens, copy), retries=0)
+    return fan_out(
+        eid,
+        src,
+        lambda w: ctl.MoveWorkerMsg(
+            f"MoveWorker{w.worker_id}{uuid.uuid4()}",
+            req.old_position[1],
+            (dst[w.worker_id].peer_init_url, req.new_position[1]),
+            req.tokens,
+            copy,
+        ),
+        retries=0,
+    )
 
 
 @bp.post("/health")
@@ -201,11 +231,15 @@ def health_fan_out():
         if exc.status != 404:
             raise
         return jsonify(event_id=eid, error_codes={})
-    targets = [ctl.Target(w.worker_id, w.ip, w.port, ctl.HealthWorkerMsg(f"HealthWorker{w.worker_id}{uuid.uuid4()}"))
-               for w in workers]
+    targets = [
+        ctl.Target(w.worker_id, w.ip, w.port, ctl.HealthWorkerMsg(f"HealthWorker{w.worker_id}{uuid.uuid4()}"))
+        for w in workers
+    ]
     results = _ext()["control"].call(targets)
-    codes = {str(r.worker_id): (r.reply.error_code if r.outcome == ctl.OK else ctl.HEALTH_CODES[r.outcome])
-             for r in results}
+    codes = {
+        str(r.worker_id): (r.reply.error_code if r.outcome == ctl.OK else ctl.HEALTH_CODES[r.outcome])
+        for r in results
+    }
     body: dict = {"event_id": eid, "error_codes": codes}
     errors = {str(r.worker_id): r.error for r in results if r.outcome != ctl.OK}
     if errors:
@@ -223,5 +257,7 @@ def check_finish():
     except redis.RedisError as exc:
         raise ApiError(503, f"index unavailable: {exc}") from None
     if raw is None:
-        raise ApiError(404, f"unknown event_id {req.event_id!r} (not issued here, or older than {EVENT_TTL_S}s)")
+        raise ApiError(
+            404, f"unknown event_id {req.event_id!r} (not issued here, or older than {EVENT_TTL_S}s)"
+        )
     return jsonify(status=json.loads(raw)["status"])

@@ -37,4 +37,6 @@ def build_registries(fleet) -> list[CollectorRegistry]:
 def metrics():
     registries = current_app.extensions["kvlookup"]["metrics_registries"]
     body = b"".join(generate_latest(reg) for reg in registries)
-    return Response(body, mimetype=CONTENT_TYPE_LATEST.split(";")[0], headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return Response(
+        body, mimetype=CONTENT_TYPE_LATEST.split(";")[0], headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )

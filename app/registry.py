@@ -74,8 +74,12 @@ def query_instance():
         where = f"{ip}:{port}" if port is not None else ip
         return jsonify(event_id=eid, res=None, error=f"no instance registered from {where}"), 404
     if len(instances) > 1:
-        return jsonify(event_id=eid, res=None, error=f"{len(instances)} instances registered from {ip}; pass 'port'",
-                       candidates=[{"instance_id": inst, "port": p} for p, inst in found]), 409
+        return jsonify(
+            event_id=eid,
+            res=None,
+            error=f"{len(instances)} instances registered from {ip}; pass 'port'",
+            candidates=[{"instance_id": inst, "port": p} for p, inst in found],
+        ), 409
     return jsonify(event_id=eid, res=instances[0])
 
 
@@ -95,8 +99,15 @@ def _worker_rows(workers: list[WorkerInfo]) -> list[dict]:
     fleet = _fleet()
     counts = fleet.key_counts(workers)
     alive = fleet.alive(sorted({w.instance_id for w in workers}))
-    return [{**w.lmcache(), "key_count": sum(c.values()), "live": fleet.worker_live(w, alive[w.instance_id]),
-             "epoch": w.epoch} for w, c in zip(workers, counts, strict=True)]
+    return [
+        {
+            **w.lmcache(),
+            "key_count": sum(c.values()),
+            "live": fleet.worker_live(w, alive[w.instance_id]),
+            "epoch": w.epoch,
+        }
+        for w, c in zip(workers, counts, strict=True)
+    ]
 
 
 @bp.get("/controller/workers")
@@ -128,5 +139,9 @@ def key_stats():
         row["key_count"] += sum(c.values())
         row["worker_count"] += 1
     rows = [per[k] for k in sorted(per)]
-    return jsonify(total_key_count=sum(r["key_count"] for r in rows), total_instance_count=len(rows),
-                   total_worker_count=len(workers), instances=rows)
+    return jsonify(
+        total_key_count=sum(r["key_count"] for r in rows),
+        total_instance_count=len(rows),
+        total_worker_count=len(workers),
+        instances=rows,
+    )

@@ -202,8 +202,6 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
-    import time
-
     from kvlookup.fleet import reap
     from kvlookup.redis_server import connect
     from kvlookup.store import Store

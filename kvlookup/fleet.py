@@ -37,19 +37,33 @@ class WorkerInfo:
     def from_hash(cls, instance_id: str, worker_id: str, h: dict[str, str]) -> WorkerInfo:
         """Build from a worker hash (``kvl:v1:worker:<inst>:<wid>``)."""
         return cls(
-            instance_id=instance_id, worker_id=_wid(worker_id), ip=h.get("ip", ""),
-            port=int(h.get("port") or 0), peer_init_url=h.get("peer_init_url") or None,
-            registration_time=float(h.get("registered_at") or 0), last_heartbeat_time=float(h.get("last_heartbeat") or 0),
-            heartbeats=int(h.get("heartbeats") or 0), epoch=int(h.get("epoch") or 0),
-            holders={f[len(keys.LOCATION_FIELD_PREFIX):]: v for f, v in h.items()
-                     if f.startswith(keys.LOCATION_FIELD_PREFIX)},
+            instance_id=instance_id,
+            worker_id=_wid(worker_id),
+            ip=h.get("ip", ""),
+            port=int(h.get("port") or 0),
+            peer_init_url=h.get("peer_init_url") or None,
+            registration_time=float(h.get("registered_at") or 0),
+            last_heartbeat_time=float(h.get("last_heartbeat") or 0),
+            heartbeats=int(h.get("heartbeats") or 0),
+            epoch=int(h.get("epoch") or 0),
+            holders={
+                f[len(keys.LOCATION_FIELD_PREFIX) :]: v
+                for f, v in h.items()
+                if f.startswith(keys.LOCATION_FIELD_PREFIX)
+            },
         )
 
     def lmcache(self) -> dict:
         """LMCache's WorkerInfo JSON shape (``/query_worker_info``, ``/controller/workers``)."""
-        return {"instance_id": self.instance_id, "worker_id": self.worker_id, "ip": self.ip, "port": self.port,
-                "peer_init_url": self.peer_init_url, "registration_time": self.registration_time,
-                "last_heartbeat_time": self.last_heartbeat_time}
+        return {
+            "instance_id": self.instance_id,
+            "worker_id": self.worker_id,
+            "ip": self.ip,
+            "port": self.port,
+            "peer_init_url": self.peer_init_url,
+            "registration_time": self.registration_time,
+            "last_heartbeat_time": self.last_heartbeat_time,
+        }
 
 
 def _wid(worker_id: str) -> int | str:
@@ -84,8 +98,11 @@ class Fleet:
         pairs = [(inst, wid) for inst, wids in zip(insts, pipe.execute(), strict=True) for wid in wids]
         for inst, wid in pairs:
             pipe.hgetall(keys.worker_key(inst, wid))
-        infos = [WorkerInfo.from_hash(inst, wid, h)
-                 for (inst, wid), h in zip(pairs, pipe.execute(), strict=True) if h]
+        infos = [
+            WorkerInfo.from_hash(inst, wid, h)
+            for (inst, wid), h in zip(pairs, pipe.execute(), strict=True)
+            if h
+        ]
         return sorted(infos, key=lambda w: (w.instance_id, _sort_key(w.worker_id)))
 
     def alive(self, instance_ids: list[str]) -> dict[str, bool]:

@@ -26,7 +26,9 @@ class FleetCollector(Collector):
         self.fleet = fleet
 
     def collect(self):
-        up = GaugeMetricFamily("kvlookup_index_up", "1 when the registry in Redis was readable at scrape time")
+        up = GaugeMetricFamily(
+            "kvlookup_index_up", "1 when the registry in Redis was readable at scrape time"
+        )
         try:
             live, records = self._read()
         except redis.RedisError as exc:
@@ -44,15 +46,20 @@ class FleetCollector(Collector):
         workers = fleet.workers()
         alive = fleet.alive(fleet.instance_ids())
         live_workers = [w for w in workers if fleet.worker_live(w, alive.get(w.instance_id, False))]
-        live = GaugeMetricFamily("kvlookup_live", "Live instances and workers in the registry", labels=["kind"])
+        live = GaugeMetricFamily(
+            "kvlookup_live", "Live instances and workers in the registry", labels=["kind"]
+        )
         live.add_metric(["instances"], sum(1 for ok in alive.values() if ok))
         live.add_metric(["workers"], len(live_workers))
         totals: dict[tuple[str, str], int] = {}
         for w, counts in zip(workers, fleet.key_counts(workers), strict=True):
             for loc, n in counts.items():
                 totals[(w.instance_id, loc)] = totals.get((w.instance_id, loc), 0) + n
-        records = GaugeMetricFamily("kvlookup_records", "(chunk, holder) records of current holders",
-                                    labels=["instance_id", "location"])
+        records = GaugeMetricFamily(
+            "kvlookup_records",
+            "(chunk, holder) records of current holders",
+            labels=["instance_id", "location"],
+        )
         for (inst, loc), n in sorted(totals.items()):
             records.add_metric([inst, loc], n)
         return live, records

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import zmq
@@ -100,14 +100,26 @@ class CheckFinishWorkerRetMsg(msgspec.Struct, tag=True):
     status: str
 
 
-ControlRet = Union[ClearWorkerRetMsg, PinWorkerRetMsg, CompressWorkerRetMsg, DecompressWorkerRetMsg,  # noqa: UP007
-                   MoveWorkerRetMsg, HealthWorkerRetMsg, CheckFinishWorkerRetMsg, ErrorMsg]
+ControlRet = (
+    ClearWorkerRetMsg
+    | PinWorkerRetMsg
+    | CompressWorkerRetMsg
+    | DecompressWorkerRetMsg
+    | MoveWorkerRetMsg
+    | HealthWorkerRetMsg
+    | CheckFinishWorkerRetMsg
+    | ErrorMsg
+)
 
 #: request type -> the reply type it expects
 EXPECTED_REPLY: dict[type, type] = {
-    ClearWorkerMsg: ClearWorkerRetMsg, PinWorkerMsg: PinWorkerRetMsg, CompressWorkerMsg: CompressWorkerRetMsg,
-    DecompressWorkerMsg: DecompressWorkerRetMsg, MoveWorkerMsg: MoveWorkerRetMsg,
-    HealthWorkerMsg: HealthWorkerRetMsg, CheckFinishWorkerMsg: CheckFinishWorkerRetMsg,
+    ClearWorkerMsg: ClearWorkerRetMsg,
+    PinWorkerMsg: PinWorkerRetMsg,
+    CompressWorkerMsg: CompressWorkerRetMsg,
+    DecompressWorkerMsg: DecompressWorkerRetMsg,
+    MoveWorkerMsg: MoveWorkerRetMsg,
+    HealthWorkerMsg: HealthWorkerRetMsg,
+    CheckFinishWorkerMsg: CheckFinishWorkerRetMsg,
 }
 
 _encoder = msgspec.msgpack.Encoder()
@@ -115,7 +127,13 @@ _reply_decoder = msgspec.msgpack.Decoder(ControlRet)
 MAX_REPLY_BYTES = 1 << 20
 
 #: Outcomes of one call. LMCache's /health maps them to error codes.
-OK, WORKER_ERROR, UNEXPECTED, UNDECODABLE, TIMEOUT = "ok", "worker_error", "unexpected", "undecodable", "timeout"
+OK, WORKER_ERROR, UNEXPECTED, UNDECODABLE, TIMEOUT = (
+    "ok",
+    "worker_error",
+    "unexpected",
+    "undecodable",
+    "timeout",
+)
 HEALTH_CODES = {WORKER_ERROR: -1001, UNEXPECTED: -1002, UNDECODABLE: -1003, TIMEOUT: -1004}
 
 
@@ -179,8 +197,10 @@ class ControlClient:
             pending = self._attempt(targets, pending, results)
         for i in pending:
             t = targets[i]
-            results[i].error = (f"worker {t.worker_id} at {t.ip}:{t.port} did not answer within "
-                                f"{self.timeout_ms / 1000:g}s ({results[i].attempts} attempt(s))")
+            results[i].error = (
+                f"worker {t.worker_id} at {t.ip}:{t.port} did not answer within "
+                f"{self.timeout_ms / 1000:g}s ({results[i].attempts} attempt(s))"
+            )
         for i, t in enumerate(targets):
             metrics.CONTROL_CALLS.labels(type(t.msg).__name__, results[i].outcome).inc()
         return [results[i] for i in range(len(targets))]
@@ -224,12 +244,19 @@ class ControlClient:
         try:
             reply = _reply_decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return Result(target.worker_id, UNDECODABLE, error=f"undecodable reply: {exc}"[:300], attempts=attempts)
+            return Result(
+                target.worker_id, UNDECODABLE, error=f"undecodable reply: {exc}"[:300], attempts=attempts
+            )
         if isinstance(reply, ErrorMsg):
             return Result(target.worker_id, WORKER_ERROR, reply, error=reply.error, attempts=attempts)
         if not isinstance(reply, EXPECTED_REPLY.get(type(target.msg), ())):
-            return Result(target.worker_id, UNEXPECTED, reply,
-                          error=f"unexpected reply {type(reply).__name__}", attempts=attempts)
+            return Result(
+                target.worker_id,
+                UNEXPECTED,
+                reply,
+                error=f"unexpected reply {type(reply).__name__}",
+                attempts=attempts,
+            )
         return Result(target.worker_id, OK, reply, attempts=attempts)
 
     def close(self) -> None:

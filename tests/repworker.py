@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Union
 
 import msgspec
 import zmq
@@ -13,8 +12,15 @@ from kvlookup import lmcache_control as ctl
 from kvlookup.lmcache_protocol import ErrorMsg
 from kvlookup.redis_server import free_port
 
-Request = Union[ctl.ClearWorkerMsg, ctl.PinWorkerMsg, ctl.CompressWorkerMsg, ctl.DecompressWorkerMsg,  # noqa: UP007
-                ctl.MoveWorkerMsg, ctl.HealthWorkerMsg, ctl.CheckFinishWorkerMsg]
+Request = (
+    ctl.ClearWorkerMsg
+    | ctl.PinWorkerMsg
+    | ctl.CompressWorkerMsg
+    | ctl.DecompressWorkerMsg
+    | ctl.MoveWorkerMsg
+    | ctl.HealthWorkerMsg
+    | ctl.CheckFinishWorkerMsg
+)
 _decoder = msgspec.msgpack.Decoder(Request)
 
 

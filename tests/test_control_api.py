@@ -67,22 +67,42 @@ def test_pin_compress_decompress_move_messages(http, store, workers):
     src, dst = workers(), workers()
     _register(store, "a", [src])
     _register(store, "b", [dst])
-    assert http.post("/pin", json={"instance_id": "a", "location": "LocalCPUBackend", "tokens": [1, 2]}).get_json()[
-        "num_tokens"] == 12
+    assert (
+        http.post(
+            "/pin", json={"instance_id": "a", "location": "LocalCPUBackend", "tokens": [1, 2]}
+        ).get_json()["num_tokens"]
+        == 12
+    )
     assert src.received[-1].tokens == [1, 2] and src.received[-1].worker_event_id.startswith("Worker0Pin")
     for path, cls in (("/compress", ctl.CompressWorkerMsg), ("/decompress", ctl.DecompressWorkerMsg)):
         resp = http.post(path, json={"instance_id": "a", "method": "cachegen", "location": "LocalCPUBackend"})
         assert resp.status_code == 200 and resp.get_json()["num_tokens"] == 12
         msg = src.received[-1]
-        assert type(msg) is cls and (msg.method, msg.location, msg.tokens) == ("cachegen", "LocalCPUBackend", [])
-        assert re.fullmatch(cls.__name__.replace("Msg", "") .replace("Worker", "") + "Worker0" + UUID,
-                            msg.worker_event_id)
-    resp = http.post("/move", json={"old_position": ["a", "LocalCPUBackend"], "new_position": ["b", "LocalCPUBackend"],
-                                    "tokens": [5], "should_copy": True})
+        assert type(msg) is cls and (msg.method, msg.location, msg.tokens) == (
+            "cachegen",
+            "LocalCPUBackend",
+            [],
+        )
+        assert re.fullmatch(
+            cls.__name__.replace("Msg", "").replace("Worker", "") + "Worker0" + UUID, msg.worker_event_id
+        )
+    resp = http.post(
+        "/move",
+        json={
+            "old_position": ["a", "LocalCPUBackend"],
+            "new_position": ["b", "LocalCPUBackend"],
+            "tokens": [5],
+            "should_copy": True,
+        },
+    )
     assert resp.status_code == 200 and resp.get_json()["num_tokens"] == 12
     move = src.received[-1]
     assert (move.old_position, move.new_position, move.tokens, move.copy) == (
-        "LocalCPUBackend", ("127.0.0.1:9200", "LocalCPUBackend"), [5], True)
+        "LocalCPUBackend",
+        ("127.0.0.1:9200", "LocalCPUBackend"),
+        [5],
+        True,
+    )
     assert dst.received == []
     bad = http.post("/move", json={"old_position": ["a", "x"], "new_position": ["b", "LocalDiskBackend"]})
     assert bad.status_code == 400 and "LocalCPUBackend" in bad.get_json()["error"]
@@ -94,7 +114,10 @@ def test_dead_worker_is_a_clear_error_and_never_wedges(http, store, workers):
     resp = http.post("/clear", json={"instance_id": "inst", "location": "LocalCPUBackend"})
     assert resp.status_code == 504
     body = resp.get_json()
-    assert body["error"] == "worker 1: worker 1 at 127.0.0.1:%d did not answer within 0.3s (2 attempt(s))" % dead.port
+    assert (
+        body["error"]
+        == f"worker 1: worker 1 at 127.0.0.1:{dead.port} did not answer within 0.3s (2 attempt(s))"
+    )
     assert body["workers"]["0"] == {"outcome": "ok", "error": ""}
     assert body["workers"]["1"]["outcome"] == "timeout"
     assert http.post("/check_finish", json={"event_id": body["event_id"]}).get_json() == {"status": "failed"}
@@ -170,12 +193,18 @@ def test_query_instance_tells_instances_on_one_ip_apart(http, store):
     assert re.fullmatch("QueryInst" + UUID, ok.get_json()["event_id"])
     amb = http.post("/query_instance", json={"event_id": "x", "ip": "10.0.0.5"})
     assert amb.status_code == 409
-    assert amb.get_json()["candidates"] == [{"instance_id": "a", "port": 8001}, {"instance_id": "b", "port": 8002}]
+    assert amb.get_json()["candidates"] == [
+        {"instance_id": "a", "port": 8001},
+        {"instance_id": "b", "port": 8002},
+    ]
     assert http.post("/query_instance", json={"ip": "10.0.0.5", "port": 8002}).get_json()["res"] == "b"
     assert http.post("/query_instance", json={"ip": "10.0.0.5:8001"}).get_json()["res"] == "a"
     unknown = http.post("/query_instance", json={"event_id": "x", "ip": "10.9.9.9"})
     assert unknown.status_code == 404
-    assert unknown.get_json()["res"] is None and unknown.get_json()["error"] == "no instance registered from 10.9.9.9"
+    assert (
+        unknown.get_json()["res"] is None
+        and unknown.get_json()["error"] == "no instance registered from 10.9.9.9"
+    )
     store.deregister_worker("b", 0)
     assert http.post("/query_instance", json={"ip": "10.0.0.5"}).get_json()["res"] == "a"
 
@@ -184,28 +213,58 @@ def test_worker_info_and_key_stats(http, store):
     store.register_worker("a", 0, "127.0.0.1", 8001, "127.0.0.1:9200", now=1000.0)
     store.register_worker("a", 1, "127.0.0.1", 8002, None, now=1001.0)
     store.register_worker("b", 0, "127.0.0.2", 8001, None, now=1002.0)
-    store.apply([("a", 0, "LocalCPUBackend", [("a", 1), ("a", 2)]), ("a", 1, "LocalCPUBackend", [("a", 1)]),
-                 ("a", 0, "LocalDiskBackend", [("a", 1)]), ("b", 0, "LocalCPUBackend", [("a", 9)])])
+    store.apply(
+        [
+            ("a", 0, "LocalCPUBackend", [("a", 1), ("a", 2)]),
+            ("a", 1, "LocalCPUBackend", [("a", 1)]),
+            ("a", 0, "LocalDiskBackend", [("a", 1)]),
+            ("b", 0, "LocalCPUBackend", [("a", 9)]),
+        ]
+    )
     info = http.post("/query_worker_info", json={"instance_id": "a", "worker_ids": None}).get_json()
     assert re.fullmatch("QueryWorkerInfo" + UUID, info["event_id"])
     assert info["worker_infos"] == [
-        {"instance_id": "a", "worker_id": 0, "ip": "127.0.0.1", "port": 8001, "peer_init_url": "127.0.0.1:9200",
-         "registration_time": 1000.0, "last_heartbeat_time": 1000.0},
-        {"instance_id": "a", "worker_id": 1, "ip": "127.0.0.1", "port": 8002, "peer_init_url": None,
-         "registration_time": 1001.0, "last_heartbeat_time": 1001.0}]
+        {
+            "instance_id": "a",
+            "worker_id": 0,
+            "ip": "127.0.0.1",
+            "port": 8001,
+            "peer_init_url": "127.0.0.1:9200",
+            "registration_time": 1000.0,
+            "last_heartbeat_time": 1000.0,
+        },
+        {
+            "instance_id": "a",
+            "worker_id": 1,
+            "ip": "127.0.0.1",
+            "port": 8002,
+            "peer_init_url": None,
+            "registration_time": 1001.0,
+            "last_heartbeat_time": 1001.0,
+        },
+    ]
     only1 = http.post("/query_worker_info", json={"instance_id": "all", "worker_ids": [1]}).get_json()
     assert [(w["instance_id"], w["worker_id"]) for w in only1["worker_infos"]] == [("a", 1)]
     assert http.post("/query_worker_info", json={"instance_id": "zz"}).get_json()["worker_infos"] == []
     workers = http.get("/controller/workers?instance_id=a").get_json()
     assert workers["total_count"] == 2
     assert [(w["worker_id"], w["key_count"], w["live"], w["epoch"]) for w in workers["workers"]] == [
-        (0, 3, True, 1), (1, 1, True, 1)]
+        (0, 3, True, 1),
+        (1, 1, True, 1),
+    ]
     assert http.get("/controller/workers?instance_id=zz").status_code == 404
     assert http.get("/controller/workers?instance_id=a&worker_id=7").status_code == 404
     assert http.get("/controller/workers?worker_id=0").get_json()["total_count"] == 2
     stats = http.get("/controller/key-stats").get_json()
-    assert stats == {"total_key_count": 5, "total_instance_count": 2, "total_worker_count": 3, "instances": [
-        {"instance_id": "a", "key_count": 4, "worker_count": 2}, {"instance_id": "b", "key_count": 1, "worker_count": 1}]}
+    assert stats == {
+        "total_key_count": 5,
+        "total_instance_count": 2,
+        "total_worker_count": 3,
+        "instances": [
+            {"instance_id": "a", "key_count": 4, "worker_count": 2},
+            {"instance_id": "b", "key_count": 1, "worker_count": 1},
+        ],
+    }
 
 
 def _sample(text: str, name: str, labels: str = "") -> float:
@@ -219,8 +278,13 @@ def test_metrics_endpoint(http, store, r):
     store.register_worker("a", 0)
     store.register_worker("a", 1)
     store.register_worker("b", 0)
-    store.apply([("a", 0, "LocalCPUBackend", [("a", SEED_HASH), ("a", 2)]), ("a", 1, "LocalCPUBackend", [("a", SEED_HASH)]),
-                 ("b", 0, "LocalDiskBackend", [("a", 3)])])
+    store.apply(
+        [
+            ("a", 0, "LocalCPUBackend", [("a", SEED_HASH), ("a", 2)]),
+            ("a", 1, "LocalCPUBackend", [("a", SEED_HASH)]),
+            ("b", 0, "LocalDiskBackend", [("a", 3)]),
+        ]
+    )
     r.delete(keys.instance_alive_key("b"))
     before = http.get("/metrics").get_data(as_text=True)
     assert http.post("/lookup", json={"tokens": SEED_TOKENS}).get_json()["a"] == ["LocalCPUBackend", 12]
@@ -228,18 +292,30 @@ def test_metrics_endpoint(http, store, r):
     resp = http.get("/metrics")
     assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/plain")
     text = resp.get_data(as_text=True)
-    assert _sample(text, "kvlookup_lookups_total", '{outcome="hit"}') - _sample(
-        before, "kvlookup_lookups_total", '{outcome="hit"}') == 1
-    assert _sample(text, "kvlookup_lookup_seconds_count") - _sample(before, "kvlookup_lookup_seconds_count") == 1
-    assert _sample(text, "kvlookup_lookup_matched_tokens_sum") - _sample(
-        before, "kvlookup_lookup_matched_tokens_sum") == 12
+    assert (
+        _sample(text, "kvlookup_lookups_total", '{outcome="hit"}')
+        - _sample(before, "kvlookup_lookups_total", '{outcome="hit"}')
+        == 1
+    )
+    assert (
+        _sample(text, "kvlookup_lookup_seconds_count") - _sample(before, "kvlookup_lookup_seconds_count") == 1
+    )
+    assert (
+        _sample(text, "kvlookup_lookup_matched_tokens_sum")
+        - _sample(before, "kvlookup_lookup_matched_tokens_sum")
+        == 12
+    )
     assert _sample(text, "kvlookup_index_up") == 1
     assert _sample(text, "kvlookup_live", '{kind="instances"}') == 1
     assert _sample(text, "kvlookup_live", '{kind="workers"}') == 2
     assert _sample(text, "kvlookup_records", '{instance_id="a",location="LocalCPUBackend"}') == 3
     assert _sample(text, "kvlookup_records", '{instance_id="b",location="LocalDiskBackend"}') == 1
-    for name in ("kvlookup_ingest_ops_total", "kvlookup_rejected_frames_total", "kvlookup_seq_gaps_total",
-                 "kvlookup_resyncs_total"):
+    for name in (
+        "kvlookup_ingest_ops_total",
+        "kvlookup_rejected_frames_total",
+        "kvlookup_seq_gaps_total",
+        "kvlookup_resyncs_total",
+    ):
         assert f"# TYPE {name} counter" in text
 
 

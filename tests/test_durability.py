@@ -27,7 +27,9 @@ H2, H3 = HashProfile().chunk_hashes(P2)[0], HashProfile().chunk_hashes(P3)[0]
 
 
 def _hits(client: Client) -> dict:
-    return {name: client.lookup(tokens)[1] for name, tokens in (("seed", SEED_TOKENS), ("p2", P2), ("p3", P3))}
+    return {
+        name: client.lookup(tokens)[1] for name, tokens in (("seed", SEED_TOKENS), ("p2", P2), ("p3", P3))
+    }
 
 
 def _kill9(server: EmbeddedRedis) -> None:
@@ -69,9 +71,25 @@ def _safe_hits(client: Client) -> dict | None:
 
 def _sidecar_proc(redis_url: str, pull: str, reply: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "kvlookup", "sidecar", "--redis-url", redis_url, "--pull-url", pull,
-         "--reply-url", reply, "--instance-ttl", "30", "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "kvlookup",
+            "sidecar",
+            "--redis-url",
+            redis_url,
+            "--pull-url",
+            pull,
+            "--reply-url",
+            reply,
+            "--instance-ttl",
+            "30",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def test_sidecar_kill9_restart_asks_for_full_sync_and_converges(redis_url):
@@ -90,8 +108,10 @@ def test_sidecar_kill9_restart_asks_for_full_sync_and_converges(redis_url):
         # while the sidecar is down the engine evicts P2 and stores P3; those events are lost
         proc = _sidecar_proc(redis_url, pull, reply)
         hb = w.heartbeat()
-        assert hb == {"type": "HeartbeatRetMsg",
-                      "commands": [{"command_type": "full_sync", "reason": "controller_restart", "args": None}]}
+        assert hb == {
+            "type": "HeartbeatRetMsg",
+            "commands": [{"command_type": "full_sync", "reason": "controller_restart", "args": None}],
+        }
         start, status = w.full_sync([SEED_HASH, H3])
         assert (start["type"], start["accepted"]) == ("FullSyncStartRetMsg", True)
         assert (status["is_complete"], status["can_exit_freeze"]) == (True, True)
@@ -119,10 +139,29 @@ def _wait_http(url: str, timeout: float = 30.0) -> None:
 def _controller(redis_url: str, port: int, pull: int, metrics_dir: str) -> subprocess.Popen:
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     return subprocess.Popen(
-        [sys.executable, "-m", "kvlookup", "controller", "--redis-url", redis_url, "--port", str(port),
-         "--monitor-ports", json.dumps({"pull": pull}), "--workers", "2", "--threads", "2",
-         "--log-level", "WARNING"], env=env, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "kvlookup",
+            "controller",
+            "--redis-url",
+            redis_url,
+            "--port",
+            str(port),
+            "--monitor-ports",
+            json.dumps({"pull": pull}),
+            "--workers",
+            "2",
+            "--threads",
+            "2",
+            "--log-level",
+            "WARNING",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.slow

@@ -130,7 +130,9 @@ def test_worker_whose_heartbeats_stop_is_reaped_and_resyncs_on_return(r, short_s
         assert wait_for(lambda: short_store.is_registered("i", 0), False) is False  # heartbeats stopped
         assert client.lookup(SEED_TOKENS)[1] == {}
         reply = w.heartbeat()
-        assert reply["commands"] == [{"command_type": "full_sync", "reason": "worker_re_registered", "args": None}]
+        assert reply["commands"] == [
+            {"command_type": "full_sync", "reason": "worker_re_registered", "args": None}
+        ]
         start, status = w.full_sync([SEED_HASH])
         assert start["accepted"] is True and status["can_exit_freeze"] is True
         assert w.heartbeat() == {"type": "HeartbeatRetMsg", "commands": []}

@@ -29,8 +29,10 @@ BULK_FRAMES = 10_000
 
 
 def _rejected(reasons=DECODE_REASONS) -> float:
-    return sum(REGISTRY.get_sample_value("kvlookup_rejected_frames_total", {"source": "lmcache", "reason": r}) or 0
-               for r in reasons)
+    return sum(
+        REGISTRY.get_sample_value("kvlookup_rejected_frames_total", {"source": "lmcache", "reason": r}) or 0
+        for r in reasons
+    )
 
 
 def _handled() -> float:
@@ -43,19 +45,51 @@ def _handled() -> float:
 
 def _valid_maps(rng: random.Random) -> dict:
     ops = [{"op_type": "admit", "key": rng.getrandbits(63), "seq_num": i} for i in range(rng.randint(1, 3))]
-    return rng.choice([
-        {"type": "KVAdmitMsg", "instance_id": "f", "worker_id": 0, "key": rng.getrandbits(63), "location": "L"},
-        {"type": "BatchedKVOperationMsg", "instance_id": "f", "worker_id": 0, "location": "L", "operations": ops},
-        {"type": "RegisterMsg", "instance_id": "f", "worker_id": 0, "ip": "1.2.3.4", "port": 1, "peer_init_url": None},
-        {"type": "FullSyncBatchMsg", "instance_id": "f", "worker_id": 0, "location": "L", "sync_id": "s",
-         "batch_id": 0, "keys": [1, 2]},
-    ])
+    return rng.choice(
+        [
+            {
+                "type": "KVAdmitMsg",
+                "instance_id": "f",
+                "worker_id": 0,
+                "key": rng.getrandbits(63),
+                "location": "L",
+            },
+            {
+                "type": "BatchedKVOperationMsg",
+                "instance_id": "f",
+                "worker_id": 0,
+                "location": "L",
+                "operations": ops,
+            },
+            {
+                "type": "RegisterMsg",
+                "instance_id": "f",
+                "worker_id": 0,
+                "ip": "1.2.3.4",
+                "port": 1,
+                "peer_init_url": None,
+            },
+            {
+                "type": "FullSyncBatchMsg",
+                "instance_id": "f",
+                "worker_id": 0,
+                "location": "L",
+                "sync_id": "s",
+                "batch_id": 0,
+                "keys": [1, 2],
+            },
+        ]
+    )
 
 
-_WRONG = {"instance_id": [5, None, "", "x" * 300, ["a"]], "worker_id": ["0", -1, 2**40, 1.5, None],
-          "location": [7, "", None, {"a": 1}], "key": [1.5, "not-hex", None, [1], 2**64 + 5, -(2**63) - 1],
-          "operations": ["x", [{"op_type": "boom", "key": 1}], [1, 2], None],
-          "keys": ["abc", [1.5], [None], [2**64 + 1]]}
+_WRONG = {
+    "instance_id": [5, None, "", "x" * 300, ["a"]],
+    "worker_id": ["0", -1, 2**40, 1.5, None],
+    "location": [7, "", None, {"a": 1}],
+    "key": [1.5, "not-hex", None, [1], 2**64 + 5, -(2**63) - 1],
+    "operations": ["x", [{"op_type": "boom", "key": 1}], [1, 2], None],
+    "keys": ["abc", [1.5], [None], [2**64 + 1]],
+}
 
 
 def bad_frame(rng: random.Random) -> bytes:
@@ -63,12 +97,14 @@ def bad_frame(rng: random.Random) -> bytes:
     kind = rng.randrange(7)
     if kind == 0:  # truncated msgpack of a real message
         full = msgspec.msgpack.encode(_valid_maps(rng))
-        return full[:rng.randrange(len(full))]
+        return full[: rng.randrange(len(full))]
     if kind == 1:  # wrong field types (JSON so huge ints can travel too)
         m = _valid_maps(rng)
         field = rng.choice([f for f in _WRONG if f in m])
         m[field] = rng.choice(_WRONG[field])
-        enc = msgspec.json.encode if rng.random() < 0.5 or field in ("key", "keys") else msgspec.msgpack.encode
+        enc = (
+            msgspec.json.encode if rng.random() < 0.5 or field in ("key", "keys") else msgspec.msgpack.encode
+        )
         return enc(m)
     if kind == 2:  # unknown or missing tag
         m = _valid_maps(rng)
@@ -77,7 +113,9 @@ def bad_frame(rng: random.Random) -> bytes:
             del m["type"]
         return msgspec.msgpack.encode(m)
     if kind == 3:  # HTTP bytes
-        return rng.choice([b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"POST /lookup HTTP/1.1\r\n\r\n{\"tokens\":[1]}"])
+        return rng.choice(
+            [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b'POST /lookup HTTP/1.1\r\n\r\n{"tokens":[1]}']
+        )
     if kind == 4:  # not a map
         return msgspec.msgpack.encode(rng.choice([[1, 2], "str", 5, None, 2**64 - 1, b"bin"]))
     if kind == 5:  # random bytes with a trailing byte that breaks any complete value
@@ -86,15 +124,40 @@ def bad_frame(rng: random.Random) -> bytes:
 
 
 values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
-    max_leaves=12)
+    max_leaves=12,
+)
 TAGS = st.sampled_from(sorted(proto.DECODE_TARGETS) + ["Bogus"])
-FIELDS = st.sampled_from(["instance_id", "worker_id", "location", "key", "operations", "keys", "sync_id", "ip",
-                          "port", "batch_id", "hashes"])
-structured = st.builds(lambda tag, extra: {"type": tag, **extra}, TAGS, st.dictionaries(FIELDS, values, max_size=6))
-frames = st.lists(st.one_of(structured.map(msgspec.msgpack.encode), structured.map(msgspec.json.encode),
-                            st.binary(max_size=64)), min_size=1, max_size=20)
+FIELDS = st.sampled_from(
+    [
+        "instance_id",
+        "worker_id",
+        "location",
+        "key",
+        "operations",
+        "keys",
+        "sync_id",
+        "ip",
+        "port",
+        "batch_id",
+        "hashes",
+    ]
+)
+structured = st.builds(
+    lambda tag, extra: {"type": tag, **extra}, TAGS, st.dictionaries(FIELDS, values, max_size=6)
+)
+frames = st.lists(
+    st.one_of(
+        structured.map(msgspec.msgpack.encode), structured.map(msgspec.json.encode), st.binary(max_size=64)
+    ),
+    min_size=1,
+    max_size=20,
+)
 
 
 def _http_garbage(addr: str) -> None:
@@ -118,7 +181,7 @@ def test_ten_thousand_bad_frames_then_valid_traffic(r):
         before = _rejected()
         bulk = [bad_frame(rng) for _ in range(BULK_FRAMES)]
         for i in range(0, len(bulk), 50):
-            push.send_multipart(bulk[i:i + 50])
+            push.send_multipart(bulk[i : i + 50])
         # the same on the request channel: every bad request gets an ErrorMsg back
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -131,13 +194,19 @@ def test_ten_thousand_bad_frames_then_valid_traffic(r):
         w.register()
         w.admit([SEED_HASH])
         assert wait_for(lambda: client.lookup(SEED_TOKENS)[1], {"sentinel": ("LocalCPUBackend", 12)}) == {
-            "sentinel": ("LocalCPUBackend", 12)}
+            "sentinel": ("LocalCPUBackend", 12)
+        }
         assert _rejected() - before == BULK_FRAMES + 300
 
         sent = {"frames": 0}
 
-        @settings(max_examples=150, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=150,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(frames)
         def fuzz(batch):
             push.send_multipart(batch)
@@ -150,7 +219,9 @@ def test_ten_thousand_bad_frames_then_valid_traffic(r):
         w2.register()
         w2.admit([SEED_HASH])
         assert wait_for(lambda: client.lookup(SEED_TOKENS)[1].get("sentinel2"), ("LocalCPUBackend", 12)) == (
-            "LocalCPUBackend", 12)
+            "LocalCPUBackend",
+            12,
+        )
         w.admit([SEED_HASH])
         assert wait_for(lambda: r.zcard(f"kvl:v1:chunk:{SEED_HASH + 1}"), 1) == 1
         accounted = (_rejected() - before_rejected) + (_handled() - before_handled)
