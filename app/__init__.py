@@ -33,15 +33,25 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
     redis_client = connect(settings.redis_url, socket_timeout=5, health_check_interval=30)
+    client = Client(redis=redis_client, profile=settings.profile(), max_tokens=settings.max_tokens,
+                    instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
+    from app import control, errors, health, lookup, metrics_view, registry
+    from kvlookup.fleet import Fleet
+    from kvlookup.lmcache_control import ControlClient
+
+    fleet = Fleet(client.store)
     app.extensions["kvlookup"] = {
         "settings": settings,
         "redis": redis_client,
-        "client": Client(redis=redis_client, profile=settings.profile(), max_tokens=settings.max_tokens,
-                         instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s),
+        "client": client,
+        "fleet": fleet,
+        "control": ControlClient(settings.control_timeout_s, settings.control_retries),
+        "metrics_registries": metrics_view.build_registries(fleet),
     }
-    from app import errors, health, lookup
-
     errors.init_app(app)
     app.register_blueprint(lookup.bp)
     app.register_blueprint(health.bp)
+    app.register_blueprint(control.bp)
+    app.register_blueprint(registry.bp)
+    app.register_blueprint(metrics_view.bp)
     return app

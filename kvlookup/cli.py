@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="embedded Redis data dir (default ~/.local/share/kvlookup)")
     p.add_argument("--instance-ttl", type=float, dest="instance_ttl_s",
                    help="seconds an instance stays live without its sidecar's heartbeat (0 = off)")
+    p.add_argument("--worker-ttl", type=float, dest="worker_ttl_s",
+                   help="seconds a heartbeating worker stays live after its last heartbeat (0 = off)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
 
 
@@ -69,7 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pull-url", help="host:port to bind PULL (LMCache controller_pull_url)")
     s.add_argument("--reply-url", help="host:port to bind ROUTER (LMCache controller_reply_url, 0.3.12+)")
     s.add_argument("--advertise-reply", help="host:port workers use for heartbeats (default: reply url)")
+    s.add_argument("--metrics-port", type=int, help="serve this sidecar's Prometheus metrics on this port")
     s.set_defaults(func=cmd_sidecar)
+
+    rp = sub.add_parser("reap", help="deregister silent workers and purge retired records (once, or --loop)")
+    _common(rp)
+    rp.add_argument("--loop", type=float, help="repeat every LOOP seconds until interrupted")
+    rp.set_defaults(func=cmd_reap)
 
     r = sub.add_parser("redis", help="run the embedded Redis in the foreground and print its URL")
     r.add_argument("--data-dir")
@@ -110,12 +119,13 @@ def main(argv: list[str] | None = None) -> int:
 
 CONTROLLER_SETTINGS = ("redis_url", "data_dir", "instance_ttl_s", "log_level", "lmcache_config", "host",
                        "port", "monitor_port", "monitor_ports", "gunicorn_workers", "gunicorn_threads",
-                       "lookup_response")
+                       "lookup_response", "worker_ttl_s")
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
     settings = kvconfig.load(args.config, overrides=_overrides(args, CONTROLLER_SETTINGS))
     setup_logging(settings.log_level)
+    _multiprocess_metrics_dir()
     server = ensure_redis(settings)
     child = None
     try:
@@ -139,12 +149,27 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> subprocess.Popen:
         cmd += ["--reply-url", f"{settings.host}:{settings.reply_port()}"]
     if settings.instance_ttl_s is not None:
         cmd += ["--instance-ttl", str(settings.instance_ttl_s)]
+    cmd += ["--worker-ttl", str(settings.worker_ttl_s)]
     log.info("embedded sidecar: %s", " ".join(cmd[3:]))
     return subprocess.Popen(cmd)
 
 
 SIDECAR_SETTINGS = ("redis_url", "data_dir", "instance_ttl_s", "log_level", "instance_id", "pull_url",
-                    "reply_url", "advertise_reply")
+                    "reply_url", "advertise_reply", "worker_ttl_s", "metrics_port")
+
+
+def _multiprocess_metrics_dir() -> None:
+    """Let gunicorn workers and the embedded sidecar share counters (prometheus multiprocess
+    mode): a fresh directory unless PROMETHEUS_MULTIPROC_DIR is already set. Must run before
+    any process imports prometheus_client."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        path = tempfile.mkdtemp(prefix="kvlookup-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+        atexit.register(shutil.rmtree, path, True)
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
@@ -163,6 +188,10 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
                       instance_ids=(settings.instance_id,) if settings.instance_id else (),
                       advertise_reply=settings.advertise_reply)
     _stop_on_signals(sidecar.stop)
+    if settings.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port, addr=settings.host)
     log.info("sidecar: PULL %s, ROUTER %s, Redis %s", settings.pull_url, settings.reply_url, settings.redis_url)
     try:
         sidecar.run()
@@ -170,6 +199,28 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
     return 0
+
+
+def cmd_reap(args: argparse.Namespace) -> int:
+    from kvlookup.fleet import reap
+    from kvlookup.redis_server import connect
+    from kvlookup.store import Store
+
+    settings = kvconfig.load(args.config, overrides=_overrides(args, ("redis_url", "data_dir", "instance_ttl_s",
+                                                                       "worker_ttl_s", "log_level")))
+    setup_logging(settings.log_level)
+    if not settings.redis_url:
+        raise ValueError("kvlookup reap needs --redis-url (or KVLOOKUP_REDIS_URL)")
+    store = Store(connect(settings.redis_url, socket_timeout=10), instance_ttl_s=settings.instance_ttl_s,
+                  worker_ttl_s=settings.worker_ttl_s)
+    stop = threading.Event()
+    _stop_on_signals(stop.set)
+    while True:
+        reaped = reap(store)
+        purged = store.purge()
+        print(json.dumps({"reaped": [f"{i}/{w}" for i, w in reaped], "purged": purged}), flush=True)
+        if not args.loop or stop.wait(args.loop):
+            return 0
 
 
 def cmd_redis(args: argparse.Namespace) -> int:

@@ -47,12 +47,15 @@ class Settings:
     instance_ttl_s: float = 30.0
     worker_ttl_s: float = 0.0
     api_token: str | None = None
+    control_timeout_s: float = 2.0
+    control_retries: int = 1
     hash: dict[str, Any] = field(default_factory=_default_hash)
     lmcache_config: str | None = None
     instance_id: str | None = None
     pull_url: str | None = None
     reply_url: str | None = None
     advertise_reply: str = ""
+    metrics_port: int | None = None
     log_level: str = "INFO"
 
     def validate(self) -> Settings:
@@ -62,6 +65,8 @@ class Settings:
         for name in ("port", "max_tokens", "max_body_bytes", "gunicorn_workers", "gunicorn_threads"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.control_timeout_s <= 0 or int(self.control_retries) < 0:
+            raise ValueError("control_timeout_s must be > 0 and control_retries >= 0")
         if self.instance_ttl_s < 0 or self.worker_ttl_s < 0:
             raise ValueError("instance_ttl_s and worker_ttl_s must be >= 0")
         self.profile()

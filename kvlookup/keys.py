@@ -104,3 +104,8 @@ LOCATION_FIELD_PREFIX = "loc:"
 def location_field(location: str) -> str:
     """Field of the worker hash holding the current holder id for ``location``."""
     return LOCATION_FIELD_PREFIX + location
+
+
+def event_key(event_id: str) -> str:
+    """String (JSON, TTL one hour) recording the outcome of one control call, for /check_finish."""
+    return f"{PREFIX}event:{event_id}"

@@ -173,6 +173,8 @@ def _check(tag: str, msg: Any) -> None:
     elif isinstance(msg, FullSyncBatch):
         keys = msg.keys
     for key in keys:
+        if isinstance(key, int) and not -(1 << 63) <= key < 1 << 64:
+            raise FrameError("invalid_key", f"{tag}: chunk key {str(key)[:40]} is outside the 64-bit range")
         if isinstance(key, str) and not _HEX_KEY.fullmatch(key):
             raise FrameError("invalid_key", f"{tag}: chunk key {key[:80]!r} is neither an int nor a hex digest")
 
@@ -248,6 +250,42 @@ class BatchedKVOperationMsg(msgspec.Struct, tag=True):
     worker_id: int
     location: str
     operations: list[OpEvent]
+
+
+class FullSyncStartMsg(msgspec.Struct, tag=True):
+    """0.5.x full sync, worker -> controller (DEALER): a sync of one location begins."""
+
+    instance_id: str
+    worker_id: int
+    location: str
+    sync_id: str
+    total_keys: int
+    batch_count: int
+
+
+class FullSyncBatchMsg(msgspec.Struct, tag=True):
+    """0.5.x full sync (PUSH): one batch of the location's chunk hashes."""
+
+    instance_id: str
+    worker_id: int
+    location: str
+    sync_id: str
+    batch_id: int
+    keys: list[int]
+
+
+class FullSyncEndMsg(msgspec.Struct, tag=True):
+    instance_id: str
+    worker_id: int
+    location: str
+    sync_id: str
+    actual_total_keys: int
+
+
+class FullSyncStatusMsg(msgspec.Struct, tag=True):
+    instance_id: str
+    worker_id: int
+    sync_id: str
 
 
 class RegisterRetMsg(msgspec.Struct, tag=True):

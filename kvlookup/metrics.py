@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
 
 LOOKUPS = Counter("kvlookup_lookups_total", "Lookups answered", ["outcome"])
 LOOKUP_SECONDS = Histogram(
@@ -18,5 +18,8 @@ MESSAGES = Counter("kvlookup_messages_total", "Worker messages handled", ["type"
 REJECTED = Counter("kvlookup_rejected_frames_total", "Frames or events rejected", ["source", "reason"])
 SEQ_GAPS = Counter("kvlookup_seq_gaps_total", "Sequence gaps seen", ["source"])
 RESYNCS = Counter("kvlookup_resyncs_total", "Instances cleared or asked to resync", ["source", "reason"])
-LIVE = Gauge("kvlookup_live", "Live instances and workers in the registry", ["kind"])
-RECORDS = Gauge("kvlookup_records", "(chunk, holder) records", ["instance_id", "location"])
+REAPED = Counter("kvlookup_reaped_workers_total", "Silent workers deregistered by the reaper")
+CONTROL_CALLS = Counter("kvlookup_control_calls_total", "Controller -> worker control calls",
+                        ["message", "outcome"])
+# Live instances/workers and records per instance and location are computed from Redis at
+# scrape time: see kvlookup.fleet_metrics (kvlookup_live, kvlookup_records).

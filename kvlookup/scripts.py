@@ -60,7 +60,7 @@ return epoch
 #: KEYS[4] dead holders set, KEYS[5] instance hash
 #: ARGV[1] holder key prefix, ARGV[2] worker_id, ARGV[3] instance_id, ARGV[4] ip index prefix
 #: Returns the number of holders retired, or -1 when the worker was not registered.
-DEREGISTER = _RETIRE + """
+_DEREGISTER_BODY = """
 local known = redis.call('SISMEMBER', KEYS[2], ARGV[2]) == 1 or redis.call('EXISTS', KEYS[1]) == 1
 if not known then return -1 end
 local old = redis.call('HMGET', KEYS[1], 'ip', 'port')
@@ -76,6 +76,27 @@ if redis.call('SCARD', KEYS[2]) == 0 then
 end
 return n
 """
+DEREGISTER = _RETIRE + _DEREGISTER_BODY
+
+#: Reap a worker, atomically: deregister it (as DEREGISTER) only when it is silent, i.e.
+#: its instance's liveness key is gone (sidecar dead, when checked) or it sent heartbeats
+#: and the last one is older than the worker TTL. A worker that never sent a heartbeat is
+#: only reaped with its instance.
+#: KEYS[1..5] as DEREGISTER, KEYS[6] instance liveness key
+#: ARGV[1..4] as DEREGISTER, ARGV[5] now (unix ms), ARGV[6] worker TTL (ms, 0 = off),
+#: ARGV[7] '1' to check the liveness key.
+#: Returns -2 when the worker is live (nothing done), else as DEREGISTER.
+REAP_WORKER = _RETIRE + """
+local silent = ARGV[7] == '1' and redis.call('EXISTS', KEYS[6]) == 0
+local wttl = tonumber(ARGV[6])
+if not silent and wttl > 0 then
+  local f = redis.call('HMGET', KEYS[1], 'heartbeats', 'last_heartbeat')
+  if f[1] and tonumber(f[1]) > 0 and tonumber(ARGV[5]) - tonumber(f[2]) * 1000 > wttl then
+    silent = true
+  end
+end
+if not silent then return -2 end
+""" + _DEREGISTER_BODY
 
 #: Retire the holder of one (worker, location): its records stop counting (full sync start,
 #: location cleared). KEYS[1] worker hash, KEYS[2] dead holders set

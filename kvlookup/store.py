@@ -74,6 +74,7 @@ class Store:
         self._holder = client.register_script(scripts.HOLDER)
         self._apply = client.register_script(scripts.APPLY_OPS)
         self._purge = client.register_script(scripts.PURGE)
+        self._reap_worker = client.register_script(scripts.REAP_WORKER)
         self._lookup = client.register_script(scripts.LOOKUP)
         self._holders: dict[tuple[str, str, str, str], str] = {}
 
@@ -120,6 +121,26 @@ class Store:
                   keys.instances_key(), keys.dead_holders_key(), keys.instance_key(instance_id)],
             args=[keys.HOLDER_PREFIX, wid, instance_id, keys.ip_index_key("")],
         )
+        return int(n) >= 0
+
+    def reap_worker(self, instance_id: str, worker_id: int | str, now_ms: int | None = None) -> bool:
+        """Deregister a worker if it is silent (see scripts.REAP_WORKER); True when reaped.
+
+        Silent: its instance's liveness key expired (when instance_ttl_s > 0), or it sent
+        heartbeats and the last is older than worker_ttl_s. Checked and done atomically.
+        """
+        wid = str(worker_id)
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        n = self._reap_worker(
+            keys=[keys.worker_key(instance_id, wid), keys.instance_workers_key(instance_id),
+                  keys.instances_key(), keys.dead_holders_key(), keys.instance_key(instance_id),
+                  keys.instance_alive_key(instance_id)],
+            args=[keys.HOLDER_PREFIX, wid, instance_id, keys.ip_index_key(""), now_ms, self.worker_ttl_ms,
+                  1 if self.instance_ttl_ms > 0 else 0],
+        )
+        if int(n) == -2:
+            return False
+        self._forget(instance_id, wid)
         return int(n) >= 0
 
     def is_registered(self, instance_id: str, worker_id: int | str) -> bool:

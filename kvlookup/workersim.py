@@ -82,6 +82,23 @@ class WorkerSim:
         self.dealer.send_multipart([b"", proto.encode(msg)])
         return msgspec.msgpack.decode(self.dealer.recv_multipart()[-1])
 
+    def full_sync(self, keys: Sequence[ChunkHash], location: str = "LocalCPUBackend",
+                  sync_id: str | None = None, batch_size: int = 2000) -> tuple[dict, dict]:
+        """Era 0.5: what LMCache's FullSyncSender does on a full_sync command: FullSyncStartMsg
+        (DEALER), FullSyncBatchMsg... + FullSyncEndMsg (PUSH, one multipart), FullSyncStatusMsg
+        (DEALER). Returns the decoded start and status replies."""
+        sync_id = sync_id or f"{self.instance_id}_{self.worker_id}_00000000"
+        batches = [list(keys[i:i + batch_size]) for i in range(0, len(keys), batch_size)] or [[]]
+        start = self.request(proto.FullSyncStartMsg(self.instance_id, self.worker_id, location, sync_id,
+                                                    len(keys), len(batches)))
+        frames = [proto.encode(proto.FullSyncBatchMsg(self.instance_id, self.worker_id, location, sync_id, i,
+                                                      [int(k) for k in b])) for i, b in enumerate(batches)]
+        frames.append(proto.encode(proto.FullSyncEndMsg(self.instance_id, self.worker_id, location, sync_id,
+                                                        len(keys))))
+        self.push.send_multipart(frames)
+        status = self.request(proto.FullSyncStatusMsg(self.instance_id, self.worker_id, sync_id))
+        return start, status
+
     # -- chunk events ----------------------------------------------------------------------
 
     def admit(self, keys: Sequence[ChunkHash], location: str = "LocalCPUBackend") -> None:

@@ -155,6 +155,14 @@ class LMCacheIngest:
         self._seen_workers.discard((instance_id, worker_id))
         log.info("deregistered %s worker %d%s", instance_id, worker_id, "" if known else " (was unknown)")
 
+    def forget(self, instance_id: str, worker_id: int | str) -> None:
+        """Drop what this process knows of a worker the reaper deregistered, so its next
+        heartbeat or record re-registers it (and, for 0.5.x, asks for a full sync)."""
+        wid = int(worker_id) if isinstance(worker_id, str) and worker_id.isdigit() else worker_id
+        self._seen_workers.discard((instance_id, wid))
+        for source in [s for s in self._next_seq if s[:2] == (instance_id, wid)]:
+            del self._next_seq[source]
+
     # -- request channel (ROUTER) ----------------------------------------------------------
 
     def handle_request(self, payload: bytes) -> bytes:

@@ -16,6 +16,7 @@ import redis
 import zmq
 
 from kvlookup import metrics
+from kvlookup.fleet import reap
 from kvlookup.store import Store
 from kvlookup.zmqaddr import endpoint
 from sidecar.lmcache_ingest import LMCacheIngest
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 #: Records purged per periodic step (bounded so ingest is never starved).
 PURGE_BUDGET = 20_000
 MAX_FRAMES_PER_MESSAGE = 10_000
+#: Largest frame a peer may send (ZMQ_MAXMSGSIZE); a peer sending more is disconnected.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
 class Sidecar:
@@ -48,7 +51,7 @@ class Sidecar:
         self.lmcache = LMCacheIngest(store, heartbeat_url=hb_url)
         self.lmcache.instances.update(instance_ids)
         self.heartbeat_s = heartbeat_s or max(0.5, store.instance_ttl_ms / 3000)
-        self.tasks: list[Callable[[], None]] = [self._touch_instances, self._purge]
+        self.tasks: list[Callable[[], None]] = [self._touch_instances, self._reap, self._purge]
         self._stop = threading.Event()
         self.pull = self.router = None
         if pull_url:
@@ -63,6 +66,7 @@ class Sidecar:
         sock.setsockopt(zmq.LINGER, 0)
         if kind in (zmq.PULL, zmq.SUB, zmq.ROUTER):
             sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if bind:
             sock.bind(bind)
         if connect:
@@ -101,6 +105,11 @@ class Sidecar:
     def _touch_instances(self) -> None:
         for instance_id in list(self.lmcache.instances):
             self.store.touch_instance(instance_id)
+
+    def _reap(self) -> None:
+        for instance_id, worker_id in reap(self.store):
+            metrics.REAPED.inc()
+            self.lmcache.forget(instance_id, worker_id)
 
     def _purge(self) -> None:
         removed = self.store.purge(PURGE_BUDGET)

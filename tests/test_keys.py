@@ -20,6 +20,7 @@ def test_key_strings():
     assert keys.block_sizes_key() == "kvl:v1:vllm:block_sizes"
     assert keys.engine_map_key("a") == "kvl:v1:instance:a:blocks"
     assert keys.location_field("LocalCPUBackend") == "loc:LocalCPUBackend"
+    assert keys.event_key("Clear1234") == "kvl:v1:event:Clear1234"
 
 
 def test_prefixes_used_by_lua_match_builders():

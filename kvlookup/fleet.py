@@ -1,0 +1,168 @@
+"""The fleet as the registry in Redis sees it: instances, workers, liveness, key counts; the reaper.
+
+Everything here reads index sets (``kvl:v1:instances``, ``instance:<id>:workers``, the worker
+hashes and the holders' reverse-index sets) in pipelined round trips; nothing scans the
+keyspace. Used by the controller's control and stats endpoints, the metrics collector, the
+sidecars' periodic reaper and ``kvlookup reap``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvlookup import keys
+from kvlookup.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerInfo:
+    """One registered worker. Times are unix seconds; holders maps location -> holder id."""
+
+    instance_id: str
+    worker_id: int | str
+    ip: str = ""
+    port: int = 0
+    peer_init_url: str | None = None
+    registration_time: float = 0.0
+    last_heartbeat_time: float = 0.0
+    heartbeats: int = 0
+    epoch: int = 0
+    holders: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_hash(cls, instance_id: str, worker_id: str, h: dict[str, str]) -> WorkerInfo:
+        """Build from a worker hash (``kvl:v1:worker:<inst>:<wid>``)."""
+        return cls(
+            instance_id=instance_id,
+            worker_id=_wid(worker_id),
+            ip=h.get("ip", ""),
+            port=int(h.get("port") or 0),
+            peer_init_url=h.get("peer_init_url") or None,
+            registration_time=float(h.get("registered_at") or 0),
+            last_heartbeat_time=float(h.get("last_heartbeat") or 0),
+            heartbeats=int(h.get("heartbeats") or 0),
+            epoch=int(h.get("epoch") or 0),
+            holders={
+                f[len(keys.LOCATION_FIELD_PREFIX) :]: v
+                for f, v in h.items()
+                if f.startswith(keys.LOCATION_FIELD_PREFIX)
+            },
+        )
+
+    def lmcache(self) -> dict:
+        """LMCache's WorkerInfo JSON shape (``/query_worker_info``, ``/controller/workers``)."""
+        return {
+            "instance_id": self.instance_id,
+            "worker_id": self.worker_id,
+            "ip": self.ip,
+            "port": self.port,
+            "peer_init_url": self.peer_init_url,
+            "registration_time": self.registration_time,
+            "last_heartbeat_time": self.last_heartbeat_time,
+        }
+
+
+def _wid(worker_id: str) -> int | str:
+    return int(worker_id) if worker_id.isdigit() else worker_id
+
+
+def _sort_key(worker_id: int | str) -> tuple:
+    return (0, worker_id, "") if isinstance(worker_id, int) else (1, 0, worker_id)
+
+
+class Fleet:
+    """Read-only views of the registry, for one :class:`Store` (its TTL settings apply)."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.r = store.r
+
+    def instance_ids(self) -> list[str]:
+        """Every registered instance id, sorted."""
+        return sorted(self.r.smembers(keys.instances_key()))
+
+    def instance_kind(self, instance_id: str) -> str | None:
+        """``lmcache`` or ``vllm``; None for an unknown instance."""
+        return self.r.hget(keys.instance_key(instance_id), "kind")
+
+    def workers(self, instance_ids: list[str] | None = None) -> list[WorkerInfo]:
+        """Registered workers of the given instances (default: all), sorted by instance, worker id."""
+        insts = self.instance_ids() if instance_ids is None else list(instance_ids)
+        pipe = self.r.pipeline(transaction=False)
+        for inst in insts:
+            pipe.smembers(keys.instance_workers_key(inst))
+        pairs = [(inst, wid) for inst, wids in zip(insts, pipe.execute(), strict=True) for wid in wids]
+        for inst, wid in pairs:
+            pipe.hgetall(keys.worker_key(inst, wid))
+        infos = [
+            WorkerInfo.from_hash(inst, wid, h)
+            for (inst, wid), h in zip(pairs, pipe.execute(), strict=True)
+            if h
+        ]
+        return sorted(infos, key=lambda w: (w.instance_id, _sort_key(w.worker_id)))
+
+    def alive(self, instance_ids: list[str]) -> dict[str, bool]:
+        """Whether each instance's sidecar liveness key exists (all True when liveness is off)."""
+        if self.store.instance_ttl_ms <= 0:
+            return dict.fromkeys(instance_ids, True)
+        pipe = self.r.pipeline(transaction=False)
+        for inst in instance_ids:
+            pipe.exists(keys.instance_alive_key(inst))
+        return {inst: bool(n) for inst, n in zip(instance_ids, pipe.execute(), strict=True)}
+
+    def worker_live(self, w: WorkerInfo, instance_alive: bool, now: float | None = None) -> bool:
+        """A worker counts in lookups: instance alive, and no heartbeat older than worker_ttl_s."""
+        if not instance_alive:
+            return False
+        if self.store.worker_ttl_ms > 0 and w.heartbeats > 0:
+            now = time.time() if now is None else now
+            return (now - w.last_heartbeat_time) * 1000 <= self.store.worker_ttl_ms
+        return True
+
+    def key_counts(self, workers: list[WorkerInfo]) -> list[dict[str, int]]:
+        """Records per location for each worker (SCARD of its holders' reverse-index sets)."""
+        pipe = self.r.pipeline(transaction=False)
+        order = [(i, loc) for i, w in enumerate(workers) for loc in sorted(w.holders)]
+        for i, loc in order:
+            pipe.scard(keys.holder_chunks_key(workers[i].holders[loc]))
+        out: list[dict[str, int]] = [{} for _ in workers]
+        for (i, loc), n in zip(order, pipe.execute() if order else [], strict=True):
+            out[i][loc] = int(n)
+        return out
+
+    def instances_on_ip(self, ip: str) -> list[tuple[int, str]]:
+        """(port, instance_id) of every worker registered from ``ip``, sorted."""
+        out = []
+        for member in self.r.smembers(keys.ip_index_key(ip)):
+            port, _, inst = member.partition(":")
+            out.append((int(port) if port.isdigit() else 0, inst))
+        return sorted(out)
+
+
+def reap(store: Store, now: float | None = None) -> list[tuple[str, int | str]]:
+    """Deregister every silent worker; returns the (instance_id, worker_id) pairs reaped.
+
+    Silent: its instance's sidecar liveness key expired, or it sent heartbeats and stopped
+    for longer than ``worker_ttl_s``. Its records stop counting at once and
+    :meth:`Store.purge` deletes them in bounded steps. Walks the instances index set
+    (SMEMBERS + EXISTS, no SCAN); each decision is re-checked atomically in Redis, so
+    concurrent reapers (one per sidecar) are safe. Cost: O(instances + workers) per call.
+    """
+    if store.instance_ttl_ms <= 0 and store.worker_ttl_ms <= 0:
+        return []
+    fleet = Fleet(store)
+    now = time.time() if now is None else now
+    workers = fleet.workers()
+    alive = fleet.alive(sorted({w.instance_id for w in workers}))
+    reaped = []
+    for w in workers:
+        if fleet.worker_live(w, alive[w.instance_id], now):
+            continue
+        if store.reap_worker(w.instance_id, w.worker_id, int(now * 1000)):
+            reaped.append((w.instance_id, w.worker_id))
+            log.info("reaped silent worker %s/%s", w.instance_id, w.worker_id)
+    return reaped

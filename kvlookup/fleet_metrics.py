@@ -1,0 +1,65 @@
+"""Scrape-time gauges from the registry in Redis: live instances/workers, records per location.
+
+Computed when Prometheus scrapes (one pipelined pass over the index sets, no SCAN), so every
+controller replica and gunicorn worker reports the same fleet-wide values and nothing has
+to be kept in sync between processes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvlookup.fleet import Fleet
+
+log = logging.getLogger(__name__)
+
+
+class FleetCollector(Collector):
+    """Yields ``kvlookup_live{kind="instances"|"workers"}`` and
+    ``kvlookup_records{instance_id, location}``; ``kvlookup_index_up`` is 0 when Redis failed."""
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+
+    def collect(self):
+        up = GaugeMetricFamily(
+            "kvlookup_index_up", "1 when the registry in Redis was readable at scrape time"
+        )
+        try:
+            live, records = self._read()
+        except redis.RedisError as exc:
+            log.warning("metrics: registry unreadable: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield live
+        yield records
+
+    def _read(self):
+        fleet = self.fleet
+        workers = fleet.workers()
+        alive = fleet.alive(fleet.instance_ids())
+        live_workers = [w for w in workers if fleet.worker_live(w, alive.get(w.instance_id, False))]
+        live = GaugeMetricFamily(
+            "kvlookup_live", "Live instances and workers in the registry", labels=["kind"]
+        )
+        live.add_metric(["instances"], sum(1 for ok in alive.values() if ok))
+        live.add_metric(["workers"], len(live_workers))
+        totals: dict[tuple[str, str], int] = {}
+        for w, counts in zip(workers, fleet.key_counts(workers), strict=True):
+            for loc, n in counts.items():
+                totals[(w.instance_id, loc)] = totals.get((w.instance_id, loc), 0) + n
+        records = GaugeMetricFamily(
+            "kvlookup_records",
+            "(chunk, holder) records of current holders",
+            labels=["instance_id", "location"],
+        )
+        for (inst, loc), n in sorted(totals.items()):
+            records.add_metric([inst, loc], n)
+        return live, records

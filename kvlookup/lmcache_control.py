@@ -1,0 +1,264 @@
+"""Controller -> LMCache worker control calls (clear, pin, compress, decompress, move, health).
+
+Wire facts (LMCache 0.5.6, ../shared/research/lmcache-controller.md §2.1, notes/lmcache-facts.md
+§4, §5c): the controller connects a REQ socket to the worker's REP port (``RegisterMsg.ip``
+and ``port``, i.e. the engine's ``lmcache_worker_ports``), sends one msgpack frame and reads
+one frame back. Messages are msgspec structs tagged ``"type"`` = class name, every field in
+declaration order.
+
+Unlike LMCache's controller, every call here has a deadline: :class:`ControlClient` opens a
+fresh REQ socket per call and attempt (a REQ socket that timed out is stuck in the wrong
+state, so it is discarded), sends to all workers of an instance at once, waits at most
+``timeout_s`` per attempt and retries the silent ones ``retries`` times. A dead worker
+therefore costs at most ``timeout_s * (retries + 1)`` and never wedges a later call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvlookup import metrics
+from kvlookup.lmcache_protocol import ErrorMsg
+
+# -- requests (exact 0.5.6 encodings) ------------------------------------------------------
+
+
+class ClearWorkerMsg(msgspec.Struct, tag=True):
+    worker_event_id: str
+    location: str
+
+
+class PinWorkerMsg(msgspec.Struct, tag=True):
+    worker_event_id: str
+    location: str
+    tokens: list[int]
+
+
+class CompressWorkerMsg(msgspec.Struct, tag=True):
+    worker_event_id: str
+    method: str
+    location: str
+    tokens: list[int] | None = None
+
+
+class DecompressWorkerMsg(msgspec.Struct, tag=True):
+    worker_event_id: str
+    method: str
+    location: str
+    tokens: list[int] | None = None
+
+
+class MoveWorkerMsg(msgspec.Struct, tag=True):
+    worker_event_id: str
+    old_position: str
+    new_position: tuple[str, str]
+    tokens: list[int] | None = None
+    copy: bool | None = True
+
+
+class HealthWorkerMsg(msgspec.Struct, tag=True):
+    worker_event_id: str
+
+
+class CheckFinishWorkerMsg(msgspec.Struct, tag=True):
+    worker_event_id: str
+
+
+# -- replies ---------------------------------------------------------------------------------
+
+
+class ClearWorkerRetMsg(msgspec.Struct, tag=True):
+    num_tokens: int
+
+
+class PinWorkerRetMsg(msgspec.Struct, tag=True):
+    num_tokens: int
+
+
+class CompressWorkerRetMsg(msgspec.Struct, tag=True):
+    num_tokens: int
+
+
+class DecompressWorkerRetMsg(msgspec.Struct, tag=True):
+    num_tokens: int
+
+
+class MoveWorkerRetMsg(msgspec.Struct, tag=True):
+    num_tokens: int
+
+
+class HealthWorkerRetMsg(msgspec.Struct, tag=True):
+    error_code: int
+
+
+class CheckFinishWorkerRetMsg(msgspec.Struct, tag=True):
+    status: str
+
+
+ControlRet = (
+    ClearWorkerRetMsg
+    | PinWorkerRetMsg
+    | CompressWorkerRetMsg
+    | DecompressWorkerRetMsg
+    | MoveWorkerRetMsg
+    | HealthWorkerRetMsg
+    | CheckFinishWorkerRetMsg
+    | ErrorMsg
+)
+
+#: request type -> the reply type it expects
+EXPECTED_REPLY: dict[type, type] = {
+    ClearWorkerMsg: ClearWorkerRetMsg,
+    PinWorkerMsg: PinWorkerRetMsg,
+    CompressWorkerMsg: CompressWorkerRetMsg,
+    DecompressWorkerMsg: DecompressWorkerRetMsg,
+    MoveWorkerMsg: MoveWorkerRetMsg,
+    HealthWorkerMsg: HealthWorkerRetMsg,
+    CheckFinishWorkerMsg: CheckFinishWorkerRetMsg,
+}
+
+_encoder = msgspec.msgpack.Encoder()
+_reply_decoder = msgspec.msgpack.Decoder(ControlRet)
+MAX_REPLY_BYTES = 1 << 20
+
+#: Outcomes of one call. LMCache's /health maps them to error codes.
+OK, WORKER_ERROR, UNEXPECTED, UNDECODABLE, TIMEOUT = (
+    "ok",
+    "worker_error",
+    "unexpected",
+    "undecodable",
+    "timeout",
+)
+HEALTH_CODES = {WORKER_ERROR: -1001, UNEXPECTED: -1002, UNDECODABLE: -1003, TIMEOUT: -1004}
+
+
+@dataclass
+class Target:
+    """One worker to call: its id (for results), REP address, and the message to send."""
+
+    worker_id: int | str
+    ip: str
+    port: int
+    msg: msgspec.Struct
+
+
+@dataclass
+class Result:
+    """What one worker answered. outcome: ok, worker_error, unexpected, undecodable, timeout.
+
+    reply: the decoded reply struct (ok); error: a human-readable reason otherwise;
+    attempts: sends made.
+    """
+
+    worker_id: int | str
+    outcome: str
+    reply: Any = None
+    error: str = ""
+    attempts: int = 0
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack bytes exactly as LMCache 0.5.6 writes the message."""
+    return _encoder.encode(msg)
+
+
+def _host(ip: str) -> str:
+    return "127.0.0.1" if ip in ("", "localhost") else ip
+
+
+class ControlClient:
+    """Bounded, concurrent REQ calls to LMCache workers' REP ports.
+
+    timeout_s: wait per attempt (send and reply); retries: further attempts for workers that
+    did not answer (0 for non-idempotent calls); ctx: a zmq Context (default: a private one).
+    """
+
+    def __init__(self, timeout_s: float = 2.0, retries: int = 1, ctx: zmq.Context | None = None):
+        self.timeout_ms = max(1, int(timeout_s * 1000))
+        self.retries = max(0, int(retries))
+        self.ctx = ctx or zmq.Context()
+
+    def call(self, targets: list[Target], retries: int | None = None) -> list[Result]:
+        """Send each target its message and collect replies, in target order.
+
+        Returns one :class:`Result` per target; never raises for worker failures.
+        """
+        results = {i: Result(t.worker_id, TIMEOUT) for i, t in enumerate(targets)}
+        pending = list(range(len(targets)))
+        tries = 1 + (self.retries if retries is None else max(0, retries))
+        for _ in range(tries):
+            if not pending:
+                break
+            pending = self._attempt(targets, pending, results)
+        for i in pending:
+            t = targets[i]
+            results[i].error = (
+                f"worker {t.worker_id} at {t.ip}:{t.port} did not answer within "
+                f"{self.timeout_ms / 1000:g}s ({results[i].attempts} attempt(s))"
+            )
+        for i, t in enumerate(targets):
+            metrics.CONTROL_CALLS.labels(type(t.msg).__name__, results[i].outcome).inc()
+        return [results[i] for i in range(len(targets))]
+
+    def _attempt(self, targets: list[Target], pending: list[int], results: dict[int, Result]) -> list[int]:
+        poller = zmq.Poller()
+        socks: dict[zmq.Socket, int] = {}
+        try:
+            for i in pending:
+                t = targets[i]
+                sock = self.ctx.socket(zmq.REQ)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+                sock.connect(f"tcp://{_host(t.ip)}:{int(t.port)}")
+                socks[sock] = i
+                results[i].attempts += 1
+                try:
+                    sock.send(encode(t.msg), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # queued on connect; a peer that never comes up times out below
+                poller.register(sock, zmq.POLLIN)
+            deadline = time.monotonic() + self.timeout_ms / 1000
+            waiting = set(socks)
+            while waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for sock, _ev in poller.poll(int(left * 1000) + 1):
+                    i = socks[sock]
+                    results[i] = self._decode(targets[i], sock.recv(), results[i].attempts)
+                    poller.unregister(sock)
+                    waiting.discard(sock)
+            return sorted(socks[s] for s in waiting)
+        finally:
+            for sock in socks:
+                sock.close(0)
+
+    @staticmethod
+    def _decode(target: Target, frame: bytes, attempts: int) -> Result:
+        try:
+            reply = _reply_decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return Result(
+                target.worker_id, UNDECODABLE, error=f"undecodable reply: {exc}"[:300], attempts=attempts
+            )
+        if isinstance(reply, ErrorMsg):
+            return Result(target.worker_id, WORKER_ERROR, reply, error=reply.error, attempts=attempts)
+        if not isinstance(reply, EXPECTED_REPLY.get(type(target.msg), ())):
+            return Result(
+                target.worker_id,
+                UNEXPECTED,
+                reply,
+                error=f"unexpected reply {type(reply).__name__}",
+                attempts=attempts,
+            )
+        return Result(target.worker_id, OK, reply, attempts=attempts)
+
+    def close(self) -> None:
+        """Terminate the private context."""
+        self.ctx.term()
