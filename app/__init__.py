@@ -12,7 +12,7 @@ from typing import Any
 from flask import Flask
 
 from kvlookup import config as kvconfig
-from kvlookup.client import Client
+from kvlookup.client import Client, VllmChains
 from kvlookup.redis_server import connect
 
 
@@ -37,7 +37,8 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
         "settings": settings,
         "redis": redis_client,
         "client": Client(redis=redis_client, profile=settings.profile(), max_tokens=settings.max_tokens,
-                         instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s),
+                         instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s,
+                         extra_chains=[VllmChains(redis_client)]),
     }
     from app import errors, health, lookup
 
