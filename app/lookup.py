@@ -1,7 +1,8 @@
 """``POST /lookup``: which instance holds the longest prefix of a prompt, and where.
 
 Request ``{"tokens": [int, ...], "lora_name"?: str, "cache_salt"?: str}`` (the last two select
-the namespace of vLLM blocks: a LoRA adapter, vLLM's per-request cache salt). Response (``lookup_response: flat``, the default)::
+the namespace of vLLM blocks: a LoRA adapter, vLLM's per-request cache salt).
+Response (``lookup_response: flat``, the default)::
 
     {"event_id": "Lookup<uuid4>", "<instance_id>": ["<location>", <matched_prefix_length>], ...}
 
@@ -72,7 +73,8 @@ def lookup() -> Response:
     start = time.perf_counter()
     req = parse_request(request.get_data(cache=False), settings.max_tokens)
     try:
-        matches = client.matches(req.tokens, validate=False, lora_name=req.lora_name, cache_salt=req.cache_salt)
+        matches = client.matches(req.tokens, validate=False, lora_name=req.lora_name,
+                                 cache_salt=req.cache_salt)
     except redis.RedisError as exc:
         metrics.LOOKUPS.labels("redis_error").inc()
         raise ApiError(503, f"index unavailable: {exc}") from None

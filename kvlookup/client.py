@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 import msgspec
-
 import redis
 
 from kvlookup import keys

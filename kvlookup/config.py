@@ -71,7 +71,7 @@ class Settings:
         if self.instance_ttl_s < 0 or self.worker_ttl_s < 0:
             raise ValueError("instance_ttl_s and worker_ttl_s must be >= 0")
         if self.vllm_endpoint and not self.instance_id:
-            raise ValueError("vllm_endpoint needs instance_id (the name lookups report for that vLLM instance)")
+            raise ValueError("vllm_endpoint needs instance_id (the name lookups report for that instance)")
         if self.vllm_replay_endpoint and not self.vllm_endpoint:
             raise ValueError("vllm_replay_endpoint needs vllm_endpoint")
         if int(self.vllm_dp_size) < 1 or self.vllm_replay_timeout_s <= 0:

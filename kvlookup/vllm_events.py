@@ -216,7 +216,7 @@ def parse_live(frames: list[bytes]) -> tuple[bytes, int, bytes]:
     Raises DecodeError (reason ``frames``) on any other shape.
     """
     if len(frames) != 3 or len(frames[1]) != 8:
-        raise DecodeError("frames", f"live message has {len(frames)} frame(s), expected [topic, seq8, payload]")
+        raise DecodeError("frames", f"live message has {len(frames)} frame(s), not [topic, seq8, payload]")
     return frames[0], int.from_bytes(frames[1], "big"), frames[2]
 
 

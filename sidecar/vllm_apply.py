@@ -234,6 +234,7 @@ class BatchApplier:
         try:
             self.ctx.store.apply(batches, space=space)
         except NotRegistered:
-            log.warning("%s rank %d was deregistered; registering it again", self.ctx.instance_id, self.ctx.rank)
-            self.ctx.store.register_worker(self.ctx.instance_id, self.ctx.rank, kind="vllm", worker_rule="any")
+            ctx = self.ctx
+            log.warning("%s rank %d was deregistered; registering it again", ctx.instance_id, ctx.rank)
+            ctx.store.register_worker(ctx.instance_id, ctx.rank, kind="vllm", worker_rule="any")
             self.ctx.store.apply(batches, space=space)

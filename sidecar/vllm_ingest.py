@@ -115,8 +115,8 @@ class VllmIngest:
 
     def _first_contact(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
         ik = keys.instance_key(self.instance_id)
-        p_seq, p_digest, p_bs = self.store.r.hmget(ik, keys.rank_field("seq", rank), keys.rank_field("digest", rank),
-                                                   keys.rank_field("block_size", rank))
+        fields = [keys.rank_field(name, rank) for name in ("seq", "digest", "block_size")]
+        p_seq, p_digest, p_bs = self.store.r.hmget(ik, fields)
         if p_seq is not None and self.store.is_registered(self.instance_id, rank):
             st.last, st.block_size = int(p_seq), int(p_bs) if p_bs else None
             if self._resume(rank, st, seq, p_digest):
@@ -181,8 +181,8 @@ class VllmIngest:
         self.store.register_worker(self.instance_id, rank, kind="vllm", worker_rule="any")
         pipe = self.store.r.pipeline(transaction=False)
         pipe.unlink(keys.engine_map_key(self.instance_id, rank))
-        pipe.hdel(keys.instance_key(self.instance_id), keys.rank_field("seq", rank), keys.rank_field("digest", rank),
-                  keys.rank_field("block_size", rank))
+        pipe.hdel(keys.instance_key(self.instance_id),
+                  *[keys.rank_field(name, rank) for name in ("seq", "digest", "block_size")])
         pipe.execute()
 
     def _clear(self, rank: int, st: RankState, resync: str | None) -> None:

@@ -155,7 +155,8 @@ def test_own_chain_namespaces_and_blocks():
     assert len(base) == 2 and len(vh.chain(vh.request_root(16), TOKENS + (1,) * 15, 16)) == 2
     assert vh.chain(base[0], TOKENS[16:], 16) == base[1:]  # chaining from a parent continues the chain
     others = [vh.chain(vh.request_root(16, "x"), TOKENS, 16), vh.chain(vh.request_root(16, "y"), TOKENS, 16),
-              vh.chain(vh.request_root(16, None, "salt"), TOKENS, 16), vh.chain(vh.request_root(32), TOKENS, 32)]
+              vh.chain(vh.request_root(16, None, "salt"), TOKENS, 16),
+              vh.chain(vh.request_root(32), TOKENS, 32)]
     assert len({h for chain in [base, *others] for h in chain}) == 2 + 2 + 2 + 2 + 1
     assert vh.request_root(16, "x") == vh.namespace_root(16, "x", ())
     assert vh.split_extra_keys(("x", "salt"), "x") == ("salt",)

@@ -67,9 +67,9 @@ class LoopbackPublisher:
     """
 
     def __init__(self, topic: bytes = b"kv@test", replay: bool = True, replay_topic: bool = True,
-                 buffer: int = 10_000):
+                 buffer: int = 10_000, port: int | None = None):
         self.ctx = zmq.Context()
-        self.port = free_port()
+        self.port = port or free_port()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(f"tcp://127.0.0.1:{self.port}")
