@@ -142,3 +142,35 @@ def test_mixed_fleet_one_lookup(r, redis_url):
         worker.close()
         sc.close()
         pub.close()
+
+
+def test_settings_and_cli_flags(r):
+    from kvlookup import config as kvconfig
+    from kvlookup.cli import build_parser, main
+
+    env = {"KVLOOKUP_VLLM_ENDPOINT": "tcp://127.0.0.1:5557", "KVLOOKUP_INSTANCE_ID": "p",
+           "KVLOOKUP_VLLM_BIND": "true", "KVLOOKUP_VLLM_DP_SIZE": "2"}
+    s = kvconfig.load(None, env=env)
+    got = (s.vllm_endpoint, s.instance_id, s.vllm_bind, s.vllm_dp_size)
+    assert got == ("tcp://127.0.0.1:5557", "p", True, 2)
+    with pytest.raises(ValueError, match="vllm_endpoint needs instance_id"):
+        kvconfig.load(None, overrides={"vllm_endpoint": "tcp://127.0.0.1:5557"}, env={})
+    with pytest.raises(ValueError, match="vllm_bind must be true or false"):
+        kvconfig.load(None, env={"KVLOOKUP_VLLM_BIND": "maybe"})
+    args = build_parser().parse_args([
+        "sidecar", "--vllm-endpoint", "tcp://h:5557", "--vllm-replay-endpoint", "tcp://h:5558",
+        "--vllm-dp-size", "4", "--vllm-bind", "--instance-id", "x"])
+    assert (args.vllm_endpoint, args.vllm_replay_endpoint, args.vllm_dp_size, args.vllm_bind) == (
+        "tcp://h:5557", "tcp://h:5558", 4, True)
+    no_id = ["sidecar", "--vllm-endpoint", "tcp://127.0.0.1:5557", "--redis-url", "redis://127.0.0.1:1"]
+    assert main(no_id) == 2
+
+
+def test_sidecar_vouches_for_its_vllm_instance(r):
+    pub = LoopbackPublisher(replay=False)
+    sc = Running(r, VllmSource("pod-quiet", pub.endpoint))
+    try:
+        assert wait_for(lambda: r.exists("kvl:v1:instance:pod-quiet:alive"), 1) == 1
+    finally:
+        sc.close()
+        pub.close()
