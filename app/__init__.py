@@ -12,7 +12,7 @@ from typing import Any
 from flask import Flask
 
 from kvlookup import config as kvconfig
-from kvlookup.client import Client
+from kvlookup.client import Client, VllmChains
 from kvlookup.redis_server import connect
 
 
@@ -34,7 +34,8 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     app.json.sort_keys = False
     redis_client = connect(settings.redis_url, socket_timeout=5, health_check_interval=30)
     client = Client(redis=redis_client, profile=settings.profile(), max_tokens=settings.max_tokens,
-                    instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
+                    instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s,
+                    extra_chains=[VllmChains(redis_client)])
     from app import control, errors, health, lookup, metrics_view, registry
     from kvlookup.fleet import Fleet
     from kvlookup.lmcache_control import ControlClient

@@ -1,6 +1,8 @@
 """``POST /lookup``: which instance holds the longest prefix of a prompt, and where.
 
-Request ``{"tokens": [int, ...]}``. Response (``lookup_response: flat``, the default)::
+Request ``{"tokens": [int, ...], "lora_name"?: str, "cache_salt"?: str}`` (the last two select
+the namespace of vLLM blocks: a LoRA adapter, vLLM's per-request cache salt).
+Response (``lookup_response: flat``, the default)::
 
     {"event_id": "Lookup<uuid4>", "<instance_id>": ["<location>", <matched_prefix_length>], ...}
 
@@ -30,23 +32,35 @@ bp = Blueprint("lookup", __name__)
 
 class LookupRequest(msgspec.Struct):
     tokens: list[TokenId]
+    lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 _decoder = msgspec.json.Decoder(LookupRequest)
 _encoder = msgspec.json.Encoder()
 
 
-def parse_tokens(body: bytes, max_tokens: int) -> list[int]:
+def parse_request(body: bytes, max_tokens: int) -> LookupRequest:
     """Validate a /lookup body; raises ApiError 400 naming the problem, 413 when too long."""
+    req = parse_body(body)
+    if len(req.tokens) > max_tokens:
+        raise ApiError(413, f"'tokens' has {len(req.tokens)} ids, more than the maximum {max_tokens}")
+    return req
+
+
+def parse_tokens(body: bytes, max_tokens: int) -> list[int]:
+    """The tokens of a valid /lookup body (see :func:`parse_request`)."""
+    return parse_request(body, max_tokens).tokens
+
+
+def parse_body(body: bytes) -> LookupRequest:
+    """Decode a /lookup body; raises ApiError 400 naming the problem."""
     try:
-        tokens = _decoder.decode(body).tokens
+        return _decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise ApiError(400, f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"body is not valid JSON: {exc}") from None
-    if len(tokens) > max_tokens:
-        raise ApiError(413, f"'tokens' has {len(tokens)} ids, more than the maximum {max_tokens}")
-    return tokens
 
 
 @bp.post("/lookup")
@@ -57,9 +71,10 @@ def lookup() -> Response:
     if fmt not in ("flat", "layout_info"):
         raise ApiError(400, "query parameter 'format' must be 'flat' or 'layout_info'")
     start = time.perf_counter()
-    tokens = parse_tokens(request.get_data(cache=False), settings.max_tokens)
+    req = parse_request(request.get_data(cache=False), settings.max_tokens)
     try:
-        matches = client.matches(tokens, validate=False)
+        matches = client.matches(req.tokens, validate=False, lora_name=req.lora_name,
+                                 cache_salt=req.cache_salt)
     except redis.RedisError as exc:
         metrics.LOOKUPS.labels("redis_error").inc()
         raise ApiError(503, f"index unavailable: {exc}") from None

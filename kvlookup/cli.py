@@ -73,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reply-url", help="host:port to bind ROUTER (LMCache controller_reply_url, 0.3.12+)")
     s.add_argument("--advertise-reply", help="host:port workers use for heartbeats (default: reply url)")
     s.add_argument("--metrics-port", type=int, help="serve this sidecar's Prometheus metrics on this port")
+    s.add_argument("--vllm-endpoint",
+                   help="vLLM KV events PUB, tcp://HOST:5557 (rank r: port + r); needs --instance-id")
+    s.add_argument("--vllm-replay-endpoint", help="vLLM replay ROUTER, tcp://HOST:5558 (rank r: port + r)")
+    s.add_argument("--vllm-dp-size", type=int, help="data-parallel ranks of the vLLM instance (1)")
+    s.add_argument("--vllm-bind", action=argparse.BooleanOptionalAction, default=None,
+                   help="bind the SUB socket(s) instead of connecting (vLLM given a concrete address connects)")
+    s.add_argument("--vllm-topic", help="topic prefix to subscribe to (default: all)")
+    s.add_argument("--vllm-replay-timeout", type=float, dest="vllm_replay_timeout_s",
+                   help="seconds to wait for each replay reply (2)")
     s.set_defaults(func=cmd_sidecar)
 
     rp = sub.add_parser("reap", help="deregister silent workers and purge retired records (once, or --loop)")
@@ -155,7 +164,8 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> subprocess.Popen:
 
 
 SIDECAR_SETTINGS = ("redis_url", "data_dir", "instance_ttl_s", "log_level", "instance_id", "pull_url",
-                    "reply_url", "advertise_reply", "worker_ttl_s", "metrics_port")
+                    "reply_url", "advertise_reply", "worker_ttl_s", "metrics_port", "vllm_endpoint",
+                    "vllm_replay_endpoint", "vllm_dp_size", "vllm_bind", "vllm_topic", "vllm_replay_timeout_s")
 
 
 def _multiprocess_metrics_dir() -> None:
@@ -176,23 +186,30 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     from kvlookup.redis_server import connect
     from kvlookup.store import Store
     from sidecar.service import Sidecar
+    from sidecar.vllm_zmq import VllmSource
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, SIDECAR_SETTINGS))
     setup_logging(settings.log_level)
-    if not settings.pull_url and not settings.reply_url:
-        raise ValueError("a sidecar needs --pull-url and/or --reply-url")
+    if not settings.pull_url and not settings.reply_url and not settings.vllm_endpoint:
+        raise ValueError("a sidecar needs --pull-url, --reply-url and/or --vllm-endpoint")
+    vllm = ()
+    if settings.vllm_endpoint:
+        vllm = (VllmSource(settings.instance_id, settings.vllm_endpoint, settings.vllm_replay_endpoint,
+                           settings.vllm_dp_size, settings.vllm_bind, settings.vllm_topic,
+                           settings.vllm_replay_timeout_s),)
     server = ensure_redis(settings)
     store = Store(connect(settings.redis_url, socket_timeout=10), instance_ttl_s=settings.instance_ttl_s,
                   worker_ttl_s=settings.worker_ttl_s)
     sidecar = Sidecar(store, settings.pull_url, settings.reply_url,
                       instance_ids=(settings.instance_id,) if settings.instance_id else (),
-                      advertise_reply=settings.advertise_reply)
+                      advertise_reply=settings.advertise_reply, vllm=vllm)
     _stop_on_signals(sidecar.stop)
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, addr=settings.host)
-    log.info("sidecar: PULL %s, ROUTER %s, Redis %s", settings.pull_url, settings.reply_url, settings.redis_url)
+    log.info("sidecar: PULL %s, ROUTER %s, vLLM %s, Redis %s", settings.pull_url, settings.reply_url,
+             settings.vllm_endpoint, settings.redis_url)
     try:
         sidecar.run()
     finally:

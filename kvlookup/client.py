@@ -12,6 +12,7 @@ import msgspec
 import redis
 
 from kvlookup import keys
+from kvlookup import vllm_hash as vh
 from kvlookup.hashing import HashProfile
 from kvlookup.redis_server import connect
 from kvlookup.store import Chain, Match, Store
@@ -94,7 +95,40 @@ def merge_matches(matches: Sequence[Match]) -> list[InstanceMatch]:
     return sorted(by_inst.values(), key=lambda im: (-im.matched_prefix_length, im.instance_id))
 
 
-ChainSource = Callable[[Sequence[int]], list[Chain]]
+#: ``source(tokens, **namespace) -> [Chain]``; namespace holds the request's ``lora_name`` /
+#: ``cache_salt`` when given (sources ignore what they do not use).
+ChainSource = Callable[..., list[Chain]]
+
+
+class VllmChains:
+    """Chain source for vLLM instances: kvlookup's own chain (kvlookup.vllm_hash) at every
+    block size vLLM instances reported (``keys.block_sizes_key``, read at most every
+    ``refresh_s`` seconds), in the request's namespace (base model unless ``lora_name`` /
+    ``cache_salt`` are given).
+    """
+
+    def __init__(self, redis: redis.Redis, refresh_s: float = 1.0):
+        self.r = redis
+        self.refresh_s = refresh_s
+        self._sizes: list[int] = []
+        self._read_at = float("-inf")
+
+    def block_sizes(self) -> list[int]:
+        now = time.monotonic()
+        if now - self._read_at >= self.refresh_s:
+            self._sizes = sorted(int(b) for b in self.r.smembers(keys.block_sizes_key()))
+            self._read_at = now
+        return self._sizes
+
+    def __call__(self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None,
+                 **_other) -> list[Chain]:
+        chains = []
+        for bs in self.block_sizes():
+            hashes = vh.chain(vh.request_root(bs, lora_name, cache_salt), tokens, bs)
+            space = keys.vllm_space(bs)
+            chains.append(Chain([keys.chunk_key(h, space) for h in hashes],
+                                [bs * (i + 1) for i in range(len(hashes))]))
+        return chains
 
 
 class Client:
@@ -120,24 +154,29 @@ class Client:
         self.extra_chains = list(extra_chains)
         self.max_tokens = max_tokens
 
-    def chains(self, tokens: Sequence[int]) -> list[Chain]:
-        """Every hash chain a lookup of ``tokens`` walks."""
+    def chains(self, tokens: Sequence[int], **namespace: str) -> list[Chain]:
+        """Every hash chain a lookup of ``tokens`` walks (namespace: see :data:`ChainSource`)."""
         hashes = self.profile.chunk_hashes(tokens)
         ends = [end for _start, end in self.profile.chunk_bounds(len(tokens))]
         chains = [Chain([keys.chunk_key(h) for h in hashes], ends)]
         for source in self.extra_chains:
-            chains.extend(source(tokens))
+            chains.extend(source(tokens, **namespace))
         return chains
 
-    def matches(self, tokens: Sequence[int], *, validate: bool = True) -> list[InstanceMatch]:
+    def matches(self, tokens: Sequence[int], *, validate: bool = True, lora_name: str | None = None,
+                cache_salt: str | None = None) -> list[InstanceMatch]:
         """Every instance holding a prefix of ``tokens``, longest first.
 
         validate: check tokens first (see :func:`validate_tokens`); callers that already
-        validated (the HTTP layer) pass False.
+        validated (the HTTP layer) pass False. lora_name / cache_salt: the request's LoRA
+        adapter and vLLM cache salt; vLLM blocks match only within the same namespace
+        (LMCache chunks are looked up as before).
         """
         if validate:
             validate_tokens(tokens, self.max_tokens)
-        return merge_matches(self.store.lookup(self.chains(tokens), now_ms=int(time.time() * 1000)))
+        namespace = {k: v for k, v in (("lora_name", lora_name), ("cache_salt", cache_salt)) if v}
+        chains = self.chains(tokens, **namespace)
+        return merge_matches(self.store.lookup(chains, now_ms=int(time.time() * 1000)))
 
     def lookup(self, tokens: list[int]) -> tuple[str, dict[str, tuple[str, int]]]:
         """LMCache's ``lookup(tokens) -> (event_id, layout_info)``.

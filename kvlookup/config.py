@@ -56,6 +56,12 @@ class Settings:
     reply_url: str | None = None
     advertise_reply: str = ""
     metrics_port: int | None = None
+    vllm_endpoint: str | None = None
+    vllm_replay_endpoint: str | None = None
+    vllm_dp_size: int = 1
+    vllm_bind: bool = False
+    vllm_topic: str = ""
+    vllm_replay_timeout_s: float = 2.0
     log_level: str = "INFO"
 
     def validate(self) -> Settings:
@@ -69,6 +75,12 @@ class Settings:
             raise ValueError("control_timeout_s must be > 0 and control_retries >= 0")
         if self.instance_ttl_s < 0 or self.worker_ttl_s < 0:
             raise ValueError("instance_ttl_s and worker_ttl_s must be >= 0")
+        if self.vllm_endpoint and not self.instance_id:
+            raise ValueError("vllm_endpoint needs instance_id (the name lookups report for that instance)")
+        if self.vllm_replay_endpoint and not self.vllm_endpoint:
+            raise ValueError("vllm_replay_endpoint needs vllm_endpoint")
+        if int(self.vllm_dp_size) < 1 or self.vllm_replay_timeout_s <= 0:
+            raise ValueError("vllm_dp_size must be >= 1 and vllm_replay_timeout_s > 0")
         self.profile()
         return self
 
@@ -95,6 +107,10 @@ class Settings:
 def _coerce(name: str, raw: str) -> Any:
     current = {f.name: f for f in dataclasses.fields(Settings)}[name]
     kind = str(current.type)
+    if kind.startswith("bool"):
+        if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+            raise ValueError(f"{name} must be true or false, got {raw!r}")
+        return raw.lower() in ("1", "true", "yes")
     if kind.startswith("int"):
         return int(raw)
     if kind.startswith("float"):

@@ -92,9 +92,23 @@ def block_sizes_key() -> str:
     return PREFIX + "vllm:block_sizes"
 
 
-def engine_map_key(instance_id: str) -> str:
-    """Hash engine block hash -> kvlookup chunk hash, per vLLM instance (resolves BlockRemoved)."""
-    return f"{INSTANCE_PREFIX}{instance_id}:blocks"
+def engine_map_key(instance_id: str, rank: int | str = 0) -> str:
+    """Hash engine block hash (u64 decimal) -> ``"<kvlookup chunk hash>|<medium>[,<medium>]"``,
+    per vLLM instance and data-parallel rank. Resolves BlockRemoved and token-less BlockStored;
+    a field goes when no medium holds the block any more; the key goes when the rank is cleared.
+    """
+    return f"{INSTANCE_PREFIX}{instance_id}:blocks:{rank}"
+
+
+def vllm_space(block_size: int) -> str:
+    """Hash space (chunk key tag) of kvlookup's own chains over vLLM blocks of ``block_size`` tokens."""
+    return f"v{int(block_size)}"
+
+
+def rank_field(name: str, rank: int | str) -> str:
+    """Per-rank field of a vLLM instance hash: ``seq:<rank>`` (last applied seq), ``digest:<rank>``
+    (blake2b of that batch's payload), ``resync:<rank>`` (why its records are incomplete)."""
+    return f"{name}:{rank}"
 
 
 #: The field of a worker hash that names the current holder id of one location.

@@ -20,6 +20,8 @@ from kvlookup.fleet import reap
 from kvlookup.store import Store
 from kvlookup.zmqaddr import endpoint
 from sidecar.lmcache_ingest import LMCacheIngest
+from sidecar.vllm_ingest import VllmIngest
+from sidecar.vllm_zmq import VllmSource, attach
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +39,13 @@ class Sidecar:
     reply_url: ``controller_reply_url`` to bind (ROUTER; 0.3.12+ registration, heartbeats,
     full sync), or None. instance_ids: instances whose liveness this sidecar vouches for from
     the start (instances seen in traffic are added). advertise_reply: the address workers
-    should use for heartbeats ("" = the reply URL's host:port).
+    should use for heartbeats ("" = the reply URL's host:port). vllm: vLLM instances whose KV
+    event streams to ingest (see sidecar.vllm_zmq); their ids are vouched for too.
     """
 
     def __init__(self, store: Store, pull_url: str | None, reply_url: str | None = None, *,
                  instance_ids: tuple[str, ...] = (), heartbeat_s: float | None = None,
-                 advertise_reply: str = ""):
+                 advertise_reply: str = "", vllm: tuple[VllmSource, ...] = ()):
         self.store = store
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()
@@ -53,7 +56,12 @@ class Sidecar:
         self.heartbeat_s = heartbeat_s or max(0.5, store.instance_ttl_ms / 3000)
         self.tasks: list[Callable[[], None]] = [self._touch_instances, self._reap, self._purge]
         self._stop = threading.Event()
+        self.closers: list[Callable[[], None]] = []
         self.pull = self.router = None
+        self.vllm: dict[str, VllmIngest] = {}
+        for source in vllm:
+            self.vllm[source.instance_id] = attach(self, source)
+            self.lmcache.instances.add(source.instance_id)
         if pull_url:
             self.pull = self.add_socket(zmq.PULL, endpoint(pull_url), self._on_pull)
         if reply_url:
@@ -149,6 +157,8 @@ class Sidecar:
 
     def close(self) -> None:
         """Close every socket and the context."""
+        for closer in self.closers:
+            closer()
         for sock in list(self.handlers):
             self.remove_socket(sock)
         self.ctx.term()

@@ -18,7 +18,10 @@ def test_key_strings():
     assert keys.worker_key("a", 1) == "kvl:v1:worker:a:1"
     assert keys.ip_index_key("10.0.0.1") == "kvl:v1:ip:10.0.0.1"
     assert keys.block_sizes_key() == "kvl:v1:vllm:block_sizes"
-    assert keys.engine_map_key("a") == "kvl:v1:instance:a:blocks"
+    assert keys.engine_map_key("a", 1) == "kvl:v1:instance:a:blocks:1"
+    assert keys.vllm_space(16) == "v16"
+    assert keys.chunk_key(42, keys.vllm_space(16)) == "kvl:v1:chunk:v16:42"
+    assert keys.rank_field("seq", 2) == "seq:2"
     assert keys.location_field("LocalCPUBackend") == "loc:LocalCPUBackend"
     assert keys.event_key("Clear1234") == "kvl:v1:event:Clear1234"
 

@@ -1,0 +1,231 @@
+"""Decode vLLM's KV cache event payloads without a fixed schema (no sockets, no Redis here).
+
+vLLM (``vllm/distributed/kv_events.py``) sends one msgpack ``KVEventBatch`` per ZMQ message.
+Its shape changed across versions (../shared/research/peers.md §1.3, fixtures in
+../shared/fixtures/), so every level is read generically:
+
+- batch: an array ``[ts, events, data_parallel_rank?]`` or a map with those keys;
+- event: a positional array ``["BlockStored", block_hashes, parent_block_hash, token_ids,
+  block_size, lora_id, medium, lora_name, extra_keys, group_idx, ...]`` (vLLM <= 0.25) or a map
+  with ``"type"`` (0.25+); missing trailing fields read as None, unknown extra fields are ignored;
+- block hash: msgpack uint64, a negative int64 (relays), or bytes (``VLLM_KV_EVENTS_USE_INT_
+  BLOCK_HASHES=0``), all normalised to the unsigned low 64 bits, big-endian for bytes, exactly
+  as vLLM's ``maybe_convert_block_hash`` does.
+
+:func:`decode_batch` raises :class:`DecodeError` when the batch itself is unreadable; a bad
+event inside a readable batch becomes a :class:`Malformed` entry, so the others still apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+U64_MASK = (1 << 64) - 1
+
+STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                 "lora_name", "extra_keys", "group_idx")
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+BATCH_FIELDS = ("ts", "events", "data_parallel_rank")
+
+
+class DecodeError(ValueError):
+    """A payload that is not a KV event batch. reason: short metric label."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Blocks cached by one engine: hashes are u64; token_ids is empty for offloading stores.
+
+    block_size: tokens per block (None when the event omits it). medium: None means GPU.
+    extra_keys: one entry per block (tuple or None), or None when absent.
+    """
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int | None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: tuple | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks evicted from ``medium`` (None means GPU)."""
+
+    block_hashes: tuple[int, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """The engine dropped its whole prefix cache (``reset_prefix_cache``)."""
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """An event that could not be read. reason: metric label; detail: for the log."""
+
+    reason: str
+    detail: str
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared | Malformed
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    """One published batch. ts: unix seconds; data_parallel_rank: None when absent."""
+
+    ts: float
+    events: tuple[Event, ...]
+    data_parallel_rank: int | None = None
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one msgpack payload (the third frame of a live message, or a replay reply).
+
+    Raises DecodeError (reasons ``msgpack``, ``batch_shape``) when the batch is unreadable.
+    """
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise DecodeError("msgpack", f"payload is not msgpack: {exc}") from None
+    ts, events, rank = _fields(raw, BATCH_FIELDS)
+    if not isinstance(events, list) or not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        raise DecodeError("batch_shape", f"not a KV event batch: {type(raw).__name__}")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
+        raise DecodeError("batch_shape", f"data_parallel_rank is {rank!r}")
+    return EventBatch(float(ts), tuple(decode_event(e) for e in events), rank)
+
+
+def decode_event(raw: Any) -> Event:
+    """Decode one generic event (array or map); never raises: bad input gives Malformed."""
+    try:
+        return _decode_event(raw)
+    except (TypeError, ValueError) as exc:
+        return Malformed("event_shape", str(exc))
+
+
+def _decode_event(raw: Any) -> Event:
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        tag, body = raw[0], raw[1:]
+    elif isinstance(raw, dict) and isinstance(raw.get("type"), str):
+        tag, body = raw["type"], raw
+    else:
+        return Malformed("event_shape", f"event is neither a tagged array nor a typed map: {raw!r:.80}")
+    if tag == "BlockStored":
+        (hashes, parent, tokens, block_size, lora_id, medium, lora_name, extra_keys,
+         group_idx) = _fields(body, STORED_FIELDS)
+        return BlockStored(
+            block_hashes=_hashes(hashes), parent_block_hash=None if parent is None else block_hash(parent),
+            token_ids=_ints(tokens or [], "token_ids"), block_size=_opt_int(block_size, "block_size"),
+            lora_id=_opt_int(lora_id, "lora_id"), medium=_opt_str(medium, "medium"),
+            lora_name=_opt_str(lora_name, "lora_name"), extra_keys=_extra_keys(extra_keys),
+            group_idx=_opt_int(group_idx, "group_idx"))
+    if tag == "BlockRemoved":
+        hashes, medium, group_idx = _fields(body, REMOVED_FIELDS)
+        return BlockRemoved(_hashes(hashes), _opt_str(medium, "medium"), _opt_int(group_idx, "group_idx"))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return Malformed("unknown_type", f"unknown event type {tag!r}")
+
+
+def _fields(raw: Any, names: tuple[str, ...]) -> list[Any]:
+    """Values of ``names`` from a positional array or a map; missing ones are None."""
+    if isinstance(raw, list):
+        return [raw[i] if i < len(raw) else None for i in range(len(names))]
+    if isinstance(raw, dict):
+        return [raw.get(n) for n in names]
+    raise DecodeError("batch_shape", f"expected an array or a map, got {type(raw).__name__}")
+
+
+def block_hash(value: Any) -> int:
+    """vLLM's external block hash as an unsigned 64-bit int.
+
+    int: u64 as is, negative i64 wrapped; bytes: the low 64 bits big-endian (the last 8 bytes,
+    like ``maybe_convert_block_hash``). Raises ValueError otherwise.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"block hash {value!r} is not an int or bytes")
+    if isinstance(value, int):
+        if not -(1 << 63) <= value <= U64_MASK:
+            raise ValueError(f"block hash {value} does not fit 64 bits")
+        return value & U64_MASK
+    if isinstance(value, (bytes, bytearray, memoryview)) and len(value) > 0:
+        return int.from_bytes(bytes(value)[-8:], "big")
+    raise ValueError(f"block hash {value!r:.40} is not an int or bytes")
+
+
+def _hashes(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"block_hashes is {type(value).__name__}, not a list")
+    return tuple(block_hash(h) for h in value)
+
+
+def _ints(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
+        raise ValueError(f"{name} must be a list of non-negative ints")
+    return tuple(value)
+
+
+def _opt_int(value: Any, name: str) -> int | None:
+    if value is None or (type(value) is int):
+        return value
+    raise ValueError(f"{name} must be an int, got {value!r:.40}")
+
+
+def _opt_str(value: Any, name: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"{name} must be a string, got {value!r:.40}")
+
+
+def _extra_keys(value: Any) -> tuple | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ValueError("extra_keys must be a list (one entry per block)")
+    return tuple(_freeze(v) for v in value)
+
+
+def _freeze(value: Any) -> Any:
+    """Lists (msgpack arrays) become tuples so extra keys are hashable and comparable."""
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+#: The 8-byte seq of a replay terminator (vLLM sends -1 as a signed big-endian int).
+REPLAY_END = -1
+
+
+def parse_live(frames: list[bytes]) -> tuple[bytes, int, bytes]:
+    """A live PUB message ``[topic, seq (8-byte big-endian), payload]`` -> (topic, seq, payload).
+
+    Raises DecodeError (reason ``frames``) on any other shape.
+    """
+    if len(frames) != 3 or len(frames[1]) != 8:
+        raise DecodeError("frames", f"live message has {len(frames)} frame(s), not [topic, seq8, payload]")
+    return frames[0], int.from_bytes(frames[1], "big"), frames[2]
+
+
+def parse_replay(frames: list[bytes]) -> tuple[int, bytes]:
+    """A replay reply seen by a DEALER -> (seq, payload); seq is :data:`REPLAY_END` at the end.
+
+    Accepts ``[b"", seq8, payload]`` (vLLM <= 0.25) and ``[b"", topic, seq8, payload]`` (0.26+).
+    Raises DecodeError (reason ``replay_frames``) on any other shape.
+    """
+    if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
+        raise DecodeError("replay_frames", f"replay reply of {len(frames)} frame(s) has an unknown shape")
+    return int.from_bytes(frames[-2], "big", signed=True), frames[-1]

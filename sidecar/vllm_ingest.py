@@ -1,0 +1,209 @@
+"""vLLM KV event streams -> index: sequence tracking, replay, resync (no sockets here).
+
+One :class:`VllmIngest` per vLLM instance; each data-parallel rank is its own stream with
+its own seq (vLLM's ``itertools.count()``, 0 at engine start). Per rank:
+
+- seq == last + 1: apply.
+- seq > last + 1 (a forward gap): replay from last + 1 through ``replay(rank, start)``; if
+  replay is off, fails, or no longer reaches back to last + 1, the rank's records are cleared
+  and it is marked resyncing (``resync:<rank>`` in the instance hash, why).
+- seq at or below the highest live seq seen (the live stream went backwards): the engine
+  restarted; the rank is cleared and starts over as a fresh stream.
+- seq already applied through replay: skipped, so every batch is applied once.
+
+At first contact (sidecar start) a rank resumes from the seq and payload digest it persisted
+in Redis when replay proves the engine is the same one (the persisted batch replays with the
+same digest); otherwise it is cleared and rebuilt from replay (from seq 0) when possible.
+A cleared rank gets a new epoch (``Store.register_worker``): its old records stop counting at
+once and are purged later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from kvlookup import keys, metrics
+from kvlookup.store import Store
+from kvlookup.vllm_events import DecodeError, decode_batch, parse_live
+from sidecar.vllm_apply import BatchApplier, RankContext
+
+log = logging.getLogger(__name__)
+
+#: ``replay(rank, start_seq)`` -> the contiguous replayed (seq, payload) run, possibly empty,
+#: or None when replay is not configured or did not answer.
+ReplayFn = Callable[[int, int], list[tuple[int, bytes]] | None]
+
+
+@dataclass
+class RankState:
+    last: int | None = None  # last applied seq; None: nothing applied since the last clear/start
+    live_high: int = -1  # highest seq seen on the live stream
+    block_size: int | None = None
+    contacted: bool = False
+
+
+def digest(payload: bytes) -> str:
+    """Short digest of a batch payload (hex), persisted to recognise the same engine."""
+    return hashlib.blake2b(payload, digest_size=8).hexdigest()
+
+
+class VllmIngest:
+    """Applies one vLLM instance's event streams (one per DP rank) to the index.
+
+    store: the index. instance_id: the name lookups report. replay: see :data:`ReplayFn`
+    (None = no replay endpoint). Counters: ``rejected`` (events/batches per reason),
+    ``skipped`` (other_group, remove_unknown), ``duplicates``, ``resyncs`` (per reason).
+    """
+
+    def __init__(self, store: Store, instance_id: str, replay: ReplayFn | None = None):
+        self.store = store
+        self.instance_id = instance_id
+        self.replay = replay
+        self.ranks: dict[int, RankState] = {}
+        self.rejected: Counter = Counter()
+        self.skipped: Counter = Counter()
+        self.resyncs: Counter = Counter()
+        self.duplicates = 0
+
+    def handle_live(self, rank: int, frames: list[bytes]) -> None:
+        """One live SUB message of ``rank``. Never raises except for Redis outages."""
+        try:
+            _topic, seq, payload = parse_live(frames)
+        except DecodeError as exc:
+            self._reject(exc.reason, str(exc))
+            return
+        metrics.MESSAGES.labels("vllm_batch").inc()
+        try:
+            self._on_live(rank, seq, payload)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise  # the loop waits; the lost message shows up as a gap and is replayed
+        except Exception:
+            self._reject("handler_error", f"rank {rank} seq {seq}")
+            log.exception("failed to apply %s rank %d seq %d", self.instance_id, rank, seq)
+
+    # -- sequence -------------------------------------------------------------------------
+
+    def _on_live(self, rank: int, seq: int, payload: bytes) -> None:
+        st = self.ranks.setdefault(rank, RankState())
+        if not st.contacted:
+            st.contacted = True
+            self._first_contact(rank, st, seq, payload)
+            return
+        if seq <= st.live_high:
+            log.warning("%s rank %d: seq went back from %d to %d (engine restart)", self.instance_id, rank,
+                        st.live_high, seq)
+            self._count_resync("engine_restart")
+            self._start_fresh(rank, st, seq, payload)
+            return
+        st.live_high = seq
+        if st.last is not None and seq <= st.last:
+            self.duplicates += 1
+            return
+        if st.last is not None and seq > st.last + 1:
+            metrics.SEQ_GAPS.labels("vllm").inc()
+            log.warning("%s rank %d: gap, last %d, got %d", self.instance_id, rank, st.last, seq)
+            self._heal(rank, st, st.last + 1)
+            if st.last is not None and seq <= st.last:
+                return
+        self._apply(rank, st, seq, payload)
+
+    def _first_contact(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
+        ik = keys.instance_key(self.instance_id)
+        fields = [keys.rank_field(name, rank) for name in ("seq", "digest", "block_size")]
+        p_seq, p_digest, p_bs = self.store.r.hmget(ik, fields)
+        if p_seq is not None and self.store.is_registered(self.instance_id, rank):
+            st.last, st.block_size = int(p_seq), int(p_bs) if p_bs else None
+            if self._resume(rank, st, seq, p_digest):
+                self._on_live(rank, seq, payload)  # now an ordinary live message: dup, next or gap
+                return
+        self._start_fresh(rank, st, seq, payload)
+
+    def _resume(self, rank: int, st: RankState, seq: int, p_digest: str | None) -> bool:
+        """Continue a persisted stream when the engine is provably the same one."""
+        assert st.last is not None
+        if self.replay is None:
+            return seq == st.last + 1  # no way to check more; a restart this exact seq would be missed
+        msgs = self.replay(rank, st.last)
+        if not msgs or msgs[0][0] != st.last or digest(msgs[0][1]) != p_digest:
+            return False
+        log.info("%s rank %d: resuming after seq %d", self.instance_id, rank, st.last)
+        for s, p in msgs[1:]:
+            self._apply(rank, st, s, p)
+        return True
+
+    def _start_fresh(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
+        """Clear the rank, then rebuild from seq 0 (replay) or mark it resyncing."""
+        self._clear(rank, st, resync=None)
+        st.live_high = seq
+        if seq > 0:
+            msgs = self.replay(rank, 0) if self.replay else None
+            if not msgs or msgs[0][0] != 0:
+                self._mark_resync(rank, "no_replay" if msgs is None else "replay_miss")
+            for s, p in msgs or []:
+                self._apply(rank, st, s, p)
+            if st.last is not None and seq <= st.last:
+                return
+        self._apply(rank, st, seq, payload)
+
+    def _heal(self, rank: int, st: RankState, start: int) -> None:
+        msgs = self.replay(rank, start) if self.replay else None
+        if msgs and msgs[0][0] == start:
+            for s, p in msgs:
+                self._apply(rank, st, s, p)
+            return
+        self._clear(rank, st, resync="no_replay" if msgs is None else "replay_miss")
+        for s, p in msgs or []:
+            self._apply(rank, st, s, p)
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def _apply(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
+        persist = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): digest(payload)}
+        ctx = RankContext(self.store, self.instance_id, rank, st.block_size, lambda: self._wipe(rank),
+                          self.rejected, self.skipped)
+        try:
+            events = decode_batch(payload).events
+        except DecodeError as exc:
+            self._reject(exc.reason, f"rank {rank} seq {seq}: {exc}")
+            events = ()
+        BatchApplier(ctx).run(events, persist)
+        st.block_size = ctx.block_size
+        st.last = seq
+
+    def _wipe(self, rank: int) -> None:
+        """New epoch for the rank (its records stop counting), empty engine map."""
+        self.store.register_worker(self.instance_id, rank, kind="vllm", worker_rule="any")
+        pipe = self.store.r.pipeline(transaction=False)
+        pipe.unlink(keys.engine_map_key(self.instance_id, rank))
+        pipe.hdel(keys.instance_key(self.instance_id),
+                  *[keys.rank_field(name, rank) for name in ("seq", "digest", "block_size")])
+        pipe.execute()
+
+    def _clear(self, rank: int, st: RankState, resync: str | None) -> None:
+        self._wipe(rank)
+        st.last, st.block_size = None, None
+        if resync:
+            self._mark_resync(rank, resync)
+        else:
+            self.store.r.hdel(keys.instance_key(self.instance_id), keys.rank_field("resync", rank))
+
+    def _mark_resync(self, rank: int, reason: str) -> None:
+        self._count_resync(reason)
+        log.warning("%s rank %d: records incomplete (%s); resyncing from live events", self.instance_id, rank,
+                    reason)
+        self.store.r.hset(keys.instance_key(self.instance_id), keys.rank_field("resync", rank), reason)
+
+    def _count_resync(self, reason: str) -> None:
+        self.resyncs[reason] += 1
+        metrics.RESYNCS.labels("vllm", reason).inc()
+
+    def _reject(self, reason: str, detail: str) -> None:
+        self.rejected[reason] += 1
+        metrics.REJECTED.labels("vllm", reason).inc()
+        log.warning("%s: rejected (%s): %s", self.instance_id, reason, detail)
