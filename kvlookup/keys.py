@@ -23,6 +23,16 @@ WORKER_PREFIX = PREFIX + "worker:"
 INSTANCE_PREFIX = PREFIX + "instance:"
 
 
+def key_name(instance_id: str) -> str:
+    """An instance_id as it appears inside keys: ``%`` and ``:`` percent-encoded.
+
+    Keys put facets after the instance id (``instance:<id>:workers``), so an id such as
+    ``a:workers`` must not read as instance ``a``'s facet. Ids without ``%`` or ``:`` (the usual
+    case) appear unchanged.
+    """
+    return instance_id.replace("%", "%25").replace(":", "%3A")
+
+
 def chunk_prefix(space: str = "") -> str:
     """Prefix of chunk keys in one hash space.
 
@@ -64,22 +74,22 @@ def instances_key() -> str:
 
 def instance_key(instance_id: str) -> str:
     """Hash of instance facts: kind (lmcache|vllm), worker_rule (all|any), block_size."""
-    return f"{INSTANCE_PREFIX}{instance_id}"
+    return f"{INSTANCE_PREFIX}{key_name(instance_id)}"
 
 
 def instance_workers_key(instance_id: str) -> str:
     """Set of the registered worker ids (TP ranks, or DP ranks for vLLM) of one instance."""
-    return f"{INSTANCE_PREFIX}{instance_id}:workers"
+    return f"{INSTANCE_PREFIX}{key_name(instance_id)}:workers"
 
 
 def instance_alive_key(instance_id: str) -> str:
     """String with a TTL, refreshed by the instance's sidecar; absent means the instance is silent."""
-    return f"{INSTANCE_PREFIX}{instance_id}:alive"
+    return f"{INSTANCE_PREFIX}{key_name(instance_id)}:alive"
 
 
 def worker_key(instance_id: str, worker_id: int | str) -> str:
     """Hash of one worker: ip, port, peer_init_url, registered_at, last_heartbeat, epoch, loc:<location>."""
-    return f"{WORKER_PREFIX}{instance_id}:{worker_id}"
+    return f"{WORKER_PREFIX}{key_name(instance_id)}:{worker_id}"
 
 
 def ip_index_key(ip: str) -> str:
@@ -97,7 +107,7 @@ def engine_map_key(instance_id: str, rank: int | str = 0) -> str:
     per vLLM instance and data-parallel rank. Resolves BlockRemoved and token-less BlockStored;
     a field goes when no medium holds the block any more; the key goes when the rank is cleared.
     """
-    return f"{INSTANCE_PREFIX}{instance_id}:blocks:{rank}"
+    return f"{INSTANCE_PREFIX}{key_name(instance_id)}:blocks:{rank}"
 
 
 def vllm_space(block_size: int) -> str:

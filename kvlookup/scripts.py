@@ -108,7 +108,8 @@ return retire(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 #: Current holder id of (instance, worker, location), created on first use.
 #: KEYS[1] worker hash, KEYS[2] holder id counter
 #: ARGV[1] holder key prefix, ARGV[2] location field, ARGV[3] instance_id, ARGV[4] worker_id,
-#: ARGV[5] location, ARGV[6] chunk key prefix of the holder's hash space
+#: ARGV[5] location, ARGV[6] chunk key prefix of the holder's hash space,
+#: ARGV[7] the instance id as it appears in keys (kvlookup.keys.key_name)
 #: Returns the holder id, or false when the worker is not registered.
 HOLDER = """
 local hid = redis.call('HGET', KEYS[1], ARGV[2])
@@ -116,7 +117,7 @@ if hid then return hid end
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 hid = redis.call('INCR', KEYS[2])
 redis.call('HSET', ARGV[1] .. hid, 'instance', ARGV[3], 'worker', ARGV[4], 'location', ARGV[5],
-           'chunk_prefix', ARGV[6])
+           'chunk_prefix', ARGV[6], 'key_name', ARGV[7])
 redis.call('HSET', KEYS[1], ARGV[2], hid)
 return hid
 """
@@ -184,10 +185,10 @@ local hp, wp, ip = ARGV[1], ARGV[2], ARGV[3]
 local now, wttl, check_alive = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] == '1'
 local instances, workers, holders = {}, {}, {}
 
-local function instance(inst)
+local function instance(inst, kname)
   local c = instances[inst]
   if c ~= nil then return c end
-  local ik = ip .. inst
+  local ik = ip .. kname
   c = {alive = true, rule = redis.call('HGET', ik, 'worker_rule') or 'all', need = 1}
   if check_alive then c.alive = redis.call('EXISTS', ik .. ':alive') == 1 end
   if c.rule == 'all' then c.need = redis.call('SCARD', ik .. ':workers') end
@@ -195,8 +196,8 @@ local function instance(inst)
   return c
 end
 
-local function worker_alive(inst, wid)
-  local k = inst .. ':' .. wid
+local function worker_alive(kname, wid)
+  local k = kname .. ':' .. wid
   local v = workers[k]
   if v ~= nil then return v end
   local f = redis.call('HMGET', wp .. k, 'heartbeats', 'last_heartbeat')
@@ -212,10 +213,11 @@ local function holder(hid)
   local h = holders[hid]
   if h ~= nil then return h end
   h = false
-  local f = redis.call('HMGET', hp .. hid, 'instance', 'worker', 'location', 'dead')
+  local f = redis.call('HMGET', hp .. hid, 'instance', 'worker', 'location', 'dead', 'key_name')
   if f[1] and not f[4] then
-    local c = instance(f[1])
-    if c.alive and c.need > 0 and worker_alive(f[1], f[2]) then
+    local kname = f[5] or f[1]
+    local c = instance(f[1], kname)
+    if c.alive and c.need > 0 and worker_alive(kname, f[2]) then
       local group, wid = f[1], ''
       if c.rule == 'any' then group, wid = f[1] .. ':' .. f[2], f[2] end
       h = {group = group, inst = f[1], wid = wid, rank = f[2], loc = f[3], need = c.need}

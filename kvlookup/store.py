@@ -190,7 +190,7 @@ class Store:
             hid = self._holder(
                 keys=[keys.worker_key(instance_id, wid), keys.holder_seq_key()],
                 args=[keys.HOLDER_PREFIX, keys.location_field(location), instance_id, wid, location,
-                      keys.chunk_prefix(space)],
+                      keys.chunk_prefix(space), keys.key_name(instance_id)],
             )
             if hid is None:
                 raise NotRegistered(f"worker {wid} of instance {instance_id!r} is not registered")

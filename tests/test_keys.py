@@ -23,6 +23,9 @@ def test_key_strings():
     assert keys.chunk_key(42, keys.vllm_space(16)) == "kvl:v1:chunk:v16:42"
     assert keys.rank_field("seq", 2) == "seq:2"
     assert keys.location_field("LocalCPUBackend") == "loc:LocalCPUBackend"
+    assert keys.instance_workers_key("a:workers") == "kvl:v1:instance:a%3Aworkers:workers"
+    assert keys.worker_key("pod:8000", 1) == "kvl:v1:worker:pod%3A8000:1"
+    assert keys.key_name("50%:x") == "50%25%3Ax"
     assert keys.event_key("Clear1234") == "kvl:v1:event:Clear1234"
 
 

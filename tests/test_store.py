@@ -154,8 +154,25 @@ def test_detail_and_redis_layout(store, client, r):
         "registered_at": "1700000000.5", "last_heartbeat": "1700000000.5", "heartbeats": "0",
         "loc:LocalCPUBackend": "1"}
     assert r.hgetall(keys.holder_key(1)) == {"instance": "a", "worker": "0", "location": CPU,
-                                             "chunk_prefix": "kvl:v1:chunk:"}
+                                             "chunk_prefix": "kvl:v1:chunk:", "key_name": "a"}
     assert r.smembers(keys.holder_chunks_key(1)) == {str(SEED_HASH)}
     assert r.hgetall(keys.instance_key("a")) == {"kind": "lmcache", "worker_rule": "all"}
     assert client.matches(SEED_TOKENS)[0].detail() == {
         "location": CPU, "matched_prefix_length": 12, "locations": {CPU: 12}}
+
+
+def test_instance_ids_cannot_reach_another_instances_keys(store, client, r):
+    """``a:workers`` and ``a:0`` are instance ids of their own, not facets of instance ``a``."""
+    for inst in ("a", "a:workers", "a:0", "a%3A0"):
+        store.register_worker(inst, 0, "127.0.0.1", 8001)
+    store.register_worker("a", 1, "127.0.0.1", 8002)
+    admit(store, "a:workers", [SEED_HASH])
+    admit(store, "a:0", [SEED_HASH])
+    admit(store, "a%3A0", [SEED_HASH])
+    admit(store, "a", [SEED_HASH], wid=0)
+    assert r.smembers(keys.instance_workers_key("a")) == {"0", "1"}
+    assert r.smembers(keys.instance_workers_key("a:workers")) == {"0"}
+    assert layout(client, SEED_TOKENS) == {"a%3A0": (CPU, 12), "a:0": (CPU, 12), "a:workers": (CPU, 12)}
+    store.deregister_worker("a:0", 0)
+    assert r.hgetall(keys.worker_key("a", 0))["port"] == "8001"
+    assert layout(client, SEED_TOKENS) == {"a%3A0": (CPU, 12), "a:workers": (CPU, 12)}
