@@ -89,4 +89,4 @@ def lookup() -> Response:
     metrics.LOOKUPS.labels("hit" if matches else "miss").inc()
     metrics.LOOKUP_SECONDS.observe(time.perf_counter() - start)
     metrics.LOOKUP_MATCHED_TOKENS.observe(matches[0].matched_prefix_length if matches else 0)
-    return Response(_encoder.encode(body), mimetype="application/json")
+    return Response(_encoder.encode(body) + b"\n", mimetype="application/json")

@@ -51,7 +51,10 @@ def _overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, An
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlookup", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvlookup", description="kvlookup: where LLM KV-cache chunks live.")
+    from kvlookup import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvlookup {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("controller", help="serve POST /lookup (gunicorn); optional embedded sidecar")
@@ -94,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=0)
     r.set_defaults(func=cmd_redis)
 
-    h = sub.add_parser("hash", help="print a prompt's chunk hashes under a hash profile")
+    h = sub.add_parser("hash", help="print a prompt's chunk hashes under a hash profile",
+                       description="Print one line per chunk: start token, end token, chunk hash.")
     _hash_flags(h)
+    h.add_argument("--config", help="kvlookup YAML settings file")
     h.add_argument("tokens", help="token ids, comma separated or a JSON list")
     h.set_defaults(func=cmd_hash)
 
@@ -253,10 +258,17 @@ def cmd_redis(args: argparse.Namespace) -> int:
 
 
 def cmd_hash(args: argparse.Namespace) -> int:
+    from kvlookup.client import validate_tokens
+
     text = args.tokens.strip()
-    tokens = json.loads(text) if text.startswith("[") else [int(t) for t in text.split(",") if t.strip()]
-    settings = kvconfig.load(None, overrides=_overrides(args, ("lmcache_config",)))
+    try:
+        tokens = json.loads(text) if text.startswith("[") else [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"tokens must be comma-separated integers or a JSON list, got {text[:60]!r}") from None
+    validate_tokens(tokens)
+    settings = kvconfig.load(args.config, overrides=_overrides(args, ("lmcache_config",)))
     profile = settings.profile()
+    print("start\tend\tchunk_hash")
     for (start, end), h in zip(profile.chunk_bounds(len(tokens)), profile.chunk_hashes(tokens), strict=True):
         print(f"{start}\t{end}\t{h}")
     return 0

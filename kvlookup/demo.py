@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -118,10 +119,12 @@ def run_demo(pull_url: str, reply_url: str | None, http: str, era: str, profile:
     return 0
 
 
-def wait_http(http: str, timeout: float = 60.0) -> bool:
-    """Wait until GET /health answers 200."""
+def wait_http(http: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> bool:
+    """Wait until GET /health answers 200; False at the timeout or when ``proc`` exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return False
         try:
             with urllib.request.urlopen(f"{http}/health", timeout=2) as resp:
                 if resp.status == 200:
@@ -138,13 +141,19 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
            "--monitor-port", str(monitor_port), "--log-level", "WARNING"]
     if data_dir:
         cmd += ["--data-dir", data_dir]
+    busy = [p for p in (port, monitor_port) if not _port_free(p)]
+    if busy:
+        print(f"kvlookup: error: port(s) {busy} on localhost are in use; stop what holds them or pass "
+              "--port/--monitor-port", file=sys.stderr)
+        return 2
     print("$ kvlookup " + " ".join(cmd[3:]), flush=True)
     ctrl = subprocess.Popen(cmd)
     http = f"http://localhost:{port}"
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
     try:
-        if not wait_http(http):
-            print("controller did not come up", file=sys.stderr)
+        if not wait_http(http, proc=ctrl):
+            print("kvlookup: error: the controller did not come up (see its log above)", file=sys.stderr)
             return 1
         run_demo(f"localhost:{monitor_port}", None, http, "0.3", HashProfile())
         print(f"\nController on {http}, LMCache PULL on localhost:{monitor_port}. Ctrl-C stops everything.")
@@ -155,6 +164,16 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
         if ctrl.poll() is None:
             ctrl.send_signal(signal.SIGTERM)
             ctrl.wait(15)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _raise_interrupt(_signum, _frame):

@@ -60,6 +60,7 @@ class GunicornController(BaseApplication):
             "graceful_timeout": 5,
             "keepalive": 5,
             "preload_app": False,
+            "control_socket_disable": True,  # no shared ~/.gunicorn/gunicorn.ctl between controllers
             **self.extra,
         }
         for key, value in options.items():

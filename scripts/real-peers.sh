@@ -7,6 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SHARED=${KVLOOKUP_SHARED:-../shared}
+if [ ! -f "$SHARED/tools/vllm_real_publisher.py" ] || [ ! -f "$SHARED/tools/lmcache_real_client.py" ]; then
+  echo "real-peers: $SHARED/tools is missing; the peer harnesses live in the reference folder ../shared" >&2
+  echo "            (set KVLOOKUP_SHARED=/path/to/shared)" >&2
+  exit 2
+fi
 if [ ! -x .venv-lmcache/bin/lmcache_controller ]; then
   "$PY" -m venv .venv-lmcache
   .venv-lmcache/bin/python -m pip install -q --upgrade pip

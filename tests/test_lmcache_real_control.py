@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -16,9 +15,10 @@ from kvlookup.redis_server import free_port
 from kvlookup.store import Store
 from tests.conftest import SEED_TOKENS
 from tests.helpers import SidecarThread, wait_for
+from tests.procs import SHARED
 
 LMCACHE_PY = os.environ.get("KVLOOKUP_LMCACHE_PYTHON")
-HARNESS = Path(os.environ.get("KVLOOKUP_SHARED", "/work/shared")) / "tools" / "lmcache_real_client.py"
+HARNESS = SHARED / "tools" / "lmcache_real_client.py"
 pytestmark = [
     pytest.mark.lmcache,
     pytest.mark.skipif(

@@ -16,10 +16,11 @@ import msgspec
 import zmq
 
 from kvlookup.redis_server import free_port
+from tests.procs import SHARED
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT.parent / "shared" / "fixtures"
-TOOL = ROOT.parent / "shared" / "tools" / "vllm_real_publisher.py"
+FIXTURES = SHARED / "fixtures"
+TOOL = SHARED / "tools" / "vllm_real_publisher.py"
 DRIVER = Path(__file__).with_name("vllm_pub_driver.py")
 END = (-1).to_bytes(8, "big", signed=True)
 
