@@ -100,26 +100,34 @@ redis.call('HSET', KEYS[1], ARGV[2], hid)
 return hid
 """
 
-#: Apply admits and evicts of one holder, in order.
+#: Apply admits and evicts of one holder. The caller folds a batch to each chunk's last op
+#: (admit then evict of one chunk leaves it evicted, and so on: sets and sorted sets only keep
+#: the final state), so admits and evicts arrive as two space-separated lists of chunk hashes
+#: and the reverse-index set is updated with one SADD/SREM per 4000 hashes.
 #: KEYS[1] holder hash, KEYS[2] holder chunks set
 #: ARGV[1] chunk key prefix, ARGV[2] holder id, ARGV[3] score (admit time, unix ms),
-#: ARGV[4..] pairs of op ('a' admit, 'e' evict) and chunk hash.
-#: Returns the number of ops applied, or -1 when the holder was retired (the caller resolves
-#: the current holder and applies again).
+#: ARGV[4] admitted chunk hashes, ARGV[5] evicted chunk hashes (space-separated, disjoint).
+#: Returns 1, or -1 when the holder was retired (the caller resolves the current holder and
+#: applies again).
 APPLY_OPS = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'dead') == 1 then return -1 end
 local p, hid, score = ARGV[1], ARGV[2], ARGV[3]
-for i = 4, #ARGV, 2 do
-  local h = ARGV[i + 1]
-  if ARGV[i] == 'a' then
-    redis.call('ZADD', p .. h, score, hid)
-    redis.call('SADD', KEYS[2], h)
-  else
-    redis.call('ZREM', p .. h, hid)
-    redis.call('SREM', KEYS[2], h)
+local function each(list, zcmd, scmd, with_score)
+  local batch, n = {}, 0
+  for h in string.gmatch(list, '%S+') do
+    if with_score then redis.call(zcmd, p .. h, score, hid) else redis.call(zcmd, p .. h, hid) end
+    n = n + 1
+    batch[n] = h
+    if n == 4000 then
+      redis.call(scmd, KEYS[2], unpack(batch))
+      batch, n = {}, 0
+    end
   end
+  if n > 0 then redis.call(scmd, KEYS[2], unpack(batch, 1, n)) end
 end
-return (#ARGV - 3) / 2
+each(ARGV[4], 'ZADD', 'SADD', true)
+each(ARGV[5], 'ZREM', 'SREM', false)
+return 1
 """
 
 #: Delete the records of retired holders, at most ARGV[2] records per call.
