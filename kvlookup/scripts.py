@@ -217,52 +217,67 @@ local ki, ai = 0, 8
 for _ = 1, tonumber(ARGV[7]) do
   local n = tonumber(ARGV[ai])
   ai = ai + 1
-  local active, results, prev = nil, {}, 0
+  -- per group: upto = chunks matched so far; stamps mark the chunk a rank/location was seen at
+  local groups, prev = {}, 0
   for i = 1, n do
     local e = tonumber(ARGV[ai + i - 1])
-    local tally = {}
+    local touched, nt = {}, 0
     for _, hid in ipairs(redis.call('ZRANGE', KEYS[ki + i], 0, -1)) do
       local h = holder(hid)
-      if h and (active == nil or active[h.group]) then
-        local t = tally[h.group]
-        if not t then
-          t = {h = h, ranks = {}, nranks = 0, locs = {}}
-          tally[h.group] = t
+      if h then
+        local g = groups[h.group]
+        if g == nil and i == 1 then
+          g = {inst = h.inst, wid = h.wid, need = h.need, upto = 0, stamp = 0, cnt = 0,
+               rstamp = {}, lstamp = {}, toks = {}, lnames = {}}
+          groups[h.group] = g
         end
-        if not t.ranks[h.rank] then
-          t.ranks[h.rank] = true
-          t.nranks = t.nranks + 1
+        if g and g.upto == i - 1 then
+          if g.stamp ~= i then
+            g.stamp, g.cnt = i, 0
+            nt = nt + 1
+            touched[nt] = g
+          end
+          if g.rstamp[h.rank] ~= i then
+            g.rstamp[h.rank] = i
+            g.cnt = g.cnt + 1
+          end
+          if g.toks[h.loc] == nil then
+            g.toks[h.loc] = 0
+            g.lnames[#g.lnames + 1] = h.loc
+          end
+          g.lstamp[h.loc] = i
         end
-        t.locs[h.loc] = true
       end
     end
-    local nxt, any = {}, false
-    for g, t in pairs(tally) do
-      if t.nranks >= t.h.need then
-        nxt[g], any = true, true
-        local r = results[g]
-        if not r then
-          r = {inst = t.h.inst, wid = t.h.wid, locs = {}}
-          results[g] = r
+    local any = false
+    for j = 1, nt do
+      local g = touched[j]
+      if g.cnt >= g.need then
+        any = true
+        g.upto, g.e = i, e
+        for _, loc in ipairs(g.lnames) do
+          if g.lstamp[loc] == i then g.toks[loc] = g.toks[loc] + (e - prev) end
         end
-        r.e = e
-        for loc in pairs(t.locs) do r.locs[loc] = (r.locs[loc] or 0) + (e - prev) end
       end
     end
     if not any then break end
-    active, prev = nxt, e
+    prev = e
   end
-  for _, r in pairs(results) do
-    local locs = {}
-    for loc, tok in pairs(r.locs) do
-      locs[#locs + 1] = loc
-      locs[#locs + 1] = tok
+  for _, g in pairs(groups) do
+    if g.upto > 0 then
+      local locs = {}
+      for _, loc in ipairs(g.lnames) do
+        if g.toks[loc] > 0 then
+          locs[#locs + 1] = loc
+          locs[#locs + 1] = g.toks[loc]
+        end
+      end
+      out[#out + 1] = g.inst
+      out[#out + 1] = g.wid
+      out[#out + 1] = g.e
+      out[#out + 1] = #locs / 2
+      for _, v in ipairs(locs) do out[#out + 1] = v end
     end
-    out[#out + 1] = r.inst
-    out[#out + 1] = r.wid
-    out[#out + 1] = r.e
-    out[#out + 1] = #locs / 2
-    for _, v in ipairs(locs) do out[#out + 1] = v end
   end
   ki, ai = ki + n, ai + n
 end
