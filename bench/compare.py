@@ -55,9 +55,11 @@ def run(cfg: CompareConfig) -> dict:
                             "kv_configs": list(cfg.kv_configs), "lmcache_venv": str(py.parent.parent)},
                  "workload": {"requests": len(reqs), "ops": n_ops,
                               "prep_s": round(time.monotonic() - t0, 1)}}
+    # lookups for the most recent 30% of the trace: what the fleet still holds at the end
     rng = random.Random(11)
-    agree_idx = sorted(rng.sample(range(len(reqs)), min(cfg.agree_sample, len(reqs))))
-    load_idx = rng.sample(range(len(reqs)), min(cfg.load_sample, len(reqs)))
+    tail = range(int(len(reqs) * 0.7), len(reqs))
+    agree_idx = sorted(rng.sample(tail, min(cfg.agree_sample, len(tail))))
+    load_idx = rng.sample(tail, min(cfg.load_sample, len(tail)))
     with Procs() as procs:
         redis_url = procs.start_redis()
         pull, reply = procs.start_sidecar(redis_url)
