@@ -1,6 +1,6 @@
 """The benchmark workload: the Mooncake conversation trace and a simulated fleet.
 
-Trace: ``/work/shared/traces/mooncake_conversation_trace.jsonl`` (or ``$KVLOOKUP_TRACE``), one
+Trace: ``shared/traces/mooncake_conversation_trace.jsonl`` beside the repo (or ``$KVLOOKUP_TRACE``), one
 request per line with ``hash_ids`` of 512-token blocks. Each block id becomes 512 deterministic
 token ids (numpy PCG64 seeded by the id), so requests sharing their first k ids share their
 first k*512 tokens, exactly as in the trace. A 512-token block is two 256-token LMCache chunks.
@@ -27,7 +27,17 @@ import numpy as np
 
 from kvlookup.hashing import HashProfile
 
-TRACE_PATH = Path(os.environ.get("KVLOOKUP_TRACE", "/work/shared/traces/mooncake_conversation_trace.jsonl"))
+_TRACE_NAME = "traces/mooncake_conversation_trace.jsonl"
+
+
+def _trace_path() -> Path:
+    if os.environ.get("KVLOOKUP_TRACE"):
+        return Path(os.environ["KVLOOKUP_TRACE"])
+    beside = Path(__file__).resolve().parent.parent.parent / "shared" / _TRACE_NAME  # CI: ../shared
+    return beside if beside.exists() else Path("/work/shared") / _TRACE_NAME
+
+
+TRACE_PATH = _trace_path()
 BLOCK = 512
 CHUNK = 256
 VOCAB = 128_000
