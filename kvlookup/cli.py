@@ -103,14 +103,15 @@ def _add_bench(sub) -> None:
     try:
         from bench.runner import add_parser
     except ImportError as exc:
+        reason = str(exc)
         b = sub.add_parser("bench", help="benchmarks (needs: pip install 'kvlookup[bench]')")
-        b.set_defaults(func=lambda _a: _missing_bench(exc))
+        b.set_defaults(func=lambda _a: _missing_bench(reason))
         return
     add_parser(sub)
 
 
-def _missing_bench(exc: ImportError) -> int:
-    print(f"kvlookup bench: {exc}; install the extra: pip install 'kvlookup[bench]'", file=sys.stderr)
+def _missing_bench(reason: str) -> int:
+    print(f"kvlookup bench: {reason}; install the extra: pip install 'kvlookup[bench]'", file=sys.stderr)
     return 2
 
 
