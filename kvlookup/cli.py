@@ -1,4 +1,4 @@
-"""``kvlookup`` command line: controller, sidecar, redis, hash, demo, quickstart."""
+"""``kvlookup`` command line: controller, sidecar, redis, hash, demo, quickstart, bench."""
 
 from __future__ import annotations
 
@@ -117,7 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--monitor-port", type=int, default=9001)
     q.add_argument("--data-dir")
     q.set_defaults(func=cmd_quickstart)
+    _add_bench(sub)
     return parser
+
+
+def _add_bench(sub) -> None:
+    """``kvlookup bench ...`` lives in bench/ (needs the ``bench`` extra: matplotlib, tqdm)."""
+    try:
+        from bench.runner import add_parser
+    except ImportError as exc:
+        reason = str(exc)
+        b = sub.add_parser("bench", help="benchmarks (needs: pip install 'kvlookup[bench]')")
+        b.set_defaults(func=lambda _a: _missing_bench(reason))
+        return
+    add_parser(sub)
+
+
+def _missing_bench(reason: str) -> int:
+    print(f"kvlookup bench: {reason}; install the extra: pip install 'kvlookup[bench]'", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,26 +122,34 @@ redis.call('HSET', KEYS[1], ARGV[2], hid)
 return hid
 """
 
-#: Apply admits and evicts of one holder, in order.
+#: Apply admits and evicts of one holder. The caller folds a batch to each chunk's last op
+#: (admit then evict of one chunk leaves it evicted, and so on: sets and sorted sets only keep
+#: the final state), so admits and evicts arrive as two space-separated lists of chunk hashes
+#: and the reverse-index set is updated with one SADD/SREM per 4000 hashes.
 #: KEYS[1] holder hash, KEYS[2] holder chunks set
 #: ARGV[1] chunk key prefix, ARGV[2] holder id, ARGV[3] score (admit time, unix ms),
-#: ARGV[4..] pairs of op ('a' admit, 'e' evict) and chunk hash.
-#: Returns the number of ops applied, or -1 when the holder was retired (the caller resolves
-#: the current holder and applies again).
+#: ARGV[4] admitted chunk hashes, ARGV[5] evicted chunk hashes (space-separated, disjoint).
+#: Returns 1, or -1 when the holder was retired (the caller resolves the current holder and
+#: applies again).
 APPLY_OPS = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'dead') == 1 then return -1 end
 local p, hid, score = ARGV[1], ARGV[2], ARGV[3]
-for i = 4, #ARGV, 2 do
-  local h = ARGV[i + 1]
-  if ARGV[i] == 'a' then
-    redis.call('ZADD', p .. h, score, hid)
-    redis.call('SADD', KEYS[2], h)
-  else
-    redis.call('ZREM', p .. h, hid)
-    redis.call('SREM', KEYS[2], h)
+local function each(list, zcmd, scmd, with_score)
+  local batch, n = {}, 0
+  for h in string.gmatch(list, '%S+') do
+    if with_score then redis.call(zcmd, p .. h, score, hid) else redis.call(zcmd, p .. h, hid) end
+    n = n + 1
+    batch[n] = h
+    if n == 4000 then
+      redis.call(scmd, KEYS[2], unpack(batch))
+      batch, n = {}, 0
+    end
   end
+  if n > 0 then redis.call(scmd, KEYS[2], unpack(batch, 1, n)) end
 end
-return (#ARGV - 3) / 2
+each(ARGV[4], 'ZADD', 'SADD', true)
+each(ARGV[5], 'ZREM', 'SREM', false)
+return 1
 """
 
 #: Delete the records of retired holders, at most ARGV[2] records per call.
@@ -232,52 +240,67 @@ local ki, ai = 0, 8
 for _ = 1, tonumber(ARGV[7]) do
   local n = tonumber(ARGV[ai])
   ai = ai + 1
-  local active, results, prev = nil, {}, 0
+  -- per group: upto = chunks matched so far; stamps mark the chunk a rank/location was seen at
+  local groups, prev = {}, 0
   for i = 1, n do
     local e = tonumber(ARGV[ai + i - 1])
-    local tally = {}
+    local touched, nt = {}, 0
     for _, hid in ipairs(redis.call('ZRANGE', KEYS[ki + i], 0, -1)) do
       local h = holder(hid)
-      if h and (active == nil or active[h.group]) then
-        local t = tally[h.group]
-        if not t then
-          t = {h = h, ranks = {}, nranks = 0, locs = {}}
-          tally[h.group] = t
+      if h then
+        local g = groups[h.group]
+        if g == nil and i == 1 then
+          g = {inst = h.inst, wid = h.wid, need = h.need, upto = 0, stamp = 0, cnt = 0,
+               rstamp = {}, lstamp = {}, toks = {}, lnames = {}}
+          groups[h.group] = g
         end
-        if not t.ranks[h.rank] then
-          t.ranks[h.rank] = true
-          t.nranks = t.nranks + 1
+        if g and g.upto == i - 1 then
+          if g.stamp ~= i then
+            g.stamp, g.cnt = i, 0
+            nt = nt + 1
+            touched[nt] = g
+          end
+          if g.rstamp[h.rank] ~= i then
+            g.rstamp[h.rank] = i
+            g.cnt = g.cnt + 1
+          end
+          if g.toks[h.loc] == nil then
+            g.toks[h.loc] = 0
+            g.lnames[#g.lnames + 1] = h.loc
+          end
+          g.lstamp[h.loc] = i
         end
-        t.locs[h.loc] = true
       end
     end
-    local nxt, any = {}, false
-    for g, t in pairs(tally) do
-      if t.nranks >= t.h.need then
-        nxt[g], any = true, true
-        local r = results[g]
-        if not r then
-          r = {inst = t.h.inst, wid = t.h.wid, locs = {}}
-          results[g] = r
+    local any = false
+    for j = 1, nt do
+      local g = touched[j]
+      if g.cnt >= g.need then
+        any = true
+        g.upto, g.e = i, e
+        for _, loc in ipairs(g.lnames) do
+          if g.lstamp[loc] == i then g.toks[loc] = g.toks[loc] + (e - prev) end
         end
-        r.e = e
-        for loc in pairs(t.locs) do r.locs[loc] = (r.locs[loc] or 0) + (e - prev) end
       end
     end
     if not any then break end
-    active, prev = nxt, e
+    prev = e
   end
-  for _, r in pairs(results) do
-    local locs = {}
-    for loc, tok in pairs(r.locs) do
-      locs[#locs + 1] = loc
-      locs[#locs + 1] = tok
+  for _, g in pairs(groups) do
+    if g.upto > 0 then
+      local locs = {}
+      for _, loc in ipairs(g.lnames) do
+        if g.toks[loc] > 0 then
+          locs[#locs + 1] = loc
+          locs[#locs + 1] = g.toks[loc]
+        end
+      end
+      out[#out + 1] = g.inst
+      out[#out + 1] = g.wid
+      out[#out + 1] = g.e
+      out[#out + 1] = #locs / 2
+      for _, v in ipairs(locs) do out[#out + 1] = v end
     end
-    out[#out + 1] = r.inst
-    out[#out + 1] = r.wid
-    out[#out + 1] = r.e
-    out[#out + 1] = #locs / 2
-    for _, v in ipairs(locs) do out[#out + 1] = v end
   end
   ki, ai = ki + n, ai + n
 end

@@ -229,12 +229,11 @@ class Store:
         prefix = keys.chunk_prefix(space)
         for inst, wid, loc, ops in todo:
             hid = self.holder_id(inst, wid, loc, space)
-            args: list = [prefix, hid, score]
-            for op, chunk_hash in ops:
-                args.append(op)
-                args.append(chunk_hash)
-            self._apply(keys=[keys.holder_key(hid), keys.holder_chunks_key(hid)], args=args, client=pipe)
-        return pipe.execute()
+            admits, evicts = fold_ops(ops)
+            self._apply(keys=[keys.holder_key(hid), keys.holder_chunks_key(hid)],
+                        args=[prefix, hid, score, " ".join(admits), " ".join(evicts)], client=pipe)
+        return [len(ops) if int(res) >= 0 else -1
+                for res, (_i, _w, _l, ops) in zip(pipe.execute(), todo, strict=True)]
 
     def purge(self, budget: int = 10_000) -> int:
         """Delete up to ``budget`` records of retired holders; returns records removed."""
@@ -260,6 +259,20 @@ class Store:
             args.extend(chain.ends)
             all_keys.extend(chain.chunk_keys)
         return _parse_matches(self._lookup(keys=all_keys, args=args))
+
+
+def fold_ops(ops: Sequence[tuple[str, int | str]]) -> tuple[list[str], list[str]]:
+    """Fold an ordered batch of (ADMIT|EVICT, chunk hash) to each chunk's last op.
+
+    Returns (admitted, evicted) chunk hashes as decimal (or hex) strings, disjoint. Applying
+    them in any order leaves the index exactly as applying ``ops`` one by one would.
+    """
+    last: dict[int | str, str] = {}
+    for op, chunk_hash in ops:
+        last[chunk_hash] = op
+    admits = [str(h) for h, op in last.items() if op == ADMIT]
+    evicts = [str(h) for h, op in last.items() if op != ADMIT]
+    return admits, evicts
 
 
 def _parse_matches(flat: list) -> list[Match]:

@@ -1,0 +1,27 @@
+"""Progress bars (tqdm, on stderr) and notes printed between them."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+from tqdm import tqdm
+
+T = TypeVar("T")
+ENABLED = sys.stderr.isatty()
+
+
+def iterate(items: Iterable[T], label: str) -> Iterator[T]:
+    """Iterate with a bar (only when stderr is a terminal, so logs stay clean)."""
+    return iter(tqdm(items, desc=label, leave=False, disable=not ENABLED, dynamic_ncols=True))
+
+
+def bar(total: int, label: str) -> tqdm:
+    """A bar of ``total`` units; call ``update(n)`` and ``close()``."""
+    return tqdm(total=total, desc=label, leave=False, disable=not ENABLED, unit_scale=True, dynamic_ncols=True)
+
+
+def note(text: str) -> None:
+    """Print a line without breaking a running bar."""
+    tqdm.write(text, file=sys.stderr)

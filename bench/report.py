@@ -1,0 +1,237 @@
+"""Render results JSON into docs/benchmarks.md and PNG plots (matplotlib) in docs/img/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.procs import REPO
+
+DOCS = REPO / "docs"
+IMG = DOCS / "img"
+
+
+def targets(res: dict) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) rows; met None when the part did not run."""
+    rows: list[tuple[str, str, bool | None]] = []
+    cmp_ = res.get("compare")
+    if cmp_:
+        conf = cmp_["config"]["kv_configs"][0]
+        ratios = [r for r in cmp_["ratios"] if r["gunicorn"] == conf]
+        best = {r["concurrency"]: r["throughput_ratio"] for r in ratios}
+        txt = ", ".join(f"c={c}: {v}x" for c, v in best.items())
+        rows.append(("HTTP lookup throughput >= 1.5x LMCache 0.5.6 (same run)", txt + f" (gunicorn {conf})",
+                     all(v >= 1.5 for v in best.values())))
+    sw = res.get("sweeps")
+    if sw:
+        row = next((r for r in sw["prompt_length"] if r["tokens"] == 32768), None)
+        if row:
+            rows.append(("p99 <= 2 ms at 32k tokens, 8 instances",
+                         f"HTTP p99 {row['http_c1']['p99_ms']} ms (p50 {row['http_c1']['p50_ms']}); "
+                         f"in-process p99 {row['inprocess']['p99_ms']} ms (p50 {row['inprocess']['p50_ms']})",
+                         row["http_c1"]["p99_ms"] <= 2.0))
+        sizes = sw["index_size"]
+        if len(sizes) >= 2:
+            a, b = sizes[0], sizes[-1]
+            ratio = b["inprocess"]["p50_ms"] / a["inprocess"]["p50_ms"]
+            rows.append((f"lookup latency flat from 10k to {b['records']:,} records",
+                         f"in-process p50 {a['inprocess']['p50_ms']} -> {b['inprocess']['p50_ms']} ms "
+                         f"({ratio:.2f}x); HTTP p50 {a['http_c1']['p50_ms']} -> {b['http_c1']['p50_ms']} ms",
+                         ratio <= 1.25))
+    ing = res.get("ingest")
+    if ing:
+        rows.append(("ingest >= 150k chunk ops/s per sidecar", f"{ing['ops_per_s']:,} ops/s",
+                     ing["ops_per_s"] >= 150_000))
+    mem = res.get("memory")
+    if mem:
+        txt = "; ".join(f"{c['holders_per_chunk']} holder(s)/chunk: {c['bytes_per_record']} B"
+                        for c in mem["cases"])
+        rows.append(("<= 120 B Redis memory per (chunk, holder) record", txt,
+                     all(c["bytes_per_record"] <= 120 for c in mem["cases"])))
+    return rows
+
+
+def plots(res: dict, tag: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    IMG.mkdir(parents=True, exist_ok=True)
+    made = []
+
+    def save(fig, name: str) -> None:
+        path = IMG / f"bench{tag}-{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        made.append(path.name)
+
+    cmp_ = res.get("compare")
+    if cmp_:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        series: dict[str, list] = {}
+        for r in cmp_["http"]:
+            label = "LMCache 0.5.6" if r["target"] == "lmcache" else f"kvlookup {r['gunicorn']}"
+            series.setdefault(label, []).append(r)
+        for label, rs in series.items():
+            rs = sorted(rs, key=lambda r: r["concurrency"])
+            cs = [r["concurrency"] for r in rs]
+            a1.plot(cs, [r["req_s"] for r in rs], marker="o", label=label)
+            a2.plot(cs, [r["p99_ms"] for r in rs], marker="o", label=label + " p99")
+            a2.plot(cs, [r["p50_ms"] for r in rs], marker=".", linestyle="--", label=label + " p50")
+        for ax, yl in ((a1, "lookups/s"), (a2, "latency (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel(yl)
+            ax.legend(fontsize=7)
+        a1.set_title("HTTP /lookup throughput, Mooncake trace prompts")
+        a2.set_title("HTTP /lookup latency")
+        save(fig, "http")
+    sw = res.get("sweeps")
+    if sw:
+        for key, xk, title in (("prompt_length", "tokens", "prompt length (tokens), 8 instances"),
+                               ("instances", "instances", "instances holding a 32k prompt"),
+                               ("index_size", "records", "index size (records), 32k prompt, 8 instances")):
+            rows = sw.get(key) or []
+            if not rows:
+                continue
+            fig, ax = plt.subplots(figsize=(6, 4))
+            xs = [r[xk] for r in rows]
+            for path, label in (("inprocess", "in-process Client"), ("http_c1", "HTTP c=1")):
+                ax.plot(xs, [r[path]["p50_ms"] for r in rows], marker="o", label=f"{label} p50")
+                ax.plot(xs, [r[path]["p99_ms"] for r in rows], marker="x", linestyle="--", label=f"{label} p99")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel(title)
+            ax.set_ylabel("lookup latency (ms)")
+            ax.legend(fontsize=7)
+            save(fig, key.replace("_", "-"))
+    return made
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def markdown(res: dict, images: list[str], results_path: Path) -> str:
+    m = res["machine"]
+    try:
+        rel = results_path.resolve().relative_to(REPO)
+    except ValueError:
+        rel = results_path
+    lines = ["# Benchmarks", "",
+             "kvlookup's controller against LMCache 0.5.6's own `lmcache_controller`, fed the same worker "
+             "traffic and hit by the same load generator, **in one run on one machine**. Ratios matter; "
+             "absolute times depend on the box (this one is small and shared, so p99s are noisy).", "",
+             "Reproduce (every number and plot below):", "", "```", res["command"], "```", "",
+             f"Results JSON: `{rel}`. Run {res['date']}, {res.get('total_wall_s', '?')} s in all"
+             f"{' (quick mode: small sizes)' if res.get('quick') else ''}.", "",
+             f"Machine: {m['nproc']} cores ({m['cpu']}), {m['memory_gib']} GiB, Python {m['python']}, "
+             f"{m['redis']}, {m['os']}.", "", "## Targets", "",
+             _table(["target", "measured", "met"],
+                    [[t, v, {True: "yes", False: "**no**", None: "-"}[ok]] for t, v, ok in targets(res)]), ""]
+    cmp_ = res.get("compare")
+    if cmp_:
+        c, w = cmp_["config"], cmp_["workload"]
+        ing = cmp_["ingest"]
+        lp = cmp_["load_prompts"]
+        lines += ["## Side by side with LMCache 0.5.6", "",
+                  f"Workload: the first {w['requests']:,} requests of the Mooncake conversation trace, each "
+                  f"512-token block id turned into 512 deterministic token ids (= two 256-token LMCache chunks), "
+                  f"routed to {c['instances']} simulated instances (50% prefix-affine, else random) with LRU "
+                  f"tiers of {c['cpu_chunks']:,} CPU and {c['disk_chunks']:,} disk chunks each. The replay "
+                  f"(untimed, order only) yields {w['ops']:,} admit/evict operations, sent as LMCache 0.5.6 "
+                  "`BatchedKVOperationMsg` frames (50 ops/frame, 50 frames/multipart, per-location seq_num) "
+                  "after a DEALER `RegisterMsg`, byte-identical to both controllers.", "",
+                  _table(["ingest of the trace, end to end", "ops", "applied in (s)", "ops/s"],
+                         [[k, f"{v['ops']:,}", v["applied_s"], f"{v['ops_per_s']:,}"] for k, v in ing.items()]),
+                  "", f"HTTP load: {lp['n']} distinct prompts from the last 30% of the trace (mean "
+                  f"{lp['mean_tokens']:,} tokens, max {lp['max_tokens']:,}), `POST /lookup`, keep-alive "
+                  f"`http.client` threads in a separate process, {c['duration_s']} s per point after 0.5 s "
+                  "warm-up, targets alternating who goes first. LMCache runs its stock single uvicorn process; "
+                  "kvlookup gunicorn `workers x threads` (threads 1 = sync worker, which closes each connection).",
+                  "",
+                  _table(["target", "concurrency", "req/s", "p50 ms", "p99 ms", "errors"],
+                         [["LMCache 0.5.6" if r["target"] == "lmcache" else f"kvlookup {r['gunicorn']}",
+                           r["concurrency"], r["req_s"], r["p50_ms"], r["p99_ms"], r["errors"]]
+                          for r in sorted(cmp_["http"], key=lambda r: (r["target"], r["gunicorn"] or "",
+                                                                        r["concurrency"]))]),
+                  "", _table(["kvlookup config", "concurrency", "throughput kvlookup/LMCache",
+                              "p50 LMCache/kvlookup", "p99 LMCache/kvlookup"],
+                             [[r["gunicorn"], r["concurrency"], r["throughput_ratio"],
+                               r["p50_ratio_lmcache_over_kvlookup"], r["p99_ratio_lmcache_over_kvlookup"]]
+                              for r in cmp_["ratios"]]), ""]
+        lines += [f"![HTTP]({'img/' + n})" for n in images if n.endswith("-http.png")]
+        a = cmp_["agreement"]
+        lines += ["", "### Do the answers agree? Who is right?", "",
+                  f"{a['requests']:,} lookups (last 30% of the trace) asked of both after ingest; the reference "
+                  "is the simulated fleet's own final state: every instance's longest run of chunks from "
+                  "token 0 held in any tier (kvlookup's rule). Compared as {instance: matched length}.", "",
+                  _table(["measure", "value"], [
+                      ["identical answers", f"{a['identical_answers_pct']}%"],
+                      ["same best (longest) length", f"{a['same_best_length_pct']}%"],
+                      ["same location where both name an instance",
+                       f"{a['same_location_where_both_name_instance_pct']}%"],
+                      ["kvlookup right", f"{a['right_pct']['kvlookup']}%"],
+                      ["LMCache right", f"{a['right_pct']['lmcache']}%"],
+                      ["kvlookup wrong (per instance)", a["wrong_kinds"]["kvlookup"] or "none"],
+                      ["LMCache wrong (per instance)", a["wrong_kinds"]["lmcache"] or "none"]]), "",
+                  "LMCache 0.5.6 credits, chunk by chunk, only the *first* registered instance holding each "
+                  "chunk: replicas are omitted, and an instance found first for a later chunk is credited "
+                  "although it lacks an earlier one (suffix-only / over-credit). Examples where they differ:",
+                  ""]
+        for ex in a["examples"][:4]:
+            lines.append(f"- request {ex['request']}: truth `{ex['truth']}`; kvlookup `{ex['kvlookup']}`; "
+                         f"LMCache `{ex['lmcache']}` ({', '.join(ex['lmcache_wrong']) or 'right'})")
+        lines.append("")
+    ing = res.get("ingest")
+    if ing:
+        lines += ["## Ingest (one sidecar)", "",
+                  f"`kvlookup sidecar` process + its Redis; {ing['workers']} registered 0.5.6 workers, "
+                  f"{ing['pushers']} pusher processes sending pre-encoded frames (80% admits of new int64 "
+                  "hashes, 20% evicts of earlier ones); clock from first send to every worker's final "
+                  "sentinel chunk visible in Redis.", "",
+                  _table(["ops", "seconds", "chunk ops/s applied", "records after"],
+                         [[f"{ing['ops']:,}", ing["seconds"], f"{ing['ops_per_s']:,}", f"{ing['records_after']:,}"]]),
+                  ""]
+    mem = res.get("memory")
+    if mem:
+        lines += ["## Redis memory per (chunk, holder) record", "",
+                  "Fresh Redis per case, records written by `Store.apply`; `INFO memory` used_memory delta / "
+                  "records. Breakdown by `MEMORY USAGE` (the rest is the keyspace table).", "",
+                  _table(["records", "holders/chunk", "B/record", "chunk zset B/chunk (encoding)",
+                          "reverse sets B/record"],
+                         [[f"{c['records']:,}", c["holders_per_chunk"], c["bytes_per_record"],
+                           f"{c['chunk_zset_bytes_per_chunk']} ({c['chunk_zset_encoding']})",
+                           c["reverse_sets_bytes_per_record"]] for c in mem["cases"]]), ""]
+    sw = res.get("sweeps")
+    if sw:
+        lines += ["## Lookup latency sweeps", "",
+                  f"Synthetic prompts held in full by every instance (the walk visits every chunk: worst case). "
+                  f"In-process `Client.matches` and HTTP at concurrency 1 (gunicorn {sw['gunicorn']}), "
+                  f"{sw['seconds_per_point']} s per point each.", ""]
+        for key, xk in (("prompt_length", "tokens"), ("instances", "instances"), ("index_size", "records")):
+            rows = sw.get(key) or []
+            lines += [f"### by {xk}", "",
+                      _table([xk, "in-process p50 ms", "in-process p99 ms", "Client lookups/s",
+                              "HTTP p50 ms", "HTTP p99 ms"],
+                             [[f"{r[xk]:,}", r["inprocess"]["p50_ms"], r["inprocess"]["p99_ms"],
+                               r["inprocess"]["per_s"], r["http_c1"]["p50_ms"], r["http_c1"]["p99_ms"]]
+                              for r in rows]), ""]
+            lines += [f"![{key}](img/{n})" for n in images if n.endswith(key.replace("_", "-") + ".png")]
+            lines.append("")
+    notes = DOCS / "benchmarks-notes.md"
+    if notes.exists():
+        lines += [notes.read_text()]
+    return "\n".join(lines) + "\n"
+
+
+def render(res: dict, results_path: Path) -> Path:
+    """Write plots and the markdown; quick runs go to docs/benchmarks-quick.md."""
+    tag = "-quick" if res.get("quick") else ""
+    images = plots(res, tag)
+    path = DOCS / f"benchmarks{tag}.md"
+    path.write_text(markdown(res, images, results_path))
+    return path

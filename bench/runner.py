@@ -1,0 +1,134 @@
+"""``kvlookup bench {all,compare,ingest,memory,sweeps,report}``: run, save JSON, render docs.
+
+``all`` runs every part in one process, on one machine, in one go, writes
+``bench/results/results.json`` (``results-quick.json`` with ``--quick``), the PNG plots under
+docs/img/ and docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import progress
+from bench.procs import REPO
+
+RESULTS = REPO / "bench" / "results"
+
+QUICK = {
+    "compare": dict(requests=1500, instances=4, cpu_chunks=2048, disk_chunks=4096, agree_sample=200,
+                    load_sample=100, concurrencies=(1, 4, 16), duration_s=2.0, kv_configs=("2x4",)),
+    "ingest": dict(workers=4, ops_per_worker=50_000, pushers=2),
+    "memory": dict(records=100_000, holder_counts=(1, 4)),
+    "sweeps": dict(lengths=(1024, 32768, 131072), instance_counts=(1, 8, 64), index_sizes=(10_000, 100_000),
+                   seconds=0.5),
+}
+FULL = {
+    "compare": dict(requests=12031, instances=8, cpu_chunks=8192, disk_chunks=24576, agree_sample=1500,
+                    load_sample=400, concurrencies=(1, 4, 16), duration_s=6.0, kv_configs=("2x4", "2x1")),
+    "ingest": dict(workers=4, ops_per_worker=250_000, pushers=2),
+    "memory": dict(records=1_000_000, holder_counts=(1, 2, 4)),
+    "sweeps": dict(lengths=(1024, 4096, 16384, 32768, 65536, 131072), instance_counts=(1, 4, 8, 16, 64),
+                   index_sizes=(10_000, 100_000, 1_000_000, 10_000_000), seconds=2.0),
+}
+PARTS = ("compare", "ingest", "memory", "sweeps")
+
+
+def machine() -> dict:
+    """nproc, CPU model, memory, Python, Redis server version."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+        mem_kb = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines()
+                      if x.startswith("MemTotal"))
+    except (OSError, StopIteration):
+        mem_kb = 0
+    from kvlookup.redis_server import find_server_binary
+
+    server = subprocess.run([find_server_binary(), "--version"], capture_output=True, text=True).stdout.strip()
+    return {"nproc": os.cpu_count(), "cpu": model, "memory_gib": round(mem_kb / 2**20, 1),
+            "python": platform.python_version(), "redis": server.split(" sha=")[0], "os": platform.platform()}
+
+
+def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
+    start = time.monotonic()
+    progress.note(f"== {name}")
+    if name == "compare":
+        from bench.compare import CompareConfig, run
+
+        cfg = CompareConfig(**params, lmcache_venv=args.lmcache_venv, create_venv=args.create_venv)
+        res = run(cfg)
+    elif name == "ingest":
+        from bench.ingest import run
+
+        res = run(**params)
+        progress.note(f"  ingest: {res['ops_per_s']:,} chunk ops/s")
+    elif name == "memory":
+        from bench.memory import run
+
+        res = run(**params)
+        for c in res["cases"]:
+            progress.note(f"  {c['holders_per_chunk']} holder(s)/chunk: {c['bytes_per_record']} B/record")
+    else:
+        from bench.sweeps import run
+
+        res = run(**params)
+    res["wall_s"] = round(time.monotonic() - start, 1)
+    return res
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    table = QUICK if args.quick else FULL
+    parts = PARTS if args.part == "all" else (args.part,)
+    out_path = Path(args.out) if args.out else RESULTS / ("results-quick.json" if args.quick else "results.json")
+    results: dict = {}
+    if args.part != "all" and out_path.exists():
+        results = json.loads(out_path.read_text())  # update one part of an earlier run
+    results.update({"command": "kvlookup bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else
+                                                           sys.argv[1:]),
+                    "quick": args.quick, "machine": machine(),
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+    start = time.monotonic()
+    for name in parts:
+        results[name] = run_part(name, table[name], args)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(results, indent=1) + "\n")
+    results["total_wall_s"] = round(time.monotonic() - start, 1)
+    out_path.write_text(json.dumps(results, indent=1) + "\n")
+    progress.note(f"results: {out_path}")
+    if not args.no_docs:
+        from bench import report
+
+        report.render(results, out_path)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from bench import report
+
+    path = Path(args.results or RESULTS / "results.json")
+    report.render(json.loads(path.read_text()), path)
+    return 0
+
+
+def add_parser(sub) -> None:
+    """Add ``bench`` to the kvlookup CLI's subparsers."""
+    b = sub.add_parser("bench", help="benchmarks side by side with LMCache's controller (docs/benchmarks.md)")
+    b.add_argument("part", nargs="?", default="all", choices=("all", *PARTS, "report"))
+    b.add_argument("--quick", action="store_true", help="small sizes (~2-3 min), for smoke runs")
+    b.add_argument("--lmcache-venv", help="venv with LMCache 0.5.6 (default $KVLOOKUP_LMCACHE_PYTHON or .venv-lmcache)")
+    b.add_argument("--create-venv", action="store_true",
+                   help="create .venv-lmcache (torch 2.13.0 CPU, then lmcache 0.5.6) when missing")
+    b.add_argument("--out", help="results JSON (default bench/results/results[-quick].json)")
+    b.add_argument("--results", help="for 'report': the results JSON to render")
+    b.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md and plots")
+    b.set_defaults(func=lambda a: cmd_report(a) if a.part == "report" else cmd_run(a))
