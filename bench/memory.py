@@ -52,13 +52,17 @@ def one_case(records: int, holders: int) -> dict:
         rev = 0
         for i in range(holders):
             hid = r.hget(keys.worker_key(f"mem-{i}", "0"), keys.location_field(CPU))
-            rev += r.memory_usage(keys.holder_chunks_key(hid), samples=0)
+            pipe = r.pipeline(transaction=False)
+            for b in range(keys.HOLDER_CHUNK_BUCKETS):
+                pipe.memory_usage(keys.holder_chunks_key(hid, b), samples=0)
+            rev += sum(int(m or 0) for m in pipe.execute())
+        rev_enc = r.object("encoding", keys.holder_chunks_key(hid, keys.chunk_bucket(sample[0])))
         enc = r.object("encoding", keys.chunk_key(sample[0]))
         r.close()
     return {"records": n, "holders_per_chunk": holders, "used_memory_delta": used,
             "bytes_per_record": round(used / n, 1),
             "chunk_zset_bytes_per_chunk": round(chunk_key_b, 1), "chunk_zset_encoding": enc,
-            "reverse_sets_bytes_per_record": round(rev / n, 1)}
+            "reverse_sets_bytes_per_record": round(rev / n, 1), "reverse_set_encoding": rev_enc}
 
 
 def run(records: int = 1_000_000, holder_counts: tuple[int, ...] = (1, 2, 4)) -> dict:

@@ -124,14 +124,14 @@ class Fleet:
         return True
 
     def key_counts(self, workers: list[WorkerInfo]) -> list[dict[str, int]]:
-        """Records per location for each worker (SCARD of its holders' reverse-index sets)."""
+        """Records per location for each worker (the ``records`` count of each holder)."""
         pipe = self.r.pipeline(transaction=False)
         order = [(i, loc) for i, w in enumerate(workers) for loc in sorted(w.holders)]
         for i, loc in order:
-            pipe.scard(keys.holder_chunks_key(workers[i].holders[loc]))
+            pipe.hget(keys.holder_key(workers[i].holders[loc]), "records")
         out: list[dict[str, int]] = [{} for _ in workers]
         for (i, loc), n in zip(order, pipe.execute() if order else [], strict=True):
-            out[i][loc] = int(n)
+            out[i][loc] = int(n or 0)
         return out
 
     def instances_on_ip(self, ip: str) -> list[tuple[int, str]]:

@@ -97,6 +97,7 @@ class EmbeddedRedis:
             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
             "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log"),
             "--maxclients", "1000",
+            "--set-max-intset-entries", "4096",  # reverse-index buckets stay intsets (kvlookup.keys)
             *(["--requirepass", self.password] if self.password else []),
             *(["--unixsocket", self.unix_socket, "--unixsocketperm", "700"] if self.unix_socket else []),
         ]

@@ -29,6 +29,19 @@ local function retire(worker_key, dead_key, holder_prefix, only_field)
 end
 """
 
+# The reverse-index bucket of a chunk hash string; mirrors kvlookup.keys.chunk_bucket.
+_BUCKET = """
+local function bucket(h)
+  local n = #h
+  local a, b, c, d = string.byte(h, n - 3, n)
+  if n < 4 then
+    local t = {0, 0, 0, string.byte(h, 1, n)}
+    a, b, c, d = t[n], t[n + 1], t[n + 2], t[n + 3]
+  end
+  return (a * 1000003 + b * 1009 + c * 31 + d) % 2048
+end
+"""
+
 #: Register (or re-register) a worker: a new epoch, old holders retired.
 #: KEYS[1] worker hash, KEYS[2] instance workers set, KEYS[3] instances set,
 #: KEYS[4] dead holders set, KEYS[5] instance hash, KEYS[6] ip index set of the new ip
@@ -125,53 +138,59 @@ return hid
 #: Apply admits and evicts of one holder. The caller folds a batch to each chunk's last op
 #: (admit then evict of one chunk leaves it evicted, and so on: sets and sorted sets only keep
 #: the final state), so admits and evicts arrive as two space-separated lists of chunk hashes
-#: and the reverse-index set is updated with one SADD/SREM per 4000 hashes.
-#: KEYS[1] holder hash, KEYS[2] holder chunks set
+#: and each hash goes into (or out of) its reverse-index bucket ``<holder key>:chunks:<bucket>``;
+#: the holder hash's ``records`` field counts what the buckets hold.
+#: KEYS[1] holder hash
 #: ARGV[1] chunk key prefix, ARGV[2] holder id, ARGV[3] score (admit time, unix ms),
 #: ARGV[4] admitted chunk hashes, ARGV[5] evicted chunk hashes (space-separated, disjoint).
 #: Returns 1, or -1 when the holder was retired (the caller resolves the current holder and
 #: applies again).
-APPLY_OPS = """
+APPLY_OPS = _BUCKET + """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'dead') == 1 then return -1 end
 local p, hid, score = ARGV[1], ARGV[2], ARGV[3]
-local function each(list, zcmd, scmd, with_score)
-  local batch, n = {}, 0
-  for h in string.gmatch(list, '%S+') do
-    if with_score then redis.call(zcmd, p .. h, score, hid) else redis.call(zcmd, p .. h, hid) end
-    n = n + 1
-    batch[n] = h
-    if n == 4000 then
-      redis.call(scmd, KEYS[2], unpack(batch))
-      batch, n = {}, 0
-    end
-  end
-  if n > 0 then redis.call(scmd, KEYS[2], unpack(batch, 1, n)) end
+local rp = KEYS[1] .. ':chunks:'
+local delta = 0
+for h in string.gmatch(ARGV[4], '%S+') do
+  redis.call('ZADD', p .. h, score, hid)
+  delta = delta + redis.call('SADD', rp .. bucket(h), h)
 end
-each(ARGV[4], 'ZADD', 'SADD', true)
-each(ARGV[5], 'ZREM', 'SREM', false)
+for h in string.gmatch(ARGV[5], '%S+') do
+  redis.call('ZREM', p .. h, hid)
+  delta = delta - redis.call('SREM', rp .. bucket(h), h)
+end
+if delta ~= 0 then redis.call('HINCRBY', KEYS[1], 'records', delta) end
 return 1
 """
 
 #: Delete the records of retired holders, at most ARGV[2] records per call.
-#: KEYS[1] dead holders set; ARGV[1] holder key prefix, ARGV[2] budget (records).
+#: KEYS[1] dead holders set; ARGV[1] holder key prefix, ARGV[2] budget (records),
+#: ARGV[3] number of reverse-index buckets. A holder's progress is kept in its hash
+#: (``purge_bucket``); the holder hash goes once every bucket is empty.
 #: Returns the number of (chunk, holder) records removed.
 PURGE = """
 local budget = tonumber(ARGV[2])
+local nbuckets = tonumber(ARGV[3])
 local done = 0
 while done < budget do
   local hid = redis.call('SRANDMEMBER', KEYS[1])
   if not hid then break end
   local hk = ARGV[1] .. hid
-  local ck = hk .. ':chunks'
-  local cp = redis.call('HGET', hk, 'chunk_prefix')
-  local hs = redis.call('SPOP', ck, budget - done)
-  if cp then
-    for _, h in ipairs(hs) do redis.call('ZREM', cp .. h, hid) end
+  local f = redis.call('HMGET', hk, 'chunk_prefix', 'purge_bucket')
+  local cp, b = f[1], tonumber(f[2] or '0')
+  while b < nbuckets and done < budget do
+    local ck = hk .. ':chunks:' .. b
+    local hs = redis.call('SPOP', ck, budget - done)
+    if cp then
+      for _, h in ipairs(hs) do redis.call('ZREM', cp .. h, hid) end
+    end
+    done = done + #hs
+    if redis.call('EXISTS', ck) == 0 then b = b + 1 end
   end
-  done = done + #hs
-  if redis.call('EXISTS', ck) == 0 then
+  if b >= nbuckets then
     redis.call('DEL', hk)
     redis.call('SREM', KEYS[1], hid)
+  else
+    redis.call('HSET', hk, 'purge_bucket', b)
   end
 end
 return done

@@ -230,14 +230,15 @@ class Store:
         for inst, wid, loc, ops in todo:
             hid = self.holder_id(inst, wid, loc, space)
             admits, evicts = fold_ops(ops)
-            self._apply(keys=[keys.holder_key(hid), keys.holder_chunks_key(hid)],
+            self._apply(keys=[keys.holder_key(hid)],
                         args=[prefix, hid, score, " ".join(admits), " ".join(evicts)], client=pipe)
         return [len(ops) if int(res) >= 0 else -1
                 for res, (_i, _w, _l, ops) in zip(pipe.execute(), todo, strict=True)]
 
     def purge(self, budget: int = 10_000) -> int:
         """Delete up to ``budget`` records of retired holders; returns records removed."""
-        return int(self._purge(keys=[keys.dead_holders_key()], args=[keys.HOLDER_PREFIX, budget]))
+        return int(self._purge(keys=[keys.dead_holders_key()],
+                               args=[keys.HOLDER_PREFIX, budget, keys.HOLDER_CHUNK_BUCKETS]))
 
     # -- lookup ---------------------------------------------------------------------------
 

@@ -67,5 +67,7 @@ def test_memory_case_structure():
     assert res["records"] == 2000
     assert res["holders_per_chunk"] == 2
     assert res["chunk_zset_encoding"] == "listpack"
+    assert res["reverse_set_encoding"] == "intset"
     assert set(res) == {"records", "holders_per_chunk", "used_memory_delta", "bytes_per_record",
-                        "chunk_zset_bytes_per_chunk", "chunk_zset_encoding", "reverse_sets_bytes_per_record"}
+                        "chunk_zset_bytes_per_chunk", "chunk_zset_encoding", "reverse_sets_bytes_per_record",
+                        "reverse_set_encoding"}

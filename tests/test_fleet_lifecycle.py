@@ -111,7 +111,7 @@ def test_sidecar_reaps_an_instance_whose_sidecar_died(r, short_store):
         w.register()
         w.admit([SEED_HASH])
         assert wait_for(lambda: short_store.is_registered("orphan", 0), False) is False
-        assert wait_for(lambda: r.exists(keys.holder_chunks_key(1)), 0) == 0
+        assert wait_for(lambda: r.exists(keys.holder_key(1)), 0) == 0
         assert wait_for(lambda: client.lookup(SEED_TOKENS)[1], {"kept": HIT}) == {"kept": HIT}
         time.sleep(1.0)  # longer than both TTLs: the live sidecar keeps its (never-heartbeating) worker
         assert client.lookup(SEED_TOKENS)[1] == {"kept": HIT}

@@ -8,7 +8,9 @@ def test_key_strings():
     assert keys.chunk_key(-5, space="v16") == "kvl:v1:chunk:v16:-5"
     assert keys.chunk_prefix() == "kvl:v1:chunk:"
     assert keys.holder_key(7) == "kvl:v1:holder:7"
-    assert keys.holder_chunks_key(7) == "kvl:v1:holder:7:chunks"
+    assert keys.holder_chunks_key(7, 1234) == "kvl:v1:holder:7:chunks:1234"
+    assert keys.chunk_bucket(4690244967161877535) == 940
+    assert keys.chunk_bucket(5) == 53 and keys.HOLDER_CHUNK_BUCKETS == 2048
     assert keys.holder_seq_key() == "kvl:v1:holders:seq"
     assert keys.dead_holders_key() == "kvl:v1:holders:dead"
     assert keys.instances_key() == "kvl:v1:instances"

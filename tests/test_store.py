@@ -154,8 +154,9 @@ def test_detail_and_redis_layout(store, client, r):
         "registered_at": "1700000000.5", "last_heartbeat": "1700000000.5", "heartbeats": "0",
         "loc:LocalCPUBackend": "1"}
     assert r.hgetall(keys.holder_key(1)) == {"instance": "a", "worker": "0", "location": CPU,
-                                             "chunk_prefix": "kvl:v1:chunk:", "key_name": "a"}
-    assert r.smembers(keys.holder_chunks_key(1)) == {str(SEED_HASH)}
+                                             "chunk_prefix": "kvl:v1:chunk:", "key_name": "a", "records": "1"}
+    assert r.smembers(keys.holder_chunks_key(1, keys.chunk_bucket(SEED_HASH))) == {str(SEED_HASH)}
+    assert r.hget(keys.holder_key(1), "records") == "1"
     assert r.hgetall(keys.instance_key("a")) == {"kind": "lmcache", "worker_rule": "all"}
     assert client.matches(SEED_TOKENS)[0].detail() == {
         "location": CPU, "matched_prefix_length": 12, "locations": {CPU: 12}}
@@ -176,3 +177,29 @@ def test_instance_ids_cannot_reach_another_instances_keys(store, client, r):
     store.deregister_worker("a:0", 0)
     assert r.hgetall(keys.worker_key("a", 0))["port"] == "8001"
     assert layout(client, SEED_TOKENS) == {"a%3A0": (CPU, 12), "a:workers": (CPU, 12)}
+
+
+@pytest.mark.parametrize("chunk_hash", [SEED_HASH, -3970904962213640042, 0, 7, -12, 123,
+                                        "61c2b0ee121bc0763dbbeea739151226a766c47730c3a57bb614a91f1734493d"])
+def test_reverse_index_bucket_agrees_with_lua(store, r, chunk_hash):
+    store.register_worker("a", 0)
+    admit(store, "a", [chunk_hash])
+    bucket = keys.chunk_bucket(chunk_hash)
+    assert r.smembers(keys.holder_chunks_key(1, bucket)) == {str(chunk_hash)}
+    evict(store, "a", [chunk_hash])
+    assert r.exists(keys.holder_chunks_key(1, bucket)) == 0
+    assert r.hget(keys.holder_key(1), "records") == "0"
+
+
+def test_reverse_index_buckets_are_intsets_and_purge_in_steps(store, r):
+    store.register_worker("a", 0)
+    hashes = HashProfile(chunk_size=1).chunk_hashes(list(range(5000)))
+    admit(store, "a", hashes)
+    assert r.hget(keys.holder_key(1), "records") == "5000"
+    counts = [r.scard(keys.holder_chunks_key(1, b)) for b in range(keys.HOLDER_CHUNK_BUCKETS)]
+    assert sum(counts) == 5000 and max(counts) < 20  # spread over the buckets
+    assert r.object("encoding", keys.holder_chunks_key(1, keys.chunk_bucket(hashes[0]))) == "intset"
+    store.register_worker("a", 0)
+    assert [store.purge(2000), store.purge(2000), store.purge(2000)] == [2000, 2000, 1000]
+    assert r.exists(keys.holder_key(1), keys.chunk_key(hashes[0]), keys.chunk_key(hashes[-1])) == 0
+    assert r.smembers(keys.dead_holders_key()) == set()
