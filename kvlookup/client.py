@@ -126,8 +126,7 @@ class VllmChains:
         for bs in self.block_sizes():
             hashes = vh.chain(vh.request_root(bs, lora_name, cache_salt), tokens, bs)
             space = keys.vllm_space(bs)
-            chains.append(Chain([keys.chunk_key(h, space) for h in hashes],
-                                [bs * (i + 1) for i in range(len(hashes))]))
+            chains.append(Chain(keys.chunk_prefix(space), hashes, bs, bs * len(hashes)))
         return chains
 
 
@@ -157,8 +156,8 @@ class Client:
     def chains(self, tokens: Sequence[int], **namespace: str) -> list[Chain]:
         """Every hash chain a lookup of ``tokens`` walks (namespace: see :data:`ChainSource`)."""
         hashes = self.profile.chunk_hashes(tokens)
-        ends = [end for _start, end in self.profile.chunk_bounds(len(tokens))]
-        chains = [Chain([keys.chunk_key(h) for h in hashes], ends)]
+        n = len(tokens) if self.profile.save_unfull_chunk else len(tokens) - len(tokens) % self.profile.chunk_size
+        chains = [Chain(keys.chunk_prefix(), hashes, self.profile.chunk_size, n)]
         for source in self.extra_chains:
             chains.extend(source(tokens, **namespace))
         return chains

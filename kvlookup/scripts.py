@@ -200,11 +200,13 @@ return done
 #: consecutive chunks from token 0. An instance with worker_rule 'all' (LMCache TP ranks)
 #: needs every registered worker to hold a chunk; with 'any' (vLLM DP ranks) each worker is
 #: walked on its own. A chain stops as soon as no instance can extend its match.
-#: KEYS: chunk keys of every chain, chain after chain, in token order.
+#: KEYS: none (chunk keys are the chain's prefix + each hash: one short argument per chain
+#: instead of one key per chunk keeps the call cheap for long prompts).
 #: ARGV[1] holder key prefix, ARGV[2] worker key prefix, ARGV[3] instance key prefix,
 #: ARGV[4] now (unix ms), ARGV[5] worker heartbeat TTL (ms, 0 = off),
 #: ARGV[6] '1' to require the instance's sidecar liveness key, ARGV[7] number of chains,
-#: then per chain: n, then n chunk end offsets (tokens).
+#: then per chain: chunk key prefix, chunk size, end of the last chunk (tokens), and the
+#: chunk hashes, space-separated in token order (chunk i ends at min(i * size, end)).
 #: Returns a flat array of records: instance_id, worker_id ('' for 'all'), matched end,
 #: number of locations, then (location, tokens held there) pairs.
 LOOKUP = """
@@ -255,16 +257,37 @@ local function holder(hid)
 end
 
 local out = {}
-local ki, ai = 0, 8
+local ai = 8
 for _ = 1, tonumber(ARGV[7]) do
-  local n = tonumber(ARGV[ai])
-  ai = ai + 1
+  local cp, size, last = ARGV[ai], tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
+  local chunk_keys = {}
+  for h in string.gmatch(ARGV[ai + 3], '%S+') do chunk_keys[#chunk_keys + 1] = cp .. h end
+  local n = #chunk_keys
+  ai = ai + 4
   -- per group: upto = chunks matched so far; stamps mark the chunk a rank/location was seen at
-  local groups, prev = {}, 0
+  -- fast path: a chunk held by exactly the holders of the previous chunk extends exactly the
+  -- groups the previous chunk extended, in the same locations (no per-member work)
+  local groups, prev, prevsig, extended = {}, 0, nil, {}
   for i = 1, n do
-    local e = tonumber(ARGV[ai + i - 1])
+    local e = math.min(i * size, last)
+    local members = redis.call('ZRANGE', chunk_keys[i], 0, -1)
+    table.sort(members)
+    local sig = table.concat(members, ',')
+    if i > 1 and sig == prevsig then
+      for _, g in ipairs(extended) do
+        g.upto, g.e, g.stamp = i, e, i
+        for _, loc in ipairs(g.lnames) do
+          if g.lstamp[loc] == i - 1 then
+            g.lstamp[loc] = i
+            g.toks[loc] = g.toks[loc] + (e - prev)
+          end
+        end
+      end
+      prev = e
+    else
+    prevsig = sig
     local touched, nt = {}, 0
-    for _, hid in ipairs(redis.call('ZRANGE', KEYS[ki + i], 0, -1)) do
+    for _, hid in ipairs(members) do
       local h = holder(hid)
       if h then
         local g = groups[h.group]
@@ -291,19 +314,20 @@ for _ = 1, tonumber(ARGV[7]) do
         end
       end
     end
-    local any = false
+    extended = {}
     for j = 1, nt do
       local g = touched[j]
       if g.cnt >= g.need then
-        any = true
+        extended[#extended + 1] = g
         g.upto, g.e = i, e
         for _, loc in ipairs(g.lnames) do
           if g.lstamp[loc] == i then g.toks[loc] = g.toks[loc] + (e - prev) end
         end
       end
     end
-    if not any then break end
+    if #extended == 0 then break end
     prev = e
+    end
   end
   for _, g in pairs(groups) do
     if g.upto > 0 then
@@ -321,7 +345,6 @@ for _ = 1, tonumber(ARGV[7]) do
       for _, v in ipairs(locs) do out[#out + 1] = v end
     end
   end
-  ki, ai = ki + n, ai + n
 end
 return out
 """

@@ -49,10 +49,22 @@ class Match:
 
 @dataclass(frozen=True)
 class Chain:
-    """The chunk keys of one hash space for a prompt, with each chunk's end offset (tokens)."""
+    """A prompt's chunk hashes in one hash space.
 
-    chunk_keys: Sequence[str]
-    ends: Sequence[int]
+    prefix: the space's chunk key prefix (``keys.chunk_prefix(space)``). hashes: chained chunk
+    hashes in token order. chunk_size: tokens per chunk. n_tokens: where the last chunk ends
+    (the prompt length when partial chunks are hashed, else the last full chunk's end).
+    Chunk i (0-based) ends at ``min((i + 1) * chunk_size, n_tokens)``.
+    """
+
+    prefix: str
+    hashes: Sequence[int | str]
+    chunk_size: int
+    n_tokens: int
+
+    def ends(self) -> list[int]:
+        """End offset (tokens) of every chunk."""
+        return [min((i + 1) * self.chunk_size, self.n_tokens) for i in range(len(self.hashes))]
 
 
 class Store:
@@ -248,18 +260,15 @@ class Store:
         chains: one :class:`Chain` per hash space (LMCache profile, each vLLM block size).
         Returns matches in no particular order; callers rank them.
         """
-        chains = [c for c in chains if c.chunk_keys]
+        chains = [c for c in chains if c.hashes]
         if not chains:
             return []
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         args: list = [keys.HOLDER_PREFIX, keys.WORKER_PREFIX, keys.INSTANCE_PREFIX, now_ms,
                       self.worker_ttl_ms, 1 if self.instance_ttl_ms > 0 else 0, len(chains)]
-        all_keys: list[str] = []
         for chain in chains:
-            args.append(len(chain.chunk_keys))
-            args.extend(chain.ends)
-            all_keys.extend(chain.chunk_keys)
-        return _parse_matches(self._lookup(keys=all_keys, args=args))
+            args += [chain.prefix, chain.chunk_size, chain.n_tokens, " ".join(map(str, chain.hashes))]
+        return _parse_matches(self._lookup(keys=[], args=args))
 
 
 def fold_ops(ops: Sequence[tuple[str, int | str]]) -> tuple[list[str], list[str]]:
