@@ -39,18 +39,19 @@ class PinWorkerMsg(msgspec.Struct, tag=True):
     tokens: list[int]
 
 
-class CompressWorkerMsg(msgspec.Struct, tag=True):
+class _Codec(msgspec.Struct):
     worker_event_id: str
     method: str
     location: str
     tokens: list[int] | None = None
 
 
-class DecompressWorkerMsg(msgspec.Struct, tag=True):
-    worker_event_id: str
-    method: str
-    location: str
-    tokens: list[int] | None = None
+class CompressWorkerMsg(_Codec, tag=True):
+    pass
+
+
+class DecompressWorkerMsg(_Codec, tag=True):
+    pass
 
 
 class MoveWorkerMsg(msgspec.Struct, tag=True):
@@ -72,24 +73,28 @@ class CheckFinishWorkerMsg(msgspec.Struct, tag=True):
 # -- replies ---------------------------------------------------------------------------------
 
 
-class ClearWorkerRetMsg(msgspec.Struct, tag=True):
+class _NumTokens(msgspec.Struct):
     num_tokens: int
 
 
-class PinWorkerRetMsg(msgspec.Struct, tag=True):
-    num_tokens: int
+class ClearWorkerRetMsg(_NumTokens, tag=True):
+    pass
 
 
-class CompressWorkerRetMsg(msgspec.Struct, tag=True):
-    num_tokens: int
+class PinWorkerRetMsg(_NumTokens, tag=True):
+    pass
 
 
-class DecompressWorkerRetMsg(msgspec.Struct, tag=True):
-    num_tokens: int
+class CompressWorkerRetMsg(_NumTokens, tag=True):
+    pass
 
 
-class MoveWorkerRetMsg(msgspec.Struct, tag=True):
-    num_tokens: int
+class DecompressWorkerRetMsg(_NumTokens, tag=True):
+    pass
+
+
+class MoveWorkerRetMsg(_NumTokens, tag=True):
+    pass
 
 
 class HealthWorkerRetMsg(msgspec.Struct, tag=True):

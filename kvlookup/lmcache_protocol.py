@@ -182,36 +182,37 @@ def _check(tag: str, msg: Any) -> None:
 # -- exact encodings (what LMCache itself sends and expects) ---------------------------------
 
 
-class RegisterMsgV3(msgspec.Struct, tag="RegisterMsg"):
+class _WorkerV3(msgspec.Struct):
+    """Fields of a 0.3.3-0.3.9 worker identity message (RegisterMsg, HeartbeatMsg)."""
+
+    instance_id: str
+    worker_id: int
+    ip: str
+    port: int
+    distributed_url: str
+
+
+class RegisterMsgV3(_WorkerV3, tag="RegisterMsg"):
     """0.3.3-0.3.9 RegisterMsg (PUSH)."""
 
-    instance_id: str
-    worker_id: int
-    ip: str
-    port: int
-    distributed_url: str
+
+class HeartbeatMsgV3(_WorkerV3, tag="HeartbeatMsg"):
+    """0.3.5-0.3.9 HeartbeatMsg (PUSH); LMCache subclasses RegisterMsg the same way."""
 
 
-class HeartbeatMsgV3(msgspec.Struct, tag="HeartbeatMsg"):
-    instance_id: str
-    worker_id: int
-    ip: str
-    port: int
-    distributed_url: str
-
-
-class KVAdmitMsg(msgspec.Struct, tag=True):
+class _KVEvent(msgspec.Struct):
     instance_id: str
     worker_id: int
     key: ChunkKey
     location: str
 
 
-class KVEvictMsg(msgspec.Struct, tag=True):
-    instance_id: str
-    worker_id: int
-    key: ChunkKey
-    location: str
+class KVAdmitMsg(_KVEvent, tag=True):
+    """0.3.x: one chunk stored (``key`` is a sha256 hex string in 0.3.0-0.3.2)."""
+
+
+class KVEvictMsg(_KVEvent, tag=True):
+    """0.3.x: one chunk removed."""
 
 
 class DeRegisterMsg(msgspec.Struct, tag=True):
@@ -221,22 +222,22 @@ class DeRegisterMsg(msgspec.Struct, tag=True):
     port: int
 
 
-class RegisterMsg(msgspec.Struct, tag=True):
+class _Worker(msgspec.Struct):
+    """Fields of a 0.3.12-0.5.6 worker identity message (RegisterMsg, HeartbeatMsg)."""
+
+    instance_id: str
+    worker_id: int
+    ip: str
+    port: int
+    peer_init_url: str | None
+
+
+class RegisterMsg(_Worker, tag=True):
     """0.3.12-0.5.6 RegisterMsg (DEALER -> ROUTER)."""
 
-    instance_id: str
-    worker_id: int
-    ip: str
-    port: int
-    peer_init_url: str | None
 
-
-class HeartbeatMsg(msgspec.Struct, tag=True):
-    instance_id: str
-    worker_id: int
-    ip: str
-    port: int
-    peer_init_url: str | None
+class HeartbeatMsg(_Worker, tag=True):
+    """0.3.12-0.5.6 HeartbeatMsg (DEALER -> heartbeat ROUTER)."""
 
 
 class OpEvent(msgspec.Struct):

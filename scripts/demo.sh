@@ -5,10 +5,5 @@
 # answers. Services keep running until Ctrl-C. No root, apt or Docker needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[demo]'
+. scripts/venv.sh demo
 exec .venv/bin/kvlookup quickstart "$@"

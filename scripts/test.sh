@@ -5,12 +5,7 @@
 # and vLLM publisher environments (about 2 GB, 2 minutes) and run the compatibility tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
+. scripts/venv.sh test
 if [ "${KVLOOKUP_REAL_PEERS:-0}" = "1" ]; then
   bash scripts/real-peers.sh
   export KVLOOKUP_LMCACHE_PYTHON="$PWD/.venv-lmcache/bin/python"
