@@ -19,7 +19,7 @@ import redis
 from flask import Blueprint, current_app, jsonify, request
 
 from app.auth import require_token
-from app.errors import ApiError
+from app.errors import ApiError, decode_body
 from kvlookup import keys
 from kvlookup import lmcache_control as ctl
 from kvlookup.client import TokenId, new_event_id
@@ -67,12 +67,7 @@ class CheckFinishRequest(msgspec.Struct):
 
 def parse(model: type):
     """The request body decoded as ``model``; ApiError 400 naming the bad field."""
-    try:
-        return msgspec.json.decode(request.get_data(cache=False), type=model)
-    except msgspec.ValidationError as exc:
-        raise ApiError(400, f"invalid request: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"body is not valid JSON: {exc}") from None
+    return decode_body(request.get_data(cache=False), model)
 
 
 def _ext() -> dict:

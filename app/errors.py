@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
@@ -17,6 +18,22 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+def decode_body(body: bytes, model: type):
+    """A JSON request body decoded and validated as ``model`` (a msgspec Struct).
+
+    Raises ApiError 400 naming the bad field (msgspec's ``$.field`` path), the JSON error, or
+    a nesting too deep to decode.
+    """
+    try:
+        return msgspec.json.decode(body, type=model)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "body is not valid JSON: nested too deeply") from None
 
 
 def init_app(app: Flask) -> None:

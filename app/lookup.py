@@ -23,7 +23,7 @@ import msgspec
 import redis
 from flask import Blueprint, Response, current_app, request
 
-from app.errors import ApiError
+from app.errors import ApiError, decode_body
 from kvlookup import metrics
 from kvlookup.client import TokenId, new_event_id
 
@@ -36,7 +36,6 @@ class LookupRequest(msgspec.Struct):
     cache_salt: str | None = None
 
 
-_decoder = msgspec.json.Decoder(LookupRequest)
 _encoder = msgspec.json.Encoder()
 
 
@@ -55,12 +54,7 @@ def parse_tokens(body: bytes, max_tokens: int) -> list[int]:
 
 def parse_body(body: bytes) -> LookupRequest:
     """Decode a /lookup body; raises ApiError 400 naming the problem."""
-    try:
-        return _decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise ApiError(400, f"invalid request: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"body is not valid JSON: {exc}") from None
+    return decode_body(body, LookupRequest)
 
 
 @bp.post("/lookup")

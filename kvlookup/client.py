@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -16,6 +17,8 @@ from kvlookup import vllm_hash as vh
 from kvlookup.hashing import HashProfile
 from kvlookup.redis_server import connect
 from kvlookup.store import Chain, Match, Store
+
+log = logging.getLogger(__name__)
 
 #: Tier order that breaks ties when a prefix spans locations equally.
 LOCATION_PRIORITY = ("GPU", "LocalCPUBackend", "LocalDiskBackend")
@@ -100,6 +103,10 @@ def merge_matches(matches: Sequence[Match]) -> list[InstanceMatch]:
 ChainSource = Callable[..., list[Chain]]
 
 
+#: Distinct vLLM block sizes a lookup walks (fleets use one or two).
+MAX_BLOCK_SIZES = 8
+
+
 class VllmChains:
     """Chain source for vLLM instances: kvlookup's own chain (kvlookup.vllm_hash) at every
     block size vLLM instances reported (``keys.block_sizes_key``, read at most every
@@ -114,9 +121,14 @@ class VllmChains:
         self._read_at = float("-inf")
 
     def block_sizes(self) -> list[int]:
+        """The block sizes to walk: at most :data:`MAX_BLOCK_SIZES` (smallest first), so a
+        publisher cycling through sizes cannot make every lookup hash without bound."""
         now = time.monotonic()
         if now - self._read_at >= self.refresh_s:
-            self._sizes = sorted(int(b) for b in self.r.smembers(keys.block_sizes_key()))
+            sizes = sorted(int(b) for b in self.r.smembers(keys.block_sizes_key()))
+            if len(sizes) > MAX_BLOCK_SIZES:
+                log.warning("%d vLLM block sizes known; lookups walk the first %d", len(sizes), MAX_BLOCK_SIZES)
+            self._sizes = sizes[:MAX_BLOCK_SIZES]
             self._read_at = now
         return self._sizes
 

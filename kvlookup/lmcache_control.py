@@ -132,14 +132,15 @@ _reply_decoder = msgspec.msgpack.Decoder(ControlRet)
 MAX_REPLY_BYTES = 1 << 20
 
 #: Outcomes of one call. LMCache's /health maps them to error codes.
-OK, WORKER_ERROR, UNEXPECTED, UNDECODABLE, TIMEOUT = (
+OK, WORKER_ERROR, UNEXPECTED, UNDECODABLE, TIMEOUT, UNREACHABLE = (
     "ok",
     "worker_error",
     "unexpected",
     "undecodable",
     "timeout",
+    "unreachable",
 )
-HEALTH_CODES = {WORKER_ERROR: -1001, UNEXPECTED: -1002, UNDECODABLE: -1003, TIMEOUT: -1004}
+HEALTH_CODES = {WORKER_ERROR: -1001, UNEXPECTED: -1002, UNDECODABLE: -1003, TIMEOUT: -1004, UNREACHABLE: -1005}
 
 
 @dataclass
@@ -220,9 +221,15 @@ class ControlClient:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
                 sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-                sock.connect(f"tcp://{_host(t.ip)}:{int(t.port)}")
-                socks[sock] = i
                 results[i].attempts += 1
+                try:
+                    sock.connect(f"tcp://{_host(t.ip)}:{int(t.port)}")
+                except zmq.ZMQError as exc:  # a registration with an address ZMQ cannot use
+                    sock.close(0)
+                    results[i] = Result(t.worker_id, UNREACHABLE, error=f"worker {t.worker_id} address "
+                                        f"{t.ip}:{t.port} is unusable: {exc}", attempts=results[i].attempts)
+                    continue
+                socks[sock] = i
                 try:
                     sock.send(encode(t.msg), zmq.NOBLOCK)
                 except zmq.Again:

@@ -142,6 +142,8 @@ def decode_frame(frame: bytes) -> tuple[str, Any]:
         raw = _json.decode(frame) if frame[:1] == b"{" else _msgpack.decode(frame)
     except (msgspec.DecodeError, UnicodeDecodeError, ValueError) as exc:
         raise FrameError("undecodable", str(exc)[:200]) from None
+    except RecursionError:
+        raise FrameError("undecodable", "nested too deeply") from None
     if not isinstance(raw, dict):
         raise FrameError("not_a_map", f"expected a map with 'type', got {type(raw).__name__}")
     tag = raw.get("type")
@@ -152,19 +154,28 @@ def decode_frame(frame: bytes) -> tuple[str, Any]:
         msg = msgspec.convert(raw, target)
     except msgspec.ValidationError as exc:
         raise FrameError("invalid_fields", f"{tag}: {exc}"[:300]) from None
+    except RecursionError:
+        raise FrameError("invalid_fields", f"{tag}: nested too deeply") from None
     _check(tag, msg)
     return tag, msg
 
 
 def _check(tag: str, msg: Any) -> None:
-    """Reject names and keys that cannot be stored faithfully."""
+    """Reject names, addresses and keys that cannot be stored or used faithfully."""
     for name in ("instance_id", "location"):
         value = getattr(msg, name, None)
-        if value is not None and not (0 < len(value) <= MAX_NAME):
-            raise FrameError("invalid_fields", f"{tag}: {name} must be 1..{MAX_NAME} characters")
+        if value is not None and not (0 < len(value) <= MAX_NAME and value.isprintable()):
+            raise FrameError("invalid_fields", f"{tag}: {name} must be 1..{MAX_NAME} printable characters")
     worker_id = getattr(msg, "worker_id", 0)
     if not 0 <= worker_id < 1 << 31:
         raise FrameError("invalid_fields", f"{tag}: worker_id {worker_id} out of range")
+    port = getattr(msg, "port", 0)
+    if not 0 <= port < 65536:
+        raise FrameError("invalid_fields", f"{tag}: port {port} out of range 0..65535")
+    for name in ("ip", "distributed_url", "peer_init_url"):
+        value = getattr(msg, name, None)
+        if value is not None and not (len(value) <= MAX_NAME and value.isprintable() and " " not in value):
+            raise FrameError("invalid_fields", f"{tag}: {name} must be a host or URL of at most {MAX_NAME} characters")
     keys: list = []
     if isinstance(msg, KVOp):
         keys = [msg.key]

@@ -260,17 +260,17 @@ local out = {}
 local ai = 8
 for _ = 1, tonumber(ARGV[7]) do
   local cp, size, last = ARGV[ai], tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
-  local chunk_keys = {}
-  for h in string.gmatch(ARGV[ai + 3], '%S+') do chunk_keys[#chunk_keys + 1] = cp .. h end
-  local n = #chunk_keys
+  local next_hash = string.gmatch(ARGV[ai + 3], '%S+')  -- lazily: a miss at chunk 1 reads no more
   ai = ai + 4
   -- per group: upto = chunks matched so far; stamps mark the chunk a rank/location was seen at
   -- fast path: a chunk held by exactly the holders of the previous chunk extends exactly the
   -- groups the previous chunk extended, in the same locations (no per-member work)
   local groups, prev, prevsig, extended = {}, 0, nil, {}
-  for i = 1, n do
+  local i = 0
+  for h in next_hash do
+    i = i + 1
     local e = math.min(i * size, last)
-    local members = redis.call('ZRANGE', chunk_keys[i], 0, -1)
+    local members = redis.call('ZRANGE', cp .. h, 0, -1)
     table.sort(members)
     local sig = table.concat(members, ',')
     if i > 1 and sig == prevsig then

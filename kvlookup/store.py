@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 ADMIT = "a"
 EVICT = "e"
 
+#: Chunk operations per APPLY_OPS call: a script blocks Redis while it runs, so a huge batch
+#: (a full sync, a million-op message) is applied in slices of this many admits and evicts.
+MAX_OPS_PER_CALL = 5000
+
 #: Worker rules: LMCache TP ranks must all hold a chunk; vLLM DP ranks are walked one by one.
 RULE_ALL = "all"
 RULE_ANY = "any"
@@ -88,7 +92,8 @@ class Store:
         self._purge = client.register_script(scripts.PURGE)
         self._reap_worker = client.register_script(scripts.REAP_WORKER)
         self._lookup = client.register_script(scripts.LOOKUP)
-        self._holders: dict[tuple[str, str, str, str], str] = {}
+        # (instance_id, worker_id) -> {(location, space): holder id}: a cache of HOLDER results
+        self._holders: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
 
     # -- registry -------------------------------------------------------------------------
 
@@ -174,30 +179,38 @@ class Store:
 
     def touch_instance(self, instance_id: str) -> None:
         """Refresh the instance's liveness key (sidecar heartbeat to Redis)."""
-        if self.instance_ttl_ms > 0:
-            self.r.set(keys.instance_alive_key(instance_id), "1", px=self.instance_ttl_ms)
+        self.touch_instances([instance_id])
+
+    def touch_instances(self, instance_ids: Iterable[str]) -> None:
+        """Refresh several instances' liveness keys in one round trip."""
+        if self.instance_ttl_ms <= 0:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for instance_id in instance_ids:
+            pipe.set(keys.instance_alive_key(instance_id), "1", px=self.instance_ttl_ms)
+        pipe.execute()
 
     def retire_location(self, instance_id: str, worker_id: int | str, location: str) -> int:
         """Stop counting one (worker, location)'s records (full sync start); returns 0 or 1."""
         wid = str(worker_id)
-        for cache_key in [k for k in self._holders if k[:3] == (instance_id, wid, location)]:
-            del self._holders[cache_key]
+        cached = self._holders.get((instance_id, wid), {})
+        for cache_key in [k for k in cached if k[0] == location]:
+            del cached[cache_key]
         return int(self._retire_location(
             keys=[keys.worker_key(instance_id, wid), keys.dead_holders_key()],
             args=[keys.HOLDER_PREFIX, keys.location_field(location)],
         ))
 
     def _forget(self, instance_id: str, wid: str) -> None:
-        for cache_key in [k for k in self._holders if k[0] == instance_id and k[1] == wid]:
-            del self._holders[cache_key]
+        self._holders.pop((instance_id, wid), None)
 
     # -- records --------------------------------------------------------------------------
 
     def holder_id(self, instance_id: str, worker_id: int | str, location: str, space: str = "") -> str:
         """Current holder id of (instance, worker, location); raises NotRegistered."""
         wid = str(worker_id)
-        cache_key = (instance_id, wid, location, space)
-        hid = self._holders.get(cache_key)
+        cached = self._holders.setdefault((instance_id, wid), {})
+        hid = cached.get((location, space))
         if hid is None:
             hid = self._holder(
                 keys=[keys.worker_key(instance_id, wid), keys.holder_seq_key()],
@@ -205,8 +218,10 @@ class Store:
                       keys.chunk_prefix(space), keys.key_name(instance_id)],
             )
             if hid is None:
+                if not cached:
+                    del self._holders[(instance_id, wid)]
                 raise NotRegistered(f"worker {wid} of instance {instance_id!r} is not registered")
-            self._holders[cache_key] = hid = str(hid)
+            cached[(location, space)] = hid = str(hid)
         return hid
 
     def apply(
@@ -232,20 +247,30 @@ class Store:
             if not retry:
                 return applied
             for inst, wid, loc, _ops in retry:
-                self._holders.pop((inst, wid, loc, space), None)
+                self._holders.get((inst, wid), {}).pop((loc, space), None)
             todo = retry
         raise RuntimeError(f"holders kept being retired while applying {len(todo)} batches")
 
     def _apply_once(self, todo: list, space: str, score: int) -> list:
         pipe = self.r.pipeline(transaction=False)
         prefix = keys.chunk_prefix(space)
+        calls: list[int] = []  # script calls per batch
         for inst, wid, loc, ops in todo:
             hid = self.holder_id(inst, wid, loc, space)
             admits, evicts = fold_ops(ops)
-            self._apply(keys=[keys.holder_key(hid)],
-                        args=[prefix, hid, score, " ".join(admits), " ".join(evicts)], client=pipe)
-        return [len(ops) if int(res) >= 0 else -1
-                for res, (_i, _w, _l, ops) in zip(pipe.execute(), todo, strict=True)]
+            n = 0
+            for i in range(0, max(len(admits), len(evicts), 1), MAX_OPS_PER_CALL):
+                args = [prefix, hid, score, " ".join(admits[i:i + MAX_OPS_PER_CALL]),
+                        " ".join(evicts[i:i + MAX_OPS_PER_CALL])]
+                self._apply(keys=[keys.holder_key(hid)], args=args, client=pipe)
+                n += 1
+            calls.append(n)
+        results = iter(pipe.execute())
+        out = []
+        for n, (_i, _w, _l, ops) in zip(calls, todo, strict=True):
+            codes = [int(next(results)) for _ in range(n)]  # consume every slice's reply
+            out.append(len(ops) if min(codes) >= 0 else -1)
+        return out
 
     def purge(self, budget: int = 10_000) -> int:
         """Delete up to ``budget`` records of retired holders; returns records removed."""

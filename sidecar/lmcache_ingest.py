@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 
 Batch = tuple[str, int, str, list[tuple[str, Any]]]
 
+#: Non-connection Redis errors (BUSY, OOM, READONLY...) tolerated for one pending batch
+#: before it is dropped and counted, so a persistent error cannot wedge the sidecar.
+MAX_REDIS_FAILURES = 5
+
 
 class LMCacheIngest:
     """Turns decoded LMCache messages into index writes.
@@ -32,8 +36,10 @@ class LMCacheIngest:
     def __init__(self, store: Store, heartbeat_url: str = ""):
         self.store = store
         self.heartbeat_url = heartbeat_url
-        self.instances: set[str] = set()
-        self._seen_workers: set[tuple[str, int]] = set()
+        self.instances: set[str] = set()  # instances whose liveness this sidecar refreshes
+        self.pinned: set[str] = set()  # configured instances: refreshed even with no worker seen
+        self._workers: dict[str, set[int]] = {}  # workers registered through this process
+        self._redis_failures = 0
         self._next_seq: dict[tuple[str, int, str], int] = {}
         self._pending: list[Batch] = []
 
@@ -81,7 +87,6 @@ class LMCacheIngest:
             log.warning("%s is a request; it belongs on the reply socket", tag)
 
     def _queue(self, instance_id: str, worker_id: int, location: str, ops: list) -> None:
-        self.instances.add(instance_id)
         if self._pending and self._pending[-1][:3] == (instance_id, worker_id, location):
             self._pending[-1][3].extend(ops)
         else:
@@ -90,24 +95,36 @@ class LMCacheIngest:
     def flush(self) -> None:
         """Write every pending op in one round trip.
 
-        On a Redis connection error the ops stay pending and the error propagates; the
-        service loop waits and calls flush again before reading more frames.
+        On a Redis error the ops stay pending and the error propagates; the service loop
+        backs off and calls flush again before reading more frames. Connection errors are
+        retried until Redis is back; other errors (BUSY, OOM, READONLY...) up to
+        ``MAX_REDIS_FAILURES`` times, then the ops are dropped and counted.
         """
         if not self._pending:
             return
         pending, self._pending = self._pending, []
         try:
             self._write(pending)
+            self._redis_failures = 0
         except (redis.ConnectionError, redis.TimeoutError):
             self._pending = pending + self._pending  # nothing lost: the loop retries
             raise
+        except redis.RedisError as exc:
+            self._redis_failures += 1
+            if self._redis_failures < MAX_REDIS_FAILURES:
+                self._pending = pending + self._pending
+                raise
+            self._redis_failures = 0
+            for batch in pending:
+                _count_ops(batch[3], "redis_error")
+            log.error("dropped %d batches after %d Redis errors: %s", len(pending), MAX_REDIS_FAILURES, exc)
 
     def _write(self, pending: list[Batch]) -> None:
         for inst, wid, _loc, _ops in pending:
-            if (inst, wid) not in self._seen_workers and not self.store.is_registered(inst, wid):
+            if not self._seen(inst, wid) and not self.store.is_registered(inst, wid):
                 log.info("records for unregistered worker %s/%s: registering it", inst, wid)
                 self.store.register_worker(inst, wid)
-                self._seen_workers.add((inst, wid))
+            self._see(inst, wid)
         try:
             self.store.apply(pending)
         except NotRegistered:
@@ -119,12 +136,37 @@ class LMCacheIngest:
             _count_ops(batch[3], "applied")
 
     def _apply_one(self, batch: Batch) -> None:
+        inst, wid = batch[0], batch[1]
         try:
             self.store.apply([batch])
-            _count_ops(batch[3], "applied")
-        except NotRegistered as exc:
-            _count_ops(batch[3], "unregistered")
-            log.warning("dropped %d ops: %s", len(batch[3]), exc)
+        except NotRegistered:
+            # deregistered or reaped elsewhere while this process thought it known (0.3.x
+            # workers register once): register again, as for any unknown worker, and retry
+            log.info("worker %s/%s vanished from the registry: registering it again", inst, wid)
+            self._unsee(inst, wid)
+            self.store.register_worker(inst, wid)
+            self._see(inst, wid)
+            self.store.apply([batch])
+        _count_ops(batch[3], "applied")
+
+    # -- workers this process has seen -----------------------------------------------------
+
+    def _seen(self, instance_id: str, worker_id: int) -> bool:
+        return worker_id in self._workers.get(instance_id, ())
+
+    def _see(self, instance_id: str, worker_id: int) -> None:
+        self._workers.setdefault(instance_id, set()).add(worker_id)
+        self.instances.add(instance_id)
+
+    def _unsee(self, instance_id: str, worker_id: int) -> None:
+        """Forget a worker; an instance with no worker left here is no longer refreshed."""
+        workers = self._workers.get(instance_id)
+        if workers is not None:
+            workers.discard(worker_id)
+            if not workers:
+                del self._workers[instance_id]
+                if instance_id not in self.pinned:
+                    self.instances.discard(instance_id)
 
     def _check_seq(self, msg: proto.BatchedKVOperation) -> None:
         if not msg.operations:
@@ -142,8 +184,7 @@ class LMCacheIngest:
     def _register(self, msg: proto.Register) -> int:
         url = msg.peer_init_url if msg.peer_init_url is not None else msg.distributed_url
         epoch = self.store.register_worker(msg.instance_id, msg.worker_id, msg.ip, msg.port, url)
-        self.instances.add(msg.instance_id)
-        self._seen_workers.add((msg.instance_id, msg.worker_id))
+        self._see(msg.instance_id, msg.worker_id)
         for source in [s for s in self._next_seq if s[:2] == (msg.instance_id, msg.worker_id)]:
             del self._next_seq[source]
         log.info("registered %s worker %d (%s:%d), epoch %d", msg.instance_id, msg.worker_id,
@@ -152,14 +193,14 @@ class LMCacheIngest:
 
     def _deregister(self, instance_id: str, worker_id: int) -> None:
         known = self.store.deregister_worker(instance_id, worker_id)
-        self._seen_workers.discard((instance_id, worker_id))
+        self._unsee(instance_id, worker_id)
         log.info("deregistered %s worker %d%s", instance_id, worker_id, "" if known else " (was unknown)")
 
     def forget(self, instance_id: str, worker_id: int | str) -> None:
         """Drop what this process knows of a worker the reaper deregistered, so its next
         heartbeat or record re-registers it (and, for 0.5.x, asks for a full sync)."""
         wid = int(worker_id) if isinstance(worker_id, str) and worker_id.isdigit() else worker_id
-        self._seen_workers.discard((instance_id, wid))
+        self._unsee(instance_id, wid)
         for source in [s for s in self._next_seq if s[:2] == (instance_id, wid)]:
             del self._next_seq[source]
 
@@ -209,12 +250,11 @@ class LMCacheIngest:
         """Refresh a worker; one this process has not seen is asked for a full sync."""
         key = (msg.instance_id, msg.worker_id)
         known = self.store.heartbeat_worker(msg.instance_id, msg.worker_id)
-        if known and key in self._seen_workers:
+        if known and self._seen(*key):
             return proto.HeartbeatRetMsg()
         reason = "controller_restart" if known else "worker_re_registered"
         if known:
-            self._seen_workers.add(key)
-            self.instances.add(msg.instance_id)
+            self._see(*key)
         else:
             self._register(msg)
         metrics.RESYNCS.labels("lmcache", reason).inc()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import redis
 import zmq
 
+from kvlookup import lmcache_protocol as proto
 from kvlookup import metrics
 from kvlookup.fleet import reap
 from kvlookup.store import Store
@@ -53,6 +54,7 @@ class Sidecar:
         hb_url = advertise_reply or (_host_port(reply_url) if reply_url else "")
         self.lmcache = LMCacheIngest(store, heartbeat_url=hb_url)
         self.lmcache.instances.update(instance_ids)
+        self.lmcache.pinned.update(instance_ids)
         self.heartbeat_s = heartbeat_s or max(0.5, store.instance_ttl_ms / 3000)
         self.tasks: list[Callable[[], None]] = [self._touch_instances, self._reap, self._purge]
         self._stop = threading.Event()
@@ -62,6 +64,7 @@ class Sidecar:
         for source in vllm:
             self.vllm[source.instance_id] = attach(self, source)
             self.lmcache.instances.add(source.instance_id)
+            self.lmcache.pinned.add(source.instance_id)
         if pull_url:
             self.pull = self.add_socket(zmq.PULL, endpoint(pull_url), self._on_pull)
         if reply_url:
@@ -104,15 +107,17 @@ class Sidecar:
             log.warning("ROUTER message with %d frame(s) ignored", len(frames))
             return
         identity, payload = frames[0], frames[-1]
-        reply = self.lmcache.handle_request(payload)
         envelope = [identity, b""] if len(frames) >= 3 and frames[1] == b"" else [identity]
-        sock.send_multipart([*envelope, reply])
+        reply = proto.encode(proto.ErrorMsg(error="controller error"))
+        try:
+            reply = self.lmcache.handle_request(payload)
+        finally:  # a REQ worker waits for a reply: it always gets one
+            sock.send_multipart([*envelope, reply])
 
     # -- periodic tasks ----------------------------------------------------------------------
 
     def _touch_instances(self) -> None:
-        for instance_id in list(self.lmcache.instances):
-            self.store.touch_instance(instance_id)
+        self.store.touch_instances(self.lmcache.instances)
 
     def _reap(self) -> None:
         for instance_id, worker_id in reap(self.store):
@@ -141,8 +146,8 @@ class Sidecar:
                 for sock, _ev in self.poller.poll(timeout=int(min(self.heartbeat_s, 0.2) * 1000)):
                     self.handlers[sock](sock)
                 backoff = 0.1
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+            except redis.RedisError as exc:  # unreachable, BUSY, OOM, READONLY...: back off
+                log.warning("redis error (%s); retrying in %.1fs", exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
             except Exception:  # the loop never dies; the failure is counted and logged

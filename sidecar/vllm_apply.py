@@ -25,9 +25,12 @@ from kvlookup.vllm_events import AllBlocksCleared, BlockRemoved, BlockStored, Ev
 
 log = logging.getLogger(__name__)
 
+#: Largest block size accepted (tokens); vLLM's are 16 by default, a few hundred at most.
+MAX_BLOCK_SIZE = 4096
+
 #: Why an event is rejected (metric label ``reason``).
 REASONS = {
-    "block_size": "block_size missing, zero or negative",
+    "block_size": f"block_size missing, not positive, or above {MAX_BLOCK_SIZE}",
     "block_size_changed": "block_size differs from the one this rank's records use",
     "token_count": "len(token_ids) != len(block_hashes) * block_size",
     "extra_keys": "extra_keys has not one entry per block",
@@ -122,7 +125,7 @@ class BatchApplier:
 
     def _stored(self, ev: BlockStored) -> None:
         bs = ev.block_size
-        if bs is None or bs <= 0:
+        if bs is None or not 0 < bs <= MAX_BLOCK_SIZE:
             raise EventRejected("block_size", f"block_size is {bs!r}")
         if self.ctx.block_size is not None and bs != self.ctx.block_size:
             raise EventRejected("block_size_changed", f"block_size {bs}, records use {self.ctx.block_size}")

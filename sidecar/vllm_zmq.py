@@ -10,6 +10,7 @@ bound by vLLM, so the DEALER always connects.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -20,6 +21,12 @@ from kvlookup.zmqaddr import endpoint, with_port_offset
 from sidecar.vllm_ingest import VllmIngest
 
 log = logging.getLogger(__name__)
+
+
+#: A replay longer than this many batches is not vLLM's (it buffers ``buffer_steps`` = 10,000).
+MAX_REPLAY_BATCHES = 10_000
+#: A whole replay may take this many per-reply timeouts.
+TOTAL_TIMEOUTS = 5
 
 
 class ReplayClient:
@@ -36,17 +43,22 @@ class ReplayClient:
         self.socks: dict[int, zmq.Socket] = {}
 
     def __call__(self, rank: int, start: int) -> list[tuple[int, bytes]] | None:
-        """Batches with seq >= start as a contiguous run (seq, payload); None on timeout."""
+        """Batches with seq >= start as a contiguous run (seq, payload).
+
+        None when the replay fails: a reply takes longer than ``timeout_s``, the whole replay
+        longer than ``TOTAL_TIMEOUTS`` times that, or it sends more than
+        ``MAX_REPLAY_BATCHES`` batches (vLLM keeps ``buffer_steps`` = 10,000) without its end
+        marker. The caller then resyncs the rank; the loop is never held longer than that.
+        """
         sock = self._socket(rank)
         sock.send_multipart([b"", start.to_bytes(8, "big")])
         run: list[tuple[int, bytes]] = []
         broken = False
-        while True:
-            if not sock.poll(self.timeout_ms):
-                log.warning("replay from %s (rank %d, seq %d) timed out after %d batch(es)",
-                            self.url, rank, start, len(run))
-                self._drop(rank)  # late replies must not reach the next request
-                return None
+        deadline = time.monotonic() + self.timeout_ms * TOTAL_TIMEOUTS / 1000
+        for _ in range(MAX_REPLAY_BATCHES + 1):
+            left_ms = min(self.timeout_ms, int((deadline - time.monotonic()) * 1000))
+            if left_ms <= 0 or not sock.poll(left_ms):
+                break
             try:
                 seq, payload = parse_replay(sock.recv_multipart())
             except DecodeError as exc:
@@ -58,6 +70,9 @@ class ReplayClient:
                 broken = True
             if not broken:
                 run.append((seq, payload))
+        log.warning("replay from %s (rank %d, seq %d) gave up after %d batch(es)", self.url, rank, start, len(run))
+        self._drop(rank)  # late replies must not reach the next request
+        return None
 
     def _socket(self, rank: int) -> zmq.Socket:
         sock = self.socks.get(rank)
