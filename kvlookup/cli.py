@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--lookup-response", choices=kvconfig.LOOKUP_RESPONSES, help="flat (default) or layout_info")
     c.set_defaults(func=cmd_controller)
 
-    s = sub.add_parser("sidecar", help="ingest LMCache worker traffic into Redis")
+    s = sub.add_parser("sidecar", help="ingest LMCache worker traffic and/or vLLM KV events into Redis")
     _common(s)
     s.add_argument("--instance-id", help="the instance this sidecar vouches for (traffic adds others)")
     s.add_argument("--pull-url", help="host:port to bind PULL (LMCache controller_pull_url)")
@@ -113,9 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     q = sub.add_parser("quickstart", help="controller + embedded Redis + sidecar on the seed's ports, then the demo")
-    q.add_argument("--port", type=int, default=9000)
-    q.add_argument("--monitor-port", type=int, default=9001)
-    q.add_argument("--data-dir")
+    q.add_argument("--port", type=int, default=9000, help="controller HTTP port (9000)")
+    q.add_argument("--monitor-port", type=int, default=9001, help="LMCache controller_pull_url port (9001)")
+    q.add_argument("--data-dir", help="embedded Redis data dir (default ~/.local/share/kvlookup)")
     q.set_defaults(func=cmd_quickstart)
     _add_bench(sub)
     return parser

@@ -1,8 +1,9 @@
 """The fleet as the registry in Redis sees it: instances, workers, liveness, key counts; the reaper.
 
 Everything here reads index sets (``kvl:v1:instances``, ``instance:<id>:workers``), the worker
-hashes and the holders' record counts in pipelined round trips; nothing scans the keyspace. Used by the controller's control and stats endpoints, the metrics collector, the
-sidecars' periodic reaper and ``kvlookup reap``.
+hashes and the holders' record counts in pipelined round trips; nothing scans the keyspace.
+Used by the controller's control and stats endpoints, the metrics collector, the sidecars'
+periodic reaper and ``kvlookup reap``.
 """
 
 from __future__ import annotations

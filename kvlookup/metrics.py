@@ -23,3 +23,14 @@ CONTROL_CALLS = Counter("kvlookup_control_calls_total", "Controller -> worker co
                         ["message", "outcome"])
 # Live instances/workers and records per instance and location are computed from Redis at
 # scrape time: see kvlookup.fleet_metrics (kvlookup_live, kvlookup_records).
+
+
+def count_ops(ops: list, outcome: str) -> None:
+    """Count a batch of (op, chunk hash) pairs in ``kvlookup_ingest_ops_total`` by kind."""
+    from kvlookup.store import ADMIT
+
+    admits = sum(1 for op, _ in ops if op == ADMIT)
+    if admits:
+        INGEST_OPS.labels("admit", outcome).inc(admits)
+    if len(ops) - admits:
+        INGEST_OPS.labels("evict", outcome).inc(len(ops) - admits)

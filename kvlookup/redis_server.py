@@ -22,6 +22,9 @@ from pathlib import Path
 import redis
 
 URL_FILE = "redis.url"
+#: The port an embedded server of a data dir last used; kept after it stops so the next start
+#: takes it again and clients holding the old URL (a sidecar) reconnect on their own.
+PORT_FILE = "redis.port"
 
 
 def find_server_binary() -> str:
@@ -106,7 +109,7 @@ class EmbeddedRedis:
         """Start the server and wait until it answers; returns ``redis://127.0.0.1:<port>/0``."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port:
-            self.port = free_port()
+            self.port = _previous_port(self.data_dir) or free_port()
         self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True)
         auth = f":{self.password}@" if self.password else ""
@@ -121,6 +124,7 @@ class EmbeddedRedis:
                 raise TimeoutError(f"redis server did not answer on port {self.port} within {timeout}s")
             time.sleep(0.05)
         (self.data_dir / URL_FILE).write_text(self.url + "\n")
+        (self.data_dir / PORT_FILE).write_text(f"{self.port}\n")
         atexit.register(self.stop)
         return self.url
 
@@ -138,6 +142,21 @@ class EmbeddedRedis:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout)
+
+
+def _previous_port(data_dir: Path) -> int | None:
+    """The port this data dir's server used last time, if it is free now."""
+    try:
+        port = int((data_dir / PORT_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return None
+    return port
 
 
 def running_url(data_dir: str | os.PathLike) -> str | None:

@@ -116,7 +116,7 @@ class LMCacheIngest:
                 raise
             self._redis_failures = 0
             for batch in pending:
-                _count_ops(batch[3], "redis_error")
+                metrics.count_ops(batch[3], "redis_error")
             log.error("dropped %d batches after %d Redis errors: %s", len(pending), MAX_REDIS_FAILURES, exc)
 
     def _write(self, pending: list[Batch]) -> None:
@@ -133,7 +133,7 @@ class LMCacheIngest:
                 self._apply_one(batch)
             return
         for batch in pending:
-            _count_ops(batch[3], "applied")
+            metrics.count_ops(batch[3], "applied")
 
     def _apply_one(self, batch: Batch) -> None:
         inst, wid = batch[0], batch[1]
@@ -147,7 +147,7 @@ class LMCacheIngest:
             self.store.register_worker(inst, wid)
             self._see(inst, wid)
             self.store.apply([batch])
-        _count_ops(batch[3], "applied")
+        metrics.count_ops(batch[3], "applied")
 
     # -- workers this process has seen -----------------------------------------------------
 
@@ -260,11 +260,3 @@ class LMCacheIngest:
         metrics.RESYNCS.labels("lmcache", reason).inc()
         log.info("asking %s worker %d for a full sync (%s)", msg.instance_id, msg.worker_id, reason)
         return proto.HeartbeatRetMsg(commands=[proto.FullSyncCommand(reason=reason)])
-
-
-def _count_ops(ops: list, outcome: str) -> None:
-    admits = sum(1 for op, _ in ops if op == ADMIT)
-    if admits:
-        metrics.INGEST_OPS.labels("admit", outcome).inc(admits)
-    if len(ops) - admits:
-        metrics.INGEST_OPS.labels("evict", outcome).inc(len(ops) - admits)

@@ -241,3 +241,5 @@ class BatchApplier:
             log.warning("%s rank %d was deregistered; registering it again", ctx.instance_id, ctx.rank)
             ctx.store.register_worker(ctx.instance_id, ctx.rank, kind="vllm", worker_rule="any")
             self.ctx.store.apply(batches, space=space)
+        for batch in batches:
+            metrics.count_ops(batch[3], "applied")

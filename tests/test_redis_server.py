@@ -49,3 +49,17 @@ def test_processes_share_one_embedded_server_per_data_dir(tmp_path):
     finally:
         server.stop()
     assert running_url(tmp_path) is None
+
+
+def test_restarted_embedded_server_keeps_its_port(tmp_path):
+    """A sidecar holding the URL of a controller's embedded Redis reconnects after a restart."""
+    first = EmbeddedRedis(tmp_path)
+    url = first.start()
+    connect(url).set("k", "v")
+    first.stop()
+    second = EmbeddedRedis(tmp_path)
+    try:
+        assert second.start() == url
+        assert connect(url).get("k") == "v"  # and the AOF brought the data back
+    finally:
+        second.stop()
