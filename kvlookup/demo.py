@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import urllib.error
 import urllib.request
 
 from kvlookup.hashing import HashProfile
+from kvlookup.redis_server import port_free
 from kvlookup.workersim import WorkerSim
 
 SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
@@ -141,7 +141,7 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
            "--monitor-port", str(monitor_port), "--log-level", "WARNING"]
     if data_dir:
         cmd += ["--data-dir", data_dir]
-    busy = [p for p in (port, monitor_port) if not _port_free(p)]
+    busy = [p for p in (port, monitor_port) if not port_free(p)]
     if busy:
         print(f"kvlookup: error: port(s) {busy} on localhost are in use; stop what holds them or pass "
               "--port/--monitor-port", file=sys.stderr)
@@ -164,16 +164,6 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
         if ctrl.poll() is None:
             ctrl.send_signal(signal.SIGTERM)
             ctrl.wait(15)
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _raise_interrupt(_signum, _frame):

@@ -342,28 +342,3 @@ def encode(msg: msgspec.Struct) -> bytes:
     """msgpack bytes of a message, exactly as LMCache's msgspec encoder writes them."""
     return _encoder.encode(msg)
 
-
-class FullSyncStartMsgOut(msgspec.Struct, tag="FullSyncStartMsg"):
-    """0.5.6 FullSyncStartMsg as the worker encodes it (tests, simulations)."""
-
-    instance_id: str
-    worker_id: int
-    location: str
-    sync_id: str
-    total_keys: int
-    batch_count: int
-
-
-class FullSyncBatchMsgOut(msgspec.Struct, tag="FullSyncBatchMsg"):
-    instance_id: str
-    worker_id: int
-    location: str
-    sync_id: str
-    batch_id: int
-    keys: list[int]
-
-
-class FullSyncStatusMsgOut(msgspec.Struct, tag="FullSyncStatusMsg"):
-    instance_id: str
-    worker_id: int
-    sync_id: str

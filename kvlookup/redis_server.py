@@ -54,6 +54,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when a TCP listener could bind ``host:port`` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def connect(url: str, **kwargs) -> redis.Redis:
     """redis-py client for redis://, rediss:// (TLS) or unix:// URLs, passwords included."""
     return redis.Redis.from_url(url, decode_responses=True, **kwargs)
@@ -150,13 +161,7 @@ def _previous_port(data_dir: Path) -> int | None:
         port = int((data_dir / PORT_FILE).read_text().strip())
     except (OSError, ValueError):
         return None
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return None
-    return port
+    return port if port_free(port) else None
 
 
 def running_url(data_dir: str | os.PathLike) -> str | None:

@@ -48,7 +48,7 @@ def test_056_worker_messages_byte_exact():
     ops = [proto.OpEvent("evict", -3970904962213640042, 4)]
     assert proto.encode(proto.BatchedKVOperationMsg("inst-a", 0, "LocalCPUBackend", ops)).hex() == EVICT_NEG_056
     assert proto.encode(proto.DeRegisterMsg("inst-a", 0, "127.0.0.1", 8001)).hex() == DEREGISTER_056
-    batch = proto.FullSyncBatchMsgOut("inst-a", 0, "LocalCPUBackend", "inst-a_0_00000000", 0, [SEED_HASH])
+    batch = proto.FullSyncBatchMsg("inst-a", 0, "LocalCPUBackend", "inst-a_0_00000000", 0, [SEED_HASH])
     assert proto.encode(batch).hex() == FULL_SYNC_BATCH_056
 
 

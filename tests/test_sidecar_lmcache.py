@@ -69,14 +69,14 @@ def test_heartbeats_and_full_sync_replace_a_location(r, sidecar, client):
     assert wait_for(lambda: client.lookup(S600)[1], {"inst": ("LocalCPUBackend", 600)}) == {
         "inst": ("LocalCPUBackend", 600)}
     start = proto.FullSyncStart("inst", 0, "LocalCPUBackend", "inst_0_abc", 1, 1)
-    reply = w.request(proto.FullSyncStartMsgOut(**msgspec.structs.asdict(start)))
+    reply = w.request(proto.FullSyncStartMsg(**msgspec.structs.asdict(start)))
     assert reply == {"type": "FullSyncStartRetMsg", "sync_id": "inst_0_abc", "accepted": True, "error_msg": None}
     assert client.lookup(S600)[1] == {}  # the sync replaces what the index had for that location
-    w.push.send_multipart([proto.encode(proto.FullSyncBatchMsgOut("inst", 0, "LocalCPUBackend", "inst_0_abc", 0,
+    w.push.send_multipart([proto.encode(proto.FullSyncBatchMsg("inst", 0, "LocalCPUBackend", "inst_0_abc", 0,
                                                                    [SEED_HASH]))])
     assert wait_for(lambda: client.lookup(SEED_TOKENS)[1], {"inst": ("LocalCPUBackend", 12)}) == {
         "inst": ("LocalCPUBackend", 12)}
-    status = w.request(proto.FullSyncStatusMsgOut("inst", 0, "inst_0_abc"))
+    status = w.request(proto.FullSyncStatusMsg("inst", 0, "inst_0_abc"))
     assert (status["is_complete"], status["can_exit_freeze"]) == (True, True)
     w.close()
 
