@@ -113,7 +113,7 @@ def run_demo(pull_url: str, reply_url: str | None, http: str, era: str, profile:
         shown = body if len(tokens) <= 16 else json.dumps({"tokens": tokens[:6]})[:-2] + ", ...]}"
         print(f"\n# {name} ({len(tokens)} tokens)")
         print(f"$ curl -X POST {http}/lookup -H \"Content-Type: application/json\" -d '{shown}'")
-        print(json.dumps(post_lookup(http, tokens)))
+        print(json.dumps(post_lookup(http, tokens), separators=(",", ":")))  # as curl shows it
     for w in (a, b):
         w.close()
     return 0
