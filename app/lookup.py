@@ -41,20 +41,10 @@ _encoder = msgspec.json.Encoder()
 
 def parse_request(body: bytes, max_tokens: int) -> LookupRequest:
     """Validate a /lookup body; raises ApiError 400 naming the problem, 413 when too long."""
-    req = parse_body(body)
+    req = decode_body(body, LookupRequest)
     if len(req.tokens) > max_tokens:
         raise ApiError(413, f"'tokens' has {len(req.tokens)} ids, more than the maximum {max_tokens}")
     return req
-
-
-def parse_tokens(body: bytes, max_tokens: int) -> list[int]:
-    """The tokens of a valid /lookup body (see :func:`parse_request`)."""
-    return parse_request(body, max_tokens).tokens
-
-
-def parse_body(body: bytes) -> LookupRequest:
-    """Decode a /lookup body; raises ApiError 400 naming the problem."""
-    return decode_body(body, LookupRequest)
 
 
 @bp.post("/lookup")
