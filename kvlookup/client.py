@@ -168,8 +168,8 @@ class Client:
     def chains(self, tokens: Sequence[int], **namespace: str) -> list[Chain]:
         """Every hash chain a lookup of ``tokens`` walks (namespace: see :data:`ChainSource`)."""
         hashes = self.profile.chunk_hashes(tokens)
-        n = len(tokens) if self.profile.save_unfull_chunk else len(tokens) - len(tokens) % self.profile.chunk_size
-        chains = [Chain(keys.chunk_prefix(), hashes, self.profile.chunk_size, n)]
+        chains = [Chain(keys.chunk_prefix(), hashes, self.profile.chunk_size,
+                        self.profile.hashed_length(len(tokens)))]
         for source in self.extra_chains:
             chains.extend(source(tokens, **namespace))
         return chains

@@ -118,9 +118,14 @@ class HashProfile:
             algorithm=algorithm,
         )
 
+    def hashed_length(self, n_tokens: int) -> int:
+        """Tokens of an ``n_tokens`` prompt that fall in hashed chunks (the partial tail only
+        with ``save_unfull_chunk``): where the last chunk ends."""
+        return n_tokens if self.save_unfull_chunk else n_tokens - n_tokens % self.chunk_size
+
     def chunk_bounds(self, n_tokens: int) -> list[tuple[int, int]]:
         """(start, end) token offsets of every hashed chunk of an ``n_tokens`` prompt."""
-        end = n_tokens if self.save_unfull_chunk else n_tokens - n_tokens % self.chunk_size
+        end = self.hashed_length(n_tokens)
         return [(i, min(i + self.chunk_size, n_tokens)) for i in range(0, end, self.chunk_size)]
 
     def chunk_hashes(self, tokens: Sequence[int]) -> list[ChunkHash]:

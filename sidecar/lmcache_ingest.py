@@ -168,6 +168,16 @@ class LMCacheIngest:
                 if instance_id not in self.pinned:
                     self.instances.discard(instance_id)
 
+    def pin(self, *instance_ids: str) -> None:
+        """Instances whose liveness this sidecar refreshes even before (or without) a worker."""
+        self.pinned.update(instance_ids)
+        self.instances.update(instance_ids)
+
+    def _reset_seq(self, instance_id: str, worker_id: int) -> None:
+        """Forget the expected seq_num of every location of a worker (new epoch or reaped)."""
+        for source in [s for s in self._next_seq if s[:2] == (instance_id, worker_id)]:
+            del self._next_seq[source]
+
     def _check_seq(self, msg: proto.BatchedKVOperation) -> None:
         if not msg.operations:
             return
@@ -185,8 +195,7 @@ class LMCacheIngest:
         url = msg.peer_init_url if msg.peer_init_url is not None else msg.distributed_url
         epoch = self.store.register_worker(msg.instance_id, msg.worker_id, msg.ip, msg.port, url)
         self._see(msg.instance_id, msg.worker_id)
-        for source in [s for s in self._next_seq if s[:2] == (msg.instance_id, msg.worker_id)]:
-            del self._next_seq[source]
+        self._reset_seq(msg.instance_id, msg.worker_id)
         log.info("registered %s worker %d (%s:%d), epoch %d", msg.instance_id, msg.worker_id,
                  msg.ip, msg.port, epoch)
         return epoch
@@ -201,8 +210,7 @@ class LMCacheIngest:
         heartbeat or record re-registers it (and, for 0.5.x, asks for a full sync)."""
         wid = int(worker_id) if isinstance(worker_id, str) and worker_id.isdigit() else worker_id
         self._unsee(instance_id, wid)
-        for source in [s for s in self._next_seq if s[:2] == (instance_id, wid)]:
-            del self._next_seq[source]
+        self._reset_seq(instance_id, wid)
 
     # -- request channel (ROUTER) ----------------------------------------------------------
 

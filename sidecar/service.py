@@ -53,8 +53,7 @@ class Sidecar:
         self.handlers: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
         hb_url = advertise_reply or (_host_port(reply_url) if reply_url else "")
         self.lmcache = LMCacheIngest(store, heartbeat_url=hb_url)
-        self.lmcache.instances.update(instance_ids)
-        self.lmcache.pinned.update(instance_ids)
+        self.lmcache.pin(*instance_ids)
         self.heartbeat_s = heartbeat_s or max(0.5, store.instance_ttl_ms / 3000)
         self.tasks: list[Callable[[], None]] = [self._touch_instances, self._reap, self._purge]
         self._stop = threading.Event()
@@ -63,8 +62,7 @@ class Sidecar:
         self.vllm: dict[str, VllmIngest] = {}
         for source in vllm:
             self.vllm[source.instance_id] = attach(self, source)
-            self.lmcache.instances.add(source.instance_id)
-            self.lmcache.pinned.add(source.instance_id)
+            self.lmcache.pin(source.instance_id)
         if pull_url:
             self.pull = self.add_socket(zmq.PULL, endpoint(pull_url), self._on_pull)
         if reply_url:

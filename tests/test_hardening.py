@@ -78,8 +78,7 @@ def test_worker_reaped_elsewhere_is_registered_again(store):
 
 def test_deregistered_instances_are_no_longer_refreshed(store):
     ingest = LMCacheIngest(store)
-    ingest.pinned.add("mine")
-    ingest.instances.add("mine")
+    ingest.pin("mine")
     for inst in ("x", "y"):
         ingest.handle_push([proto.encode(proto.RegisterMsgV3(inst, 0, "127.0.0.1", 8001, "h:1"))])
     assert ingest.instances == {"mine", "x", "y"}
