@@ -262,30 +262,44 @@ for _ = 1, tonumber(ARGV[7]) do
   local cp, size, last = ARGV[ai], tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
   local next_hash = string.gmatch(ARGV[ai + 3], '%S+')  -- lazily: a miss at chunk 1 reads no more
   ai = ai + 4
-  -- per group: upto = chunks matched so far; stamps mark the chunk a rank/location was seen at
-  -- fast path: a chunk held by exactly the holders of the previous chunk extends exactly the
-  -- groups the previous chunk extended, in the same locations (no per-member work)
-  local groups, prev, prevsig, extended = {}, 0, nil, {}
+  -- per group: upto = chunks matched so far; stamps mark the chunk a rank/location was seen at.
+  -- A run of chunks held by exactly the holders of the chunk that opened it (chunk s, end
+  -- offset es) extends exactly the groups chunk s extended, in the same locations: the run is
+  -- only remembered (last chunk r, end offset er) and settled in one step when it ends.
+  local groups, prev, extended = {}, 0, {}
+  local held, nheld = {}, 0
+  local s, es, r, er = 0, 0, 0, 0
+  local function settle()
+    if r == s then return end
+    for _, g in ipairs(extended) do
+      g.upto, g.e, g.stamp = r, er, r
+      for _, loc in ipairs(g.lnames) do
+        if g.lstamp[loc] == s then
+          g.lstamp[loc] = r
+          g.toks[loc] = g.toks[loc] + (er - es)
+        end
+      end
+    end
+    prev, s, es = er, r, er
+  end
   local i = 0
   for h in next_hash do
     i = i + 1
-    local e = math.min(i * size, last)
+    local e = i * size
+    if e > last then e = last end
     local members = redis.call('ZRANGE', cp .. h, 0, -1)
-    table.sort(members)
-    local sig = table.concat(members, ',')
-    if i > 1 and sig == prevsig then
-      for _, g in ipairs(extended) do
-        g.upto, g.e, g.stamp = i, e, i
-        for _, loc in ipairs(g.lnames) do
-          if g.lstamp[loc] == i - 1 then
-            g.lstamp[loc] = i
-            g.toks[loc] = g.toks[loc] + (e - prev)
-          end
-        end
+    local same = i > 1 and #members == nheld
+    if same then
+      for _, hid in ipairs(members) do
+        if not held[hid] then same = false break end
       end
-      prev = e
+    end
+    if same then
+      r, er = i, e
     else
-    prevsig = sig
+    settle()
+    held, nheld = {}, #members
+    for _, hid in ipairs(members) do held[hid] = true end
     local touched, nt = {}, 0
     for _, hid in ipairs(members) do
       local h = holder(hid)
@@ -326,9 +340,10 @@ for _ = 1, tonumber(ARGV[7]) do
       end
     end
     if #extended == 0 then break end
-    prev = e
+    prev, s, es, r, er = e, i, e, i, e
     end
   end
+  settle()
   for _, g in pairs(groups) do
     if g.upto > 0 then
       local locs = {}
