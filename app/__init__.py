@@ -50,9 +50,10 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
         "metrics_registries": metrics_view.build_registries(fleet),
     }
     errors.init_app(app)
-    app.register_blueprint(lookup.bp)
     app.register_blueprint(health.bp)
     app.register_blueprint(control.bp)
     app.register_blueprint(registry.bp)
     app.register_blueprint(metrics_view.bp)
+    app.wsgi_app = lookup.LookupRoute(app.wsgi_app, client, settings.lookup_response,  # type: ignore[method-assign]
+                                      settings.max_tokens, settings.max_body_bytes)
     return app

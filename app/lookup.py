@@ -13,21 +13,31 @@ or LMCache's own wire shape with ``lookup_response: layout_info`` / ``?format=la
 Instances are listed longest match first. ``?detail=1`` adds ``"detail": {instance_id:
 {location, matched_prefix_length, locations, ranks?}}``. No match: only ``event_id``
 (and an empty ``layout_info``).
+
+/lookup is the hot path, so it is served by :class:`LookupRoute`, a WSGI layer in front of
+Flask (Flask's request and response machinery cost ~0.15 ms a call, measured in
+docs/benchmarks.md); every other path goes on to Flask. Errors keep the API's JSON shape.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable, Iterable
+from http import HTTPStatus
+from urllib.parse import parse_qs
 
 import msgspec
 import redis
-from flask import Blueprint, Response, current_app, request
 
 from app.errors import ApiError, decode_body
 from kvlookup import metrics
-from kvlookup.client import TokenId, new_event_id
+from kvlookup.client import Client, InstanceMatch, TokenId, new_event_id
 
-bp = Blueprint("lookup", __name__)
+log = logging.getLogger(__name__)
+
+PATH = "/lookup"
+FORMATS = ("flat", "layout_info")
 
 
 class LookupRequest(msgspec.Struct):
@@ -47,30 +57,88 @@ def parse_request(body: bytes, max_tokens: int) -> LookupRequest:
     return req
 
 
-@bp.post("/lookup")
-def lookup() -> Response:
-    ext = current_app.extensions["kvlookup"]
-    settings, client = ext["settings"], ext["client"]
-    fmt = request.args.get("format", settings.lookup_response)
-    if fmt not in ("flat", "layout_info"):
-        raise ApiError(400, "query parameter 'format' must be 'flat' or 'layout_info'")
-    start = time.perf_counter()
-    req = parse_request(request.get_data(cache=False), settings.max_tokens)
-    try:
-        matches = client.matches(req.tokens, validate=False, lora_name=req.lora_name,
-                                 cache_salt=req.cache_salt)
-    except redis.RedisError as exc:
-        metrics.LOOKUPS.labels("redis_error").inc()
-        raise ApiError(503, f"index unavailable: {exc}") from None
+def response_body(matches: list[InstanceMatch], fmt: str, detail: bool) -> dict:
+    """The JSON answer for ``matches`` (longest first) in shape ``fmt`` (flat | layout_info)."""
     layout = {m.instance_id: [m.location, m.matched_prefix_length] for m in matches}
     body: dict = {"event_id": new_event_id("Lookup")}
     if fmt == "layout_info":
         body["layout_info"] = layout
     else:
         body.update({k: v for k, v in layout.items() if k != "event_id"})
-    if request.args.get("detail") in ("1", "true"):
+    if detail:
         body["detail"] = {m.instance_id: m.detail() for m in matches}
-    metrics.LOOKUPS.labels("hit" if matches else "miss").inc()
-    metrics.LOOKUP_SECONDS.observe(time.perf_counter() - start)
-    metrics.LOOKUP_MATCHED_TOKENS.observe(matches[0].matched_prefix_length if matches else 0)
-    return Response(_encoder.encode(body) + b"\n", mimetype="application/json")
+    return body
+
+
+class LookupRoute:
+    """WSGI middleware answering ``/lookup`` itself and passing every other path to ``app``.
+
+    client: the lookup :class:`Client`; default_format: ``lookup_response``; max_tokens,
+    max_body_bytes: request limits (413 beyond them). Other methods on /lookup get 405.
+    """
+
+    def __init__(self, app: Callable, client: Client, default_format: str, max_tokens: int, max_body_bytes: int):
+        self.app = app
+        self.client = client
+        self.default_format = default_format
+        self.max_tokens = max_tokens
+        self.max_body_bytes = max_body_bytes
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != PATH:
+            return self.app(environ, start_response)
+        try:
+            if environ.get("REQUEST_METHOD") != "POST":
+                return _send(start_response, 405, {"error": "The method is not allowed for the requested URL."},
+                             [("Allow", "POST")])
+            return _send(start_response, 200, self.answer(environ))
+        except ApiError as exc:
+            return _send(start_response, exc.status, {"error": exc.message})
+        except Exception as exc:  # the API never answers with an HTML page
+            log.exception("unhandled error in /lookup")
+            return _send(start_response, 500, {"error": f"internal error: {type(exc).__name__}"})
+
+    def answer(self, environ: dict) -> dict:
+        """The response body for one POST; raises ApiError (400, 413, 503)."""
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        fmt = query.get("format", [self.default_format])[0]
+        if fmt not in FORMATS:
+            raise ApiError(400, "query parameter 'format' must be 'flat' or 'layout_info'")
+        start = time.perf_counter()
+        req = parse_request(self.read_body(environ), self.max_tokens)
+        try:
+            matches = self.client.matches(req.tokens, validate=False, lora_name=req.lora_name,
+                                          cache_salt=req.cache_salt)
+        except redis.RedisError as exc:
+            metrics.LOOKUPS.labels("redis_error").inc()
+            raise ApiError(503, f"index unavailable: {exc}") from None
+        body = response_body(matches, fmt, query.get("detail", [""])[0] in ("1", "true"))
+        metrics.LOOKUPS.labels("hit" if matches else "miss").inc()
+        metrics.LOOKUP_SECONDS.observe(time.perf_counter() - start)
+        metrics.LOOKUP_MATCHED_TOKENS.observe(matches[0].matched_prefix_length if matches else 0)
+        return body
+
+    def read_body(self, environ: dict) -> bytes:
+        """The request body; ApiError 413 beyond ``max_body_bytes`` (declared or actual)."""
+        stream = environ["wsgi.input"]
+        length = environ.get("CONTENT_LENGTH")
+        if length:
+            try:
+                n = int(length)
+            except ValueError:
+                raise ApiError(400, "Content-Length is not a number") from None
+            if n > self.max_body_bytes:
+                raise ApiError(413, "request body too large")
+            return stream.read(n) if n > 0 else b""
+        data = stream.read(self.max_body_bytes + 1)  # chunked: the server ends the stream
+        if len(data) > self.max_body_bytes:
+            raise ApiError(413, "request body too large")
+        return data
+
+
+def _send(start_response: Callable, status: int, body: dict, headers: list | None = None) -> list[bytes]:
+    data = _encoder.encode(body) + b"\n"
+    start_response(f"{status} {HTTPStatus(status).phrase}",
+                   [("Content-Type", "application/json"), ("Content-Length", str(len(data))), *(headers or [])])
+    return [data]
+
