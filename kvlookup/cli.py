@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--monitor-port", type=int, help="run an embedded sidecar with its PULL socket on this port")
     c.add_argument("--monitor-ports", type=json.loads, help='JSON {"pull": P, "reply": R} for the embedded sidecar')
     c.add_argument("--workers", type=int, dest="gunicorn_workers", help="gunicorn worker processes (2)")
-    c.add_argument("--threads", type=int, dest="gunicorn_threads", help="threads per worker (4)")
+    c.add_argument("--threads", type=int, dest="gunicorn_threads", help="threads per gthread worker (4)")
+    c.add_argument("--worker-class", choices=kvconfig.WORKER_CLASSES, dest="gunicorn_worker_class",
+                   help="gunicorn worker class (gevent)")
     c.add_argument("--lookup-response", choices=kvconfig.LOOKUP_RESPONSES, help="flat (default) or layout_info")
     c.set_defaults(func=cmd_controller)
 
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
 CONTROLLER_SETTINGS = ("redis_url", "data_dir", "instance_ttl_s", "log_level", "lmcache_config", "host",
                        "port", "monitor_port", "monitor_ports", "gunicorn_workers", "gunicorn_threads",
-                       "lookup_response", "worker_ttl_s")
+                       "gunicorn_worker_class", "lookup_response", "worker_ttl_s")
 
 
 def cmd_controller(args: argparse.Namespace) -> int:

@@ -19,6 +19,9 @@ from kvlookup.hashing import HashProfile, profile_from_lmcache_yaml
 
 ENV_PREFIX = "KVLOOKUP_"
 LOOKUP_RESPONSES = ("flat", "layout_info")
+#: gunicorn worker classes the controller runs: gevent (default: one event loop per process,
+#: keep-alive, slow clients cost a greenlet, not a thread), gthread, sync.
+WORKER_CLASSES = ("gevent", "gthread", "sync")
 
 
 def _default_hash() -> dict[str, Any]:
@@ -41,6 +44,7 @@ class Settings:
     monitor_ports: dict[str, int] | None = None
     gunicorn_workers: int = 2
     gunicorn_threads: int = 4
+    gunicorn_worker_class: str = "gevent"
     lookup_response: str = "flat"
     max_tokens: int = 1_048_576
     max_body_bytes: int = 16 * 1024 * 1024
@@ -68,6 +72,9 @@ class Settings:
         """Raise ValueError naming the first bad setting; returns self."""
         if self.lookup_response not in LOOKUP_RESPONSES:
             raise ValueError(f"lookup_response must be one of {LOOKUP_RESPONSES}, got {self.lookup_response!r}")
+        if self.gunicorn_worker_class not in WORKER_CLASSES:
+            raise ValueError(f"gunicorn_worker_class must be one of {WORKER_CLASSES}, "
+                             f"got {self.gunicorn_worker_class!r}")
         for name in ("port", "max_tokens", "max_body_bytes", "gunicorn_workers", "gunicorn_threads"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")

@@ -11,6 +11,8 @@ fresh REQ socket per call and attempt (a REQ socket that timed out is stuck in t
 state, so it is discarded), sends to all workers of an instance at once, waits at most
 ``timeout_s`` per attempt and retries the silent ones ``retries`` times. A dead worker
 therefore costs at most ``timeout_s * (retries + 1)`` and never wedges a later call.
+Under gevent (the controller's default gunicorn worker) the sockets are pyzmq's green ones, so
+a call that waits on a slow worker yields to the lookups served by the same process.
 """
 
 from __future__ import annotations
@@ -173,6 +175,20 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+def green_zmq():
+    """pyzmq's gevent-cooperative module (``zmq.green``) when gevent has patched this process
+    (gunicorn's gevent worker does), else None: a plain ZMQ wait would stall every greenlet."""
+    try:
+        from gevent import monkey
+    except ImportError:
+        return None
+    if not monkey.is_module_patched("socket"):
+        return None
+    import zmq.green
+
+    return zmq.green
+
+
 def _host(ip: str) -> str:
     return "127.0.0.1" if ip in ("", "localhost") else ip
 
@@ -187,7 +203,8 @@ class ControlClient:
     def __init__(self, timeout_s: float = 2.0, retries: int = 1, ctx: zmq.Context | None = None):
         self.timeout_ms = max(1, int(timeout_s * 1000))
         self.retries = max(0, int(retries))
-        self.ctx = ctx or zmq.Context()
+        self.zmq = green_zmq() or zmq
+        self.ctx = ctx or self.zmq.Context()
 
     def call(self, targets: list[Target], retries: int | None = None) -> list[Result]:
         """Send each target its message and collect replies, in target order.
@@ -212,7 +229,7 @@ class ControlClient:
         return [results[i] for i in range(len(targets))]
 
     def _attempt(self, targets: list[Target], pending: list[int], results: dict[int, Result]) -> list[int]:
-        poller = zmq.Poller()
+        poller = self.zmq.Poller()
         socks: dict[zmq.Socket, int] = {}
         try:
             for i in pending:

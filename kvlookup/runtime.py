@@ -40,6 +40,10 @@ def ensure_redis(settings: Settings) -> redis_server.EmbeddedRedis | None:
     return server
 
 
+#: gunicorn ``worker_class`` per kvlookup setting.
+WORKER_CLASSES = {"gevent": "kvlookup.gevent_worker.GeventWorker", "gthread": "gthread", "sync": "sync"}
+
+
 class GunicornController(BaseApplication):
     """Serves ``app.create_app(settings)`` with gunicorn; the app is built in each worker."""
 
@@ -54,7 +58,7 @@ class GunicornController(BaseApplication):
             "bind": f"{s.host}:{s.port}",
             "workers": s.gunicorn_workers,
             "threads": s.gunicorn_threads,
-            "worker_class": "gthread" if s.gunicorn_threads > 1 else "sync",
+            "worker_class": WORKER_CLASSES[s.gunicorn_worker_class],
             "loglevel": s.log_level.lower(),
             "timeout": 30,
             "graceful_timeout": 5,

@@ -26,6 +26,7 @@ def test_layers_defaults_file_env_overrides(tmp_path):
 @pytest.mark.parametrize(("layer", "message"), [
     ({"lookup_response": "xml"}, "lookup_response must be one of"),
     ({"port": 0}, "port must be >= 1"),
+    ({"gunicorn_worker_class": "eventlet"}, r"gunicorn_worker_class must be one of \('gevent', 'gthread', 'sync'\)"),
     ({"nope": 1}, "unknown setting 'nope'"),
     ({"hash": {"chunk_size": -1}}, "chunk_size must be a positive integer"),
 ])

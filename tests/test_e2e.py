@@ -65,3 +65,56 @@ def test_both_eras_several_instances_tiers_and_tp(redis_url):
             w.close()
     finally:
         ctrl.stop()
+
+
+def _seed(redis_url: str, ports: list[int]) -> None:
+    """Instance ``inst`` with one worker per port, each holding the seed chunk in CPU."""
+    from kvlookup.redis_server import connect
+    from kvlookup.store import ADMIT, Store
+
+    store = Store(connect(redis_url), instance_ttl_s=0)
+    for wid, port in enumerate(ports):
+        store.register_worker("inst", wid, "127.0.0.1", port)
+        store.apply([("inst", wid, "LocalCPUBackend", [(ADMIT, SEED_HASH)])])
+
+
+@pytest.mark.parametrize("worker_class", ["gthread", "sync"])
+def test_other_gunicorn_worker_classes(redis_url, worker_class):
+    _seed(redis_url, [8001])
+    ctrl = ControllerProc("--redis-url", redis_url, "--worker-class", worker_class, "--workers", "1",
+                          "--instance-ttl", "0")
+    try:
+        ctrl.wait_ready()
+        assert ctrl.layout(SEED_TOKENS) == {"inst": ["LocalCPUBackend", 12]}
+    finally:
+        ctrl.stop()
+
+
+def test_control_call_to_hung_worker_does_not_stall_lookups(redis_url):
+    """Default gevent worker, one process: /clear waits 2 s on a silent worker (green ZMQ) while
+    /lookup requests to the same process are answered."""
+    import threading
+
+    import requests
+
+    from tests.repworker import RepWorker
+
+    hung = RepWorker(answer=lambda msg: None)
+    _seed(redis_url, [hung.port])
+    ctrl = ControllerProc("--redis-url", redis_url, "--workers", "1", "--instance-ttl", "0",
+                          env={"KVLOOKUP_CONTROL_TIMEOUT_S": "2", "KVLOOKUP_CONTROL_RETRIES": "0"})
+    try:
+        ctrl.wait_ready()
+        cleared: list = []
+        clear = threading.Thread(target=lambda: cleared.append(requests.post(
+            ctrl.http + "/clear", json={"instance_id": "inst", "location": "LocalCPUBackend"}, timeout=10)))
+        clear.start()
+        wait_for(lambda: len(hung.received), 1)  # the control call is now waiting on the worker
+        answers = [ctrl.layout(SEED_TOKENS) for _ in range(5)]
+        assert clear.is_alive() and not cleared
+        assert answers == [{"inst": ["LocalCPUBackend", 12]}] * 5
+        clear.join(10)
+        assert cleared[0].status_code == 504
+    finally:
+        ctrl.stop()
+        hung.close()

@@ -1,0 +1,24 @@
+"""gunicorn's gevent worker, patched without the ssl warning.
+
+gunicorn patches the standard library in each worker after the fork, while the controller's
+master process has already imported ``ssl`` (through redis-py), so gevent warns on every
+start. Nothing SSL exists yet at that point (the master talks to an embedded Redis in plain
+TCP; clients, rediss:// ones included, are created per worker after patching), so the
+warning is noise and is filtered here; every other gevent warning still shows.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from gevent.monkey import MonkeyPatchWarning
+from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
+
+
+class GeventWorker(_GunicornGeventWorker):
+    """``worker_class = "kvlookup.gevent_worker.GeventWorker"``."""
+
+    def patch(self) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Monkey-patching ssl after ssl", category=MonkeyPatchWarning)
+            super().patch()
