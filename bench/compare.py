@@ -34,7 +34,7 @@ class CompareConfig:
     load_sample: int = 400         # distinct prompts cycled by the load generator
     concurrencies: tuple[int, ...] = (1, 4, 16)
     duration_s: float = 6.0
-    kv_configs: tuple[str, ...] = ("2x1",)   # gunicorn workers x threads (threads 1 = sync)
+    kv_configs: tuple[str, ...] = ("gevent:2",)   # gunicorn <worker class>:<workers>[x<threads>]
     lmcache_venv: str | None = None
     create_venv: bool = False
 
@@ -63,7 +63,7 @@ def run(cfg: CompareConfig) -> dict:
     with Procs() as procs:
         redis_url = procs.start_redis()
         pull, reply = procs.start_sidecar(redis_url)
-        kv_url = procs.start_controller(redis_url, *_wt(cfg.kv_configs[0]))
+        kv_url = procs.start_controller(redis_url, cfg.kv_configs[0])
         lm_url, lm_pull, lm_reply = procs.start_lmcache(py)
         out["ingest"] = {
             "kvlookup": _feed(encoded, pull, reply, kv_url, n_ops, "feed kvlookup sidecar"),
@@ -80,7 +80,7 @@ def run(cfg: CompareConfig) -> dict:
         for k, conf in enumerate(cfg.kv_configs):
             if k:
                 procs.stop("kvlookup-controller")
-                kv_url = procs.start_controller(redis_url, *_wt(conf))
+                kv_url = procs.start_controller(redis_url, conf)
             for j, c in enumerate(cfg.concurrencies):
                 order = [("kvlookup", kv_url), ("lmcache", lm_url)]
                 if (j + k) % 2:
@@ -90,17 +90,12 @@ def run(cfg: CompareConfig) -> dict:
                         continue  # LMCache measured once, with the first kvlookup config
                     r = _load(url, bodies, c, cfg.duration_s)
                     r.update(target=name, gunicorn=conf if name == "kvlookup" else None)
-                    progress.note(f"{name:9s} {conf if name == 'kvlookup' else '':4s} c={c:3d}: "
+                    progress.note(f"{name:9s} {conf if name == 'kvlookup' else '':11s} c={c:3d}: "
                                   f"{r['req_s']:8.1f} req/s p50 {r['p50_ms']:.2f} ms p99 {r['p99_ms']:.2f} ms")
                     runs.append(r)
         out["http"] = runs
         out["ratios"] = [r for conf in cfg.kv_configs for r in _ratios(runs, conf)]
     return out
-
-
-def _wt(conf: str) -> tuple[int, int]:
-    w, t = conf.split("x")
-    return int(w), int(t)
 
 
 def _feed(encoded, pull, reply, url, n_ops, label) -> dict:

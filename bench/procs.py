@@ -96,13 +96,15 @@ class Procs:
                           "--log-level", "WARNING"])
         return pull, reply
 
-    def start_controller(self, redis_url: str, workers: int = 2, threads: int = 1) -> str:
-        """``kvlookup controller`` (gunicorn); returns its base URL once /health answers."""
+    def start_controller(self, redis_url: str, conf: str = "gevent:2") -> str:
+        """``kvlookup controller`` (gunicorn) in config ``conf`` (see :func:`gunicorn_conf`); returns
+        its base URL once /health answers."""
+        worker_class, workers, threads = gunicorn_conf(conf)
         port = free_port()
         self.spawn("kvlookup-controller", [
             sys.executable, "-m", "kvlookup", "controller", "--redis-url", redis_url, "--port", str(port),
-            "--workers", str(workers), "--threads", str(threads), "--instance-ttl", "0",
-            "--log-level", "WARNING", "--lookup-response", "layout_info"])
+            "--worker-class", worker_class, "--workers", str(workers), "--threads", str(threads),
+            "--instance-ttl", "0", "--log-level", "WARNING", "--lookup-response", "layout_info"])
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", "kvlookup-controller", self)
         return url
@@ -146,6 +148,16 @@ def _terminate(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+def gunicorn_conf(conf: str) -> tuple[str, int, int]:
+    """``"<worker class>:<workers>[x<threads>]"`` (e.g. ``gevent:2``, ``gthread:2x4``) ->
+    (worker class, workers, threads); raises ValueError on another shape."""
+    worker_class, _, size = conf.partition(":")
+    workers, _, threads = size.partition("x")
+    if not worker_class or not workers.isdigit() or (threads and not threads.isdigit()):
+        raise ValueError(f"gunicorn config {conf!r} is not <worker class>:<workers>[x<threads>]")
+    return worker_class, int(workers), int(threads or 1)
 
 
 def wait_http(url: str, name: str, procs: Procs, post: bytes | None = None, timeout: float = 30) -> None:

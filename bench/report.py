@@ -151,7 +151,8 @@ def markdown(res: dict, images: list[str], results_path: Path) -> str:
                   f"{lp['mean_tokens']:,} tokens, max {lp['max_tokens']:,}), `POST /lookup`, keep-alive "
                   f"`http.client` threads in a separate process, {c['duration_s']} s per point after 0.5 s "
                   "warm-up, targets alternating who goes first. LMCache runs its stock single uvicorn process; "
-                  "kvlookup gunicorn `workers x threads` (threads 1 = sync worker, which closes each connection).",
+                  "kvlookup under gunicorn as `<worker class>:<workers>[x<threads>]` (gevent, the default; gthread; "
+                  "sync, which closes each connection).",
                   "",
                   _table(["target", "concurrency", "req/s", "p50 ms", "p99 ms", "errors"],
                          [["LMCache 0.5.6" if r["target"] == "lmcache" else f"kvlookup {r['gunicorn']}",

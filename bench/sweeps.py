@@ -80,13 +80,13 @@ class Point:
 
 def run(lengths=(1024, 4096, 16384, 32768, 65536, 131072), instance_counts=(1, 4, 8, 16, 64),
         index_sizes=(10_000, 100_000, 1_000_000, 10_000_000), seconds: float = 2.0,
-        workers: int = 2, threads: int = 1) -> dict:
-    out: dict = {"seconds_per_point": seconds, "gunicorn": f"{workers}x{threads}"}
+        gunicorn: str = "gevent:2") -> dict:
+    out: dict = {"seconds_per_point": seconds, "gunicorn": gunicorn}
     with Procs() as procs:
         url = procs.start_redis()
         r = connect(url)
         store = Store(r, instance_ttl_s=0)
-        http = procs.start_controller(url, workers, threads)
+        http = procs.start_controller(url, gunicorn)
         client = Client(redis=r, instance_ttl_s=0)
         point = Point(procs, client, http, seconds)
 
