@@ -104,8 +104,8 @@ class LookupRoute:
         fmt = query.get("format", [self.default_format])[0]
         if fmt not in FORMATS:
             raise ApiError(400, "query parameter 'format' must be 'flat' or 'layout_info'")
-        start = time.perf_counter()
         req = parse_request(self.read_body(environ), self.max_tokens)
+        start = time.perf_counter()
         try:
             matches = self.client.matches(req.tokens, validate=False, lora_name=req.lora_name,
                                           cache_salt=req.cache_salt)
