@@ -115,6 +115,12 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
+def _parts(res: dict) -> list[tuple[str, dict]]:
+    from bench.runner import PARTS
+
+    return [(name, res[name]) for name in PARTS if name in res]
+
+
 def markdown(res: dict, images: list[str], results_path: Path) -> str:
     m = res["machine"]
     try:
@@ -125,9 +131,11 @@ def markdown(res: dict, images: list[str], results_path: Path) -> str:
              "kvlookup's controller against LMCache 0.5.6's own `lmcache_controller`, fed the same worker "
              "traffic and hit by the same load generator, **in one run on one machine**. Ratios matter; "
              "absolute times depend on the box (this one is small and shared, so p99s are noisy).", "",
-             "Reproduce (every number and plot below):", "", "```", res["command"], "```", "",
-             f"Results JSON: `{rel}`. Run {res['date']}, {res.get('total_wall_s', '?')} s in all"
-             f"{' (quick mode: small sizes)' if res.get('quick') else ''}.", "",
+             "Reproduce (every number and plot below):", "", "```",
+             "kvlookup bench all" + (" --quick" if res.get("quick") else ""), "```", "",
+             f"Results JSON: `{rel}`{' (quick mode: small sizes)' if res.get('quick') else ''}. "
+             + "; ".join(f"{name}: `{part.get('command', res['command'])}` at {part.get('date', res['date'])}, "
+                         f"{part.get('wall_s', '?')} s" for name, part in _parts(res)) + ".", "",
              f"Machine: {m['nproc']} cores ({m['cpu']}), {m['memory_gib']} GiB, Python {m['python']}, "
              f"{m['redis']}, {m['os']}.", "", "## Targets", "",
              _table(["target", "measured", "met"],
@@ -223,10 +231,26 @@ def markdown(res: dict, images: list[str], results_path: Path) -> str:
                               for r in rows]), ""]
             lines += [f"![{key}](img/{n})" for n in images if n.endswith(key.replace("_", "-") + ".png")]
             lines.append("")
+    lines += _stages_section(res.get("stages"))
     notes = DOCS / "benchmarks-notes.md"
     if notes.exists():
         lines += [notes.read_text()]
     return "\n".join(lines) + "\n"
+
+
+def _stages_section(st: dict | None) -> list[str]:
+    if not st:
+        return []
+    names = [k for k in st["rows"][0] if isinstance(st["rows"][0][k], dict)]
+    header = ["tokens (body)"] + [f"{n} p50 / p99 ms" for n in names]
+    rows = [[f"{r['tokens']:,} ({r['body_bytes'] // 1024} KiB)"]
+            + [f"{r[n]['p50_ms']} / {r[n]['p99_ms']}" for n in names] for r in st["rows"]]
+    return ["## Where an HTTP lookup's time goes", "",
+            f"gunicorn ({st['gunicorn']}) serving the /lookup handler cut short after each stage (bench/stages.py), "
+            "then the real controller; prompts held in full by 8 instances; concurrency 1, "
+            f"{st['seconds_per_point']} s per point. Each column adds one stage: read the body, decode and "
+            "validate the JSON, hash the chunks, walk Redis, then everything else of /lookup (response, metrics).",
+            "", _table(header, rows), ""]
 
 
 def render(res: dict, results_path: Path) -> Path:

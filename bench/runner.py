@@ -28,6 +28,7 @@ QUICK = {
     "memory": dict(records=100_000, holder_counts=(1, 4)),
     "sweeps": dict(lengths=(1024, 32768, 131072), instance_counts=(1, 8, 64), index_sizes=(10_000, 100_000),
                    seconds=0.5),
+    "stages": dict(lengths=(1024, 32768), seconds=1.0),
 }
 FULL = {
     "compare": dict(requests=12031, instances=8, cpu_chunks=8192, disk_chunks=24576, agree_sample=1500,
@@ -37,8 +38,9 @@ FULL = {
     "memory": dict(records=1_000_000, holder_counts=(1, 2, 4)),
     "sweeps": dict(lengths=(1024, 4096, 16384, 32768, 65536, 131072), instance_counts=(1, 4, 8, 16, 64),
                    index_sizes=(10_000, 100_000, 1_000_000, 10_000_000), seconds=2.0),
+    "stages": dict(lengths=(1024, 11264, 32768), seconds=3.0),
 }
-PARTS = ("compare", "ingest", "memory", "sweeps")
+PARTS = ("compare", "ingest", "memory", "sweeps", "stages")
 
 
 def machine() -> dict:
@@ -79,12 +81,22 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
         res = run(**params)
         for c in res["cases"]:
             progress.note(f"  {c['holders_per_chunk']} holder(s)/chunk: {c['bytes_per_record']} B/record")
-    else:
+    elif name == "sweeps":
         from bench.sweeps import run
 
         res = run(**params)
+    else:
+        from bench.stages import run
+
+        res = run(**params)
     res["wall_s"] = round(time.monotonic() - start, 1)
+    res["command"] = _command()
+    res["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     return res
+
+
+def _command() -> str:
+    return "kvlookup bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -94,8 +106,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     results: dict = {}
     if args.part != "all" and out_path.exists():
         results = json.loads(out_path.read_text())  # update one part of an earlier run
-    results.update({"command": "kvlookup bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else
-                                                           sys.argv[1:]),
+    results.update({"command": _command(),
                     "quick": args.quick, "machine": machine(),
                     "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
     start = time.monotonic()

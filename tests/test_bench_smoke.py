@@ -71,3 +71,26 @@ def test_memory_case_structure():
     assert set(res) == {"records", "holders_per_chunk", "used_memory_delta", "bytes_per_record",
                         "chunk_zset_bytes_per_chunk", "chunk_zset_encoding", "reverse_sets_bytes_per_record",
                         "reverse_set_encoding"}
+
+
+def test_gunicorn_conf_names():
+    from bench.procs import gunicorn_conf
+
+    assert gunicorn_conf("gevent:2") == ("gevent", 2, 1)
+    assert gunicorn_conf("gthread:2x4") == ("gthread", 2, 4)
+    with pytest.raises(ValueError, match="is not <worker class>:<workers>"):
+        gunicorn_conf("2x4")
+
+
+def test_stage_handlers_stop_where_told(redis_url, store):
+    from bench.stages import _make_handler
+    from kvlookup.store import ADMIT, Match
+    from tests.conftest import SEED_HASH, SEED_TOKENS
+
+    store.register_worker("a", 0)
+    store.apply([("a", 0, "LocalCPUBackend", [(ADMIT, SEED_HASH)])])
+    body = b'{"tokens": %s}' % str(SEED_TOKENS).encode()
+    assert _make_handler("read", redis_url)(body) == body
+    assert _make_handler("decode", redis_url)(body) == SEED_TOKENS
+    assert [c.hashes for c in _make_handler("hash", redis_url)(body)] == [[SEED_HASH]]
+    assert _make_handler("walk", redis_url)(body) == [Match("a", "", 12, {"LocalCPUBackend": 12})]
