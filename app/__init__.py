@@ -32,11 +32,15 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
-    redis_client = connect(settings.redis_url, socket_timeout=5, health_check_interval=30)
+    # one bounded pool per worker process: under gevent every lookup in flight holds a
+    # connection, so a burst waits (up to 5 s) for one instead of failing at once
+    redis_client = connect(settings.redis_url, socket_timeout=5, health_check_interval=30,
+                           max_connections=settings.redis_max_connections)
     client = Client(redis=redis_client, profile=settings.profile(), max_tokens=settings.max_tokens,
                     instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s,
                     extra_chains=[VllmChains(redis_client)])
     from app import control, errors, health, lookup, metrics_view, registry
+    from app.body import RequestBody
     from kvlookup.fleet import Fleet
     from kvlookup.lmcache_control import ControlClient
 
@@ -54,6 +58,6 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     app.register_blueprint(control.bp)
     app.register_blueprint(registry.bp)
     app.register_blueprint(metrics_view.bp)
-    app.wsgi_app = lookup.LookupRoute(app.wsgi_app, client, settings.lookup_response,  # type: ignore[method-assign]
-                                      settings.max_tokens, settings.max_body_bytes)
+    routed = lookup.LookupRoute(app.wsgi_app, client, settings.lookup_response, settings.max_tokens)
+    app.wsgi_app = RequestBody(routed, settings.max_body_bytes, settings.body_timeout_s)  # type: ignore[method-assign]
     return app

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from http import HTTPStatus
 
 import msgspec
 from flask import Flask, jsonify
@@ -36,6 +38,18 @@ def decode_body(body: bytes, model: type):
         raise ApiError(400, "body is not valid JSON: nested too deeply") from None
 
 
+_encoder = msgspec.json.Encoder()
+
+
+def send_json(environ: dict, start_response: Callable, status: int, body: dict,
+              headers: list[tuple[str, str]] | None = None) -> list[bytes]:
+    """Answer a WSGI request with ``body`` as JSON (no body bytes for HEAD)."""
+    data = _encoder.encode(body) + b"\n"
+    start_response(f"{status} {HTTPStatus(status).phrase}",
+                   [("Content-Type", "application/json"), ("Content-Length", str(len(data))), *(headers or [])])
+    return [] if environ.get("REQUEST_METHOD") == "HEAD" else [data]
+
+
 def init_app(app: Flask) -> None:
     """Register the JSON error handlers."""
 
@@ -48,7 +62,8 @@ def init_app(app: Flask) -> None:
         message = exc.description or exc.name
         if exc.code == 413:
             message = "request body too large"
-        return jsonify(error=message), exc.code
+        allow = [(k, v) for k, v in exc.get_headers() if k == "Allow"]  # 405 names the methods
+        return jsonify(error=message), exc.code, allow
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):

@@ -16,7 +16,7 @@ Instances are listed longest match first. ``?detail=1`` adds ``"detail": {instan
 
 /lookup is the hot path, so it is served by :class:`LookupRoute`, a WSGI layer in front of
 Flask (Flask's request and response machinery cost ~0.15 ms a call, measured in
-docs/benchmarks.md); every other path goes on to Flask. Errors keep the API's JSON shape.
+docs/benchmarks-notes.md); every other path goes on to Flask. Errors keep the API's JSON shape.
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from http import HTTPStatus
 from urllib.parse import parse_qs
 
 import msgspec
 import redis
 
-from app.errors import ApiError, decode_body
+from app.errors import ApiError, decode_body, send_json
 from kvlookup import metrics
 from kvlookup.client import Client, InstanceMatch, TokenId, new_event_id
 
 log = logging.getLogger(__name__)
 
 PATH = "/lookup"
+ALLOW = "OPTIONS, POST"
 FORMATS = ("flat", "layout_info")
 
 
@@ -45,8 +45,6 @@ class LookupRequest(msgspec.Struct):
     lora_name: str | None = None
     cache_salt: str | None = None
 
-
-_encoder = msgspec.json.Encoder()
 
 
 def parse_request(body: bytes, max_tokens: int) -> LookupRequest:
@@ -73,38 +71,42 @@ def response_body(matches: list[InstanceMatch], fmt: str, detail: bool) -> dict:
 class LookupRoute:
     """WSGI middleware answering ``/lookup`` itself and passing every other path to ``app``.
 
-    client: the lookup :class:`Client`; default_format: ``lookup_response``; max_tokens,
-    max_body_bytes: request limits (413 beyond them). Other methods on /lookup get 405.
+    client: the lookup :class:`Client`; default_format: ``lookup_response``; max_tokens:
+    longer prompts get 413. The body was read by :class:`app.body.RequestBody` in front.
+    OPTIONS answers the allowed methods; other methods get 405.
     """
 
-    def __init__(self, app: Callable, client: Client, default_format: str, max_tokens: int, max_body_bytes: int):
+    def __init__(self, app: Callable, client: Client, default_format: str, max_tokens: int):
         self.app = app
         self.client = client
         self.default_format = default_format
         self.max_tokens = max_tokens
-        self.max_body_bytes = max_body_bytes
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         if environ.get("PATH_INFO") != PATH:
             return self.app(environ, start_response)
+        method = environ.get("REQUEST_METHOD")
+        if method == "OPTIONS":
+            start_response("200 OK", [("Allow", ALLOW), ("Content-Length", "0")])
+            return []
         try:
-            if environ.get("REQUEST_METHOD") != "POST":
-                return _send(start_response, 405, {"error": "The method is not allowed for the requested URL."},
-                             [("Allow", "POST")])
-            return _send(start_response, 200, self.answer(environ))
+            if method != "POST":
+                return send_json(environ, start_response, 405,
+                                 {"error": "The method is not allowed for the requested URL."}, [("Allow", ALLOW)])
+            return send_json(environ, start_response, 200, self.answer(environ))
         except ApiError as exc:
-            return _send(start_response, exc.status, {"error": exc.message})
+            return send_json(environ, start_response, exc.status, {"error": exc.message})
         except Exception as exc:  # the API never answers with an HTML page
             log.exception("unhandled error in /lookup")
-            return _send(start_response, 500, {"error": f"internal error: {type(exc).__name__}"})
+            return send_json(environ, start_response, 500, {"error": f"internal error: {type(exc).__name__}"})
 
     def answer(self, environ: dict) -> dict:
         """The response body for one POST; raises ApiError (400, 413, 503)."""
-        query = parse_qs(environ.get("QUERY_STRING", ""))
+        query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
         fmt = query.get("format", [self.default_format])[0]
         if fmt not in FORMATS:
             raise ApiError(400, "query parameter 'format' must be 'flat' or 'layout_info'")
-        req = parse_request(self.read_body(environ), self.max_tokens)
+        req = parse_request(environ["wsgi.input"].read(), self.max_tokens)
         start = time.perf_counter()
         try:
             matches = self.client.matches(req.tokens, validate=False, lora_name=req.lora_name,
@@ -117,28 +119,3 @@ class LookupRoute:
         metrics.LOOKUP_SECONDS.observe(time.perf_counter() - start)
         metrics.LOOKUP_MATCHED_TOKENS.observe(matches[0].matched_prefix_length if matches else 0)
         return body
-
-    def read_body(self, environ: dict) -> bytes:
-        """The request body; ApiError 413 beyond ``max_body_bytes`` (declared or actual)."""
-        stream = environ["wsgi.input"]
-        length = environ.get("CONTENT_LENGTH")
-        if length:
-            try:
-                n = int(length)
-            except ValueError:
-                raise ApiError(400, "Content-Length is not a number") from None
-            if n > self.max_body_bytes:
-                raise ApiError(413, "request body too large")
-            return stream.read(n) if n > 0 else b""
-        data = stream.read(self.max_body_bytes + 1)  # chunked: the server ends the stream
-        if len(data) > self.max_body_bytes:
-            raise ApiError(413, "request body too large")
-        return data
-
-
-def _send(start_response: Callable, status: int, body: dict, headers: list | None = None) -> list[bytes]:
-    data = _encoder.encode(body) + b"\n"
-    start_response(f"{status} {HTTPStatus(status).phrase}",
-                   [("Content-Type", "application/json"), ("Content-Length", str(len(data))), *(headers or [])])
-    return [data]
-

@@ -48,6 +48,8 @@ class Settings:
     lookup_response: str = "flat"
     max_tokens: int = 1_048_576
     max_body_bytes: int = 16 * 1024 * 1024
+    body_timeout_s: float = 10.0
+    redis_max_connections: int = 64
     instance_ttl_s: float = 30.0
     worker_ttl_s: float = 0.0
     api_token: str | None = None
@@ -75,9 +77,12 @@ class Settings:
         if self.gunicorn_worker_class not in WORKER_CLASSES:
             raise ValueError(f"gunicorn_worker_class must be one of {WORKER_CLASSES}, "
                              f"got {self.gunicorn_worker_class!r}")
-        for name in ("port", "max_tokens", "max_body_bytes", "gunicorn_workers", "gunicorn_threads"):
+        for name in ("port", "max_tokens", "max_body_bytes", "gunicorn_workers", "gunicorn_threads",
+                     "redis_max_connections"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.body_timeout_s <= 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s!r}")
         if self.control_timeout_s <= 0 or int(self.control_retries) < 0:
             raise ValueError("control_timeout_s must be > 0 and control_retries >= 0")
         if self.instance_ttl_s < 0 or self.worker_ttl_s < 0:

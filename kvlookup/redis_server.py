@@ -65,9 +65,18 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def connect(url: str, **kwargs) -> redis.Redis:
-    """redis-py client for redis://, rediss:// (TLS) or unix:// URLs, passwords included."""
-    return redis.Redis.from_url(url, decode_responses=True, **kwargs)
+def connect(url: str, *, max_connections: int | None = None, **kwargs) -> redis.Redis:
+    """redis-py client for redis://, rediss:// (TLS) or unix:// URLs, passwords included.
+
+    max_connections: bound the pool (``redis.BlockingConnectionPool``): a caller finding every
+    connection busy waits up to 5 s for one, then gets ``redis.ConnectionError``. None: redis-py's
+    default pool. kwargs: connection options (socket_timeout, ...).
+    """
+    if max_connections is None:
+        return redis.Redis.from_url(url, decode_responses=True, **kwargs)
+    pool = redis.BlockingConnectionPool.from_url(url, decode_responses=True, max_connections=max_connections,
+                                                 timeout=5, **kwargs)
+    return redis.Redis(connection_pool=pool)
 
 
 def ping(url: str, timeout: float = 0.5) -> bool:

@@ -118,3 +118,52 @@ def test_control_call_to_hung_worker_does_not_stall_lookups(redis_url):
     finally:
         ctrl.stop()
         hung.close()
+
+
+def _raw(port: int, request: bytes, timeout: float = 5.0) -> bytes:
+    """Send raw bytes to 127.0.0.1:port; returns everything read until the server closes or goes quiet."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+                if b"\r\n\r\n" in out and out.endswith(b"}\n"):
+                    break
+        except TimeoutError:
+            pass
+        return out
+
+
+def test_slow_and_malformed_bodies_are_bounded(redis_url):
+    """A body that stalls gets 408 after body_timeout_s while others are served; a malformed
+    chunked body gets 400; a burst larger than the Redis pool waits instead of failing."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    _seed(redis_url, [8001])
+    ctrl = ControllerProc("--redis-url", redis_url, "--workers", "1", "--instance-ttl", "0",
+                          env={"KVLOOKUP_BODY_TIMEOUT_S": "1", "KVLOOKUP_REDIS_MAX_CONNECTIONS": "2"})
+    try:
+        ctrl.wait_ready()
+        stalled = [socket.create_connection(("127.0.0.1", ctrl.port)) for _ in range(20)]
+        for s in stalled:
+            s.sendall(b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"tokens\"")
+        assert ctrl.layout(SEED_TOKENS) == {"inst": ["LocalCPUBackend", 12]}  # served meanwhile
+        for s in stalled:
+            s.settimeout(5)
+            head = s.recv(65536)
+            assert head.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), head
+            assert head.endswith(b'{"error":"request body not received within 1 s"}\n')
+            s.close()
+        bad = _raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                              b"zz\r\nabc\r\n0\r\n\r\n")
+        assert bad.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+        assert bad.endswith(b'{"error":"malformed request body: InvalidChunkSize"}\n')
+        with ThreadPoolExecutor(30) as pool:
+            answers = list(pool.map(lambda _: ctrl.layout(SEED_TOKENS), range(60)))
+        assert answers == [{"inst": ["LocalCPUBackend", 12]}] * 60
+    finally:
+        ctrl.stop()

@@ -93,10 +93,28 @@ def test_body_size_limit_is_413(make_app):
 
 
 def test_bad_format_and_unknown_route(http):
-    status, body = post(http, {"tokens": [1]}, path="/lookup?format=xml")
-    assert (status, body) == (400, {"error": "query parameter 'format' must be 'flat' or 'layout_info'"})
+    for query in ("?format=xml", "?format=", "?format"):
+        status, body = post(http, {"tokens": [1]}, path="/lookup" + query)
+        assert (status, body) == (400, {"error": "query parameter 'format' must be 'flat' or 'layout_info'"})
     resp = http.get("/lookup")
-    assert resp.status_code == 405 and "error" in resp.get_json()
+    assert (resp.status_code, resp.headers["Allow"]) == (405, "OPTIONS, POST") and "error" in resp.get_json()
+
+
+def test_methods_head_options_and_flask_405_allow(http):
+    head = http.head("/lookup")
+    assert (head.status_code, head.data) == (405, b"")
+    options = http.options("/lookup")
+    assert (options.status_code, options.headers["Allow"], options.data) == (200, "OPTIONS, POST", b"")
+    resp = http.get("/clear")  # a Flask endpoint names its methods too
+    assert (resp.status_code, resp.headers["Allow"]) == (405, "OPTIONS, POST")
+    assert resp.get_json() == {"error": "The method is not allowed for the requested URL."}
+
+
+def test_redis_pool_is_bounded_and_blocking(make_app):
+    import redis
+
+    pool = make_app(redis_max_connections=7).application.extensions["kvlookup"]["redis"].connection_pool
+    assert isinstance(pool, redis.BlockingConnectionPool) and pool.max_connections == 7
 
 
 def test_health_reports_redis(http):
