@@ -28,6 +28,8 @@ def decode_body(body: bytes, model: type):
     Raises ApiError 400 naming the bad field (msgspec's ``$.field`` path), the JSON error, or
     a nesting too deep to decode.
     """
+    if not body.strip():
+        raise ApiError(400, "body is not valid JSON: the body is empty (expected a JSON object)")
     try:
         return msgspec.json.decode(body, type=model)
     except msgspec.ValidationError as exc:

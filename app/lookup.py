@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 PATH = "/lookup"
 ALLOW = "OPTIONS, POST"
 FORMATS = ("flat", "layout_info")
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 class LookupRequest(msgspec.Struct):
@@ -106,6 +107,9 @@ class LookupRoute:
         fmt = query.get("format", [self.default_format])[0]
         if fmt not in FORMATS:
             raise ApiError(400, "query parameter 'format' must be 'flat' or 'layout_info'")
+        detail_arg = query.get("detail", ["0"])[0].lower()
+        if detail_arg not in TRUE + FALSE:
+            raise ApiError(400, "query parameter 'detail' must be 1/true/yes/on or 0/false/no/off")
         req = parse_request(environ["wsgi.input"].read(), self.max_tokens)
         start = time.perf_counter()
         try:
@@ -114,7 +118,7 @@ class LookupRoute:
         except redis.RedisError as exc:
             metrics.LOOKUPS.labels("redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None
-        body = response_body(matches, fmt, query.get("detail", [""])[0] in ("1", "true"))
+        body = response_body(matches, fmt, detail_arg in TRUE)
         metrics.LOOKUPS.labels("hit" if matches else "miss").inc()
         metrics.LOOKUP_SECONDS.observe(time.perf_counter() - start)
         metrics.LOOKUP_MATCHED_TOKENS.observe(matches[0].matched_prefix_length if matches else 0)

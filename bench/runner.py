@@ -106,6 +106,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     results: dict = {}
     if args.part != "all" and out_path.exists():
         results = json.loads(out_path.read_text())  # update one part of an earlier run
+        for name in PARTS:  # parts kept from that run keep its command and date
+            if name in results:
+                results[name].setdefault("command", results.get("command", "?"))
+                results[name].setdefault("date", results.get("date", "?"))
     results.update({"command": _command(),
                     "quick": args.quick, "machine": machine(),
                     "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
@@ -134,9 +138,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     """Add ``bench`` to the kvlookup CLI's subparsers."""
-    b = sub.add_parser("bench", help="benchmarks side by side with LMCache's controller (docs/benchmarks.md)")
-    b.add_argument("part", nargs="?", default="all", choices=("all", *PARTS, "report"))
-    b.add_argument("--quick", action="store_true", help="small sizes (~2-3 min), for smoke runs")
+    b = sub.add_parser("bench", help="benchmarks side by side with LMCache's controller (docs/benchmarks.md)",
+                       description="Parts: compare (kvlookup vs LMCache 0.5.6 on the Mooncake trace; needs the "
+                       "LMCache venv), ingest (one sidecar's chunk ops/s), memory (Redis bytes per record), "
+                       "sweeps (latency vs prompt length, instances, index size), stages (where an HTTP "
+                       "lookup's time goes). 'all' runs every part (~6 min; --quick ~1.5 min) and writes "
+                       "bench/results/results.json and docs/benchmarks.md; 'report' re-renders the docs.")
+    b.add_argument("part", nargs="?", default="all", choices=("all", *PARTS, "report"),
+                   help="what to run (default: all)")
+    b.add_argument("--quick", action="store_true", help="small sizes, for smoke runs (all: ~1.5 min)")
     b.add_argument("--lmcache-venv", help="venv with LMCache 0.5.6 (default $KVLOOKUP_LMCACHE_PYTHON or .venv-lmcache)")
     b.add_argument("--create-venv", action="store_true",
                    help="create .venv-lmcache (torch 2.13.0 CPU, then lmcache 0.5.6) when missing")

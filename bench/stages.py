@@ -94,6 +94,7 @@ def run(lengths=(1024, 11264, 32768), seconds: float = 3.0) -> dict:
             for stage, base in servers:
                 res = _load(base, bodies[n], 1, seconds)
                 row[stage] = {k: res[k] for k in ("requests", "p50_ms", "p99_ms")}
-            progress.note(f"  {n:6d} tokens: " + ", ".join(f"{s} {row[s]['p50_ms']}" for s, _ in servers))
+            progress.note(f"  {n:6d} tokens, p50 ms after each stage: "
+                          + ", ".join(f"{s} {row[s]['p50_ms']}" for s, _ in servers))
             out["rows"].append(row)
     return out

@@ -107,14 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     h.set_defaults(func=cmd_hash)
 
     d = sub.add_parser("demo", help="send LMCache worker traffic for real prompts, then look them up")
-    d.add_argument("--pull-url", default="localhost:9001")
-    d.add_argument("--reply-url", help="needed for --era 0.5")
-    d.add_argument("--http", default="http://localhost:9000")
-    d.add_argument("--era", choices=["0.3", "0.5"], default="0.3")
+    d.add_argument("--pull-url", default="localhost:9001", help="sidecar PULL host:port (localhost:9001)")
+    d.add_argument("--reply-url", help="sidecar ROUTER host:port; needed for --era 0.5")
+    d.add_argument("--http", default="http://localhost:9000", help="controller base URL (http://localhost:9000)")
+    d.add_argument("--era", choices=["0.3", "0.5"], default="0.3",
+                   help="LMCache worker protocol to speak: 0.3.x (PUSH only) or 0.5.x (DEALER registration)")
     _hash_flags(d)
     d.set_defaults(func=cmd_demo)
 
-    q = sub.add_parser("quickstart", help="controller + embedded Redis + sidecar on the seed's ports, then the demo")
+    q = sub.add_parser("quickstart", help="controller + embedded Redis + sidecar on LMCache's default ports "
+                           "(9000 HTTP, 9001 PULL), then the demo")
     q.add_argument("--port", type=int, default=9000, help="controller HTTP port (9000)")
     q.add_argument("--monitor-port", type=int, default=9001, help="LMCache controller_pull_url port (9001)")
     q.add_argument("--data-dir", help="embedded Redis data dir (default ~/.local/share/kvlookup)")

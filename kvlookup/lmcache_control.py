@@ -17,6 +17,7 @@ a call that waits on a slow worker yields to the lookups served by the same proc
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ import zmq
 
 from kvlookup import metrics
 from kvlookup.lmcache_protocol import ErrorMsg
+
+log = logging.getLogger(__name__)
 
 # -- requests (exact 0.5.6 encodings) ------------------------------------------------------
 
@@ -221,11 +224,12 @@ class ControlClient:
         for i in pending:
             t = targets[i]
             results[i].error = (
-                f"worker {t.worker_id} at {t.ip}:{t.port} did not answer within "
-                f"{self.timeout_ms / 1000:g}s ({results[i].attempts} attempt(s))"
+                f"no answer from {t.ip}:{t.port} within {self.timeout_ms / 1000:g}s ({results[i].attempts} attempt(s))"
             )
         for i, t in enumerate(targets):
             metrics.CONTROL_CALLS.labels(type(t.msg).__name__, results[i].outcome).inc()
+            if results[i].error:
+                log.warning("%s to worker %s: %s", type(t.msg).__name__, t.worker_id, results[i].error)
         return [results[i] for i in range(len(targets))]
 
     def _attempt(self, targets: list[Target], pending: list[int], results: dict[int, Result]) -> list[int]:
@@ -243,8 +247,8 @@ class ControlClient:
                     sock.connect(f"tcp://{_host(t.ip)}:{int(t.port)}")
                 except zmq.ZMQError as exc:  # a registration with an address ZMQ cannot use
                     sock.close(0)
-                    results[i] = Result(t.worker_id, UNREACHABLE, error=f"worker {t.worker_id} address "
-                                        f"{t.ip}:{t.port} is unusable: {exc}", attempts=results[i].attempts)
+                    results[i] = Result(t.worker_id, UNREACHABLE, error=f"address {t.ip}:{t.port} "
+                                        f"is unusable: {exc}", attempts=results[i].attempts)
                     continue
                 socks[sock] = i
                 try:

@@ -57,7 +57,8 @@ class GunicornController(BaseApplication):
         options = {
             "bind": f"{s.host}:{s.port}",
             "workers": s.gunicorn_workers,
-            "threads": s.gunicorn_threads,
+            # gunicorn turns sync into gthread when threads > 1: threads only for gthread
+            "threads": s.gunicorn_threads if s.gunicorn_worker_class == "gthread" else 1,
             "worker_class": WORKER_CLASSES[s.gunicorn_worker_class],
             "loglevel": s.log_level.lower(),
             "timeout": 30,

@@ -116,7 +116,7 @@ def test_dead_worker_is_a_clear_error_and_never_wedges(http, store, workers):
     body = resp.get_json()
     assert (
         body["error"]
-        == f"worker 1: worker 1 at 127.0.0.1:{dead.port} did not answer within 0.3s (2 attempt(s))"
+        == f"worker 1: no answer from 127.0.0.1:{dead.port} within 0.3s (2 attempt(s))"
     )
     assert body["workers"]["0"] == {"outcome": "ok", "error": ""}
     assert body["workers"]["1"]["outcome"] == "timeout"

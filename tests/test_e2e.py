@@ -78,13 +78,15 @@ def _seed(redis_url: str, ports: list[int]) -> None:
         store.apply([("inst", wid, "LocalCPUBackend", [(ADMIT, SEED_HASH)])])
 
 
-@pytest.mark.parametrize("worker_class", ["gthread", "sync"])
-def test_other_gunicorn_worker_classes(redis_url, worker_class):
+@pytest.mark.parametrize(("worker_class", "connection"), [("gthread", "keep-alive"), ("sync", "close")])
+def test_other_gunicorn_worker_classes(redis_url, worker_class, connection):
     _seed(redis_url, [8001])
     ctrl = ControllerProc("--redis-url", redis_url, "--worker-class", worker_class, "--workers", "1",
-                          "--instance-ttl", "0")
+                          "--instance-ttl", "0")  # gunicorn_threads stays 4: sync must stay sync
     try:
         ctrl.wait_ready()
+        resp = ctrl.session.post(ctrl.http + "/lookup", json={"tokens": SEED_TOKENS}, timeout=10)
+        assert resp.headers["Connection"] == connection  # a sync worker closes; gthread keeps alive
         assert ctrl.layout(SEED_TOKENS) == {"inst": ["LocalCPUBackend", 12]}
     finally:
         ctrl.stop()
@@ -120,21 +122,26 @@ def test_control_call_to_hung_worker_does_not_stall_lookups(redis_url):
         hung.close()
 
 
+def _response(sock) -> bytes:
+    """One HTTP response (head and Content-Length body) read from a socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
 def _raw(port: int, request: bytes, timeout: float = 5.0) -> bytes:
-    """Send raw bytes to 127.0.0.1:port; returns everything read until the server closes or goes quiet."""
+    """Send raw bytes to 127.0.0.1:port; returns the response."""
     import socket
 
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(request)
-        out = b""
-        try:
-            while chunk := s.recv(65536):
-                out += chunk
-                if b"\r\n\r\n" in out and out.endswith(b"}\n"):
-                    break
-        except TimeoutError:
-            pass
-        return out
+        return _response(s)
 
 
 def test_slow_and_malformed_bodies_are_bounded(redis_url):
@@ -154,7 +161,7 @@ def test_slow_and_malformed_bodies_are_bounded(redis_url):
         assert ctrl.layout(SEED_TOKENS) == {"inst": ["LocalCPUBackend", 12]}  # served meanwhile
         for s in stalled:
             s.settimeout(5)
-            head = s.recv(65536)
+            head = _response(s)
             assert head.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), head
             assert head.endswith(b'{"error":"request body not received within 1 s"}\n')
             s.close()

@@ -54,14 +54,19 @@ def test_no_match_is_event_id_only(http):
 
 
 def test_detail(http):
-    status, body = post(http, {"tokens": SEED_TOKENS}, path="/lookup?detail=1")
-    assert body["detail"] == {"lmcache_default_instance": {
-        "location": "LocalCPUBackend", "matched_prefix_length": 12, "locations": {"LocalCPUBackend": 12}}}
+    for yes in ("1", "true", "Yes", "on"):
+        status, body = post(http, {"tokens": SEED_TOKENS}, path="/lookup?detail=" + yes)
+        assert body["detail"] == {"lmcache_default_instance": {
+            "location": "LocalCPUBackend", "matched_prefix_length": 12, "locations": {"LocalCPUBackend": 12}}}
+    for no in ("0", "false", "off", ""):
+        assert "detail" not in post(http, {"tokens": SEED_TOKENS}, path="/lookup?detail=" + no)[1]
+    assert post(http, {"tokens": SEED_TOKENS}, path="/lookup?detail=maybe") == (
+        400, {"error": "query parameter 'detail' must be 1/true/yes/on or 0/false/no/off"})
 
 
 @pytest.mark.parametrize(("raw", "status", "fragment"), [
     (b"not json", 400, "body is not valid JSON"),
-    (b"", 400, "body is not valid JSON"),
+    (b"", 400, "body is not valid JSON: the body is empty (expected a JSON object)"),
     (b"[1,2]", 400, "Expected `object`, got `array`"),
     (b"{}", 400, "missing required field `tokens`"),
     (b'{"tokens": "abc"}', 400, "Expected `array`, got `str` - at `$.tokens`"),
@@ -106,7 +111,7 @@ def test_methods_head_options_and_flask_405_allow(http):
     options = http.options("/lookup")
     assert (options.status_code, options.headers["Allow"], options.data) == (200, "OPTIONS, POST", b"")
     resp = http.get("/clear")  # a Flask endpoint names its methods too
-    assert (resp.status_code, resp.headers["Allow"]) == (405, "OPTIONS, POST")
+    assert (resp.status_code, set(resp.headers["Allow"].split(", "))) == (405, {"OPTIONS", "POST"})
     assert resp.get_json() == {"error": "The method is not allowed for the requested URL."}
 
 
