@@ -53,8 +53,10 @@ class RequestBody:
             if n > self.max_bytes:
                 raise ApiError(413, "request body too large")
             size = max(n, 0)
+        elif environ.get("wsgi.input_terminated"):
+            size = self.max_bytes + 1  # chunked: the server ends the stream (gunicorn sets the flag)
         else:
-            size = self.max_bytes + 1  # chunked (or none): the server ends the stream
+            size = 0  # PEP 3333: no length, no promise of an end: no body
         with _deadline(self.timeout_s):
             try:
                 data = environ["wsgi.input"].read(size) if size else b""

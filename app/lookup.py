@@ -47,7 +47,6 @@ class LookupRequest(msgspec.Struct):
     cache_salt: str | None = None
 
 
-
 def parse_request(body: bytes, max_tokens: int) -> LookupRequest:
     """Validate a /lookup body; raises ApiError 400 naming the problem, 413 when too long."""
     req = decode_body(body, LookupRequest)
