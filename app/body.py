@@ -12,7 +12,10 @@ import io
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 
+from gevent import Timeout
+
 from app.errors import ApiError, send_json
+from kvlookup.gevent_worker import patched
 
 try:  # the errors gunicorn raises while decoding a chunked body
     from gunicorn.http.errors import NoMoreData, ParseException
@@ -69,10 +72,6 @@ class RequestBody:
 
 def _deadline(seconds: float) -> AbstractContextManager:
     """A gevent.Timeout that raises ApiError 408, or nothing when gevent is not patched in."""
-    try:
-        from gevent import Timeout, monkey
-    except ImportError:
-        return nullcontext()
-    if not monkey.is_module_patched("socket"):
+    if not patched():
         return nullcontext()
     return Timeout(seconds, ApiError(408, f"request body not received within {seconds:g} s"))

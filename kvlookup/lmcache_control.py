@@ -24,8 +24,10 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.green
 
 from kvlookup import metrics
+from kvlookup.gevent_worker import patched
 from kvlookup.lmcache_protocol import ErrorMsg
 
 log = logging.getLogger(__name__)
@@ -178,20 +180,6 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def green_zmq():
-    """pyzmq's gevent-cooperative module (``zmq.green``) when gevent has patched this process
-    (gunicorn's gevent worker does), else None: a plain ZMQ wait would stall every greenlet."""
-    try:
-        from gevent import monkey
-    except ImportError:
-        return None
-    if not monkey.is_module_patched("socket"):
-        return None
-    import zmq.green
-
-    return zmq.green
-
-
 def _host(ip: str) -> str:
     return "127.0.0.1" if ip in ("", "localhost") else ip
 
@@ -206,7 +194,7 @@ class ControlClient:
     def __init__(self, timeout_s: float = 2.0, retries: int = 1, ctx: zmq.Context | None = None):
         self.timeout_ms = max(1, int(timeout_s * 1000))
         self.retries = max(0, int(retries))
-        self.zmq = green_zmq() or zmq
+        self.zmq = zmq.green if patched() else zmq  # pyzmq's gevent-cooperative sockets under gevent
         self.ctx = ctx or self.zmq.Context()
 
     def call(self, targets: list[Target], retries: int | None = None) -> list[Result]:

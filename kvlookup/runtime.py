@@ -40,8 +40,8 @@ def ensure_redis(settings: Settings) -> redis_server.EmbeddedRedis | None:
     return server
 
 
-#: gunicorn ``worker_class`` per kvlookup setting.
-WORKER_CLASSES = {"gevent": "kvlookup.gevent_worker.GeventWorker", "gthread": "gthread", "sync": "sync"}
+#: gunicorn ``worker_class`` for ``gunicorn_worker_class: gevent`` (gthread and sync are gunicorn's own names).
+GEVENT_WORKER = "kvlookup.gevent_worker.GeventWorker"
 
 
 class GunicornController(BaseApplication):
@@ -59,7 +59,7 @@ class GunicornController(BaseApplication):
             "workers": s.gunicorn_workers,
             # gunicorn turns sync into gthread when threads > 1: threads only for gthread
             "threads": s.gunicorn_threads if s.gunicorn_worker_class == "gthread" else 1,
-            "worker_class": WORKER_CLASSES[s.gunicorn_worker_class],
+            "worker_class": GEVENT_WORKER if s.gunicorn_worker_class == "gevent" else s.gunicorn_worker_class,
             "loglevel": s.log_level.lower(),
             "timeout": 30,
             "graceful_timeout": 5,
