@@ -30,7 +30,6 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     if not settings.redis_url:
         raise ValueError("redis_url is not set (KVLOOKUP_REDIS_URL, --redis-url, or run `kvlookup controller`)")
     app = Flask(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
     # one bounded pool per worker process: under gevent every lookup in flight holds a
     # connection, so a burst waits (up to 5 s) for one instead of failing at once

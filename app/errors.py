@@ -62,8 +62,6 @@ def init_app(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):
         message = exc.description or exc.name
-        if exc.code == 413:
-            message = "request body too large"
         allow = [(k, v) for k, v in exc.get_headers() if k == "Allow"]  # 405 names the methods
         return jsonify(error=message), exc.code, allow
 

@@ -299,9 +299,9 @@ for _ = 1, tonumber(ARGV[7]) do
     else
     settle()
     held, nheld = {}, #members
-    for _, hid in ipairs(members) do held[hid] = true end
     local touched, nt = {}, 0
     for _, hid in ipairs(members) do
+      held[hid] = true
       local h = holder(hid)
       if h then
         local g = groups[h.group]
