@@ -77,11 +77,8 @@ def _ext() -> dict:
 def lmcache_workers(instance_id: str) -> list[WorkerInfo]:
     """Registered workers of an LMCache instance; 404 when none, 409 for a vLLM instance."""
     fleet = _ext()["fleet"]
-    try:
-        workers = fleet.workers([instance_id])
-        kind = fleet.instance_kind(instance_id)
-    except redis.RedisError as exc:
-        raise ApiError(503, f"index unavailable: {exc}") from None
+    workers = fleet.workers([instance_id])
+    kind = fleet.instance_kind(instance_id)
     if not workers:
         raise ApiError(404, f"instance {instance_id!r} has no registered workers")
     if kind not in (None, "lmcache"):
@@ -247,10 +244,7 @@ def check_finish():
     """``{"event_id"}`` -> ``{"status": "finished"|"failed"}`` for a control call of the last
     hour (calls here complete before they answer); 404 for an unknown event id."""
     req = parse(CheckFinishRequest)
-    try:
-        raw = _ext()["redis"].get(keys.event_key(req.event_id))
-    except redis.RedisError as exc:
-        raise ApiError(503, f"index unavailable: {exc}") from None
+    raw = _ext()["redis"].get(keys.event_key(req.event_id))
     if raw is None:
         raise ApiError(
             404, f"unknown event_id {req.event_id!r} (not issued here, or older than {EVENT_TTL_S}s)"

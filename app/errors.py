@@ -7,6 +7,7 @@ from collections.abc import Callable
 from http import HTTPStatus
 
 import msgspec
+import redis
 from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
@@ -53,11 +54,15 @@ def send_json(environ: dict, start_response: Callable, status: int, body: dict,
 
 
 def init_app(app: Flask) -> None:
-    """Register the JSON error handlers."""
+    """Register the JSON error handlers (Redis errors: 503 ``index unavailable``)."""
 
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError):
         return jsonify(error=exc.message), exc.status
+
+    @app.errorhandler(redis.RedisError)
+    def _redis_error(exc: redis.RedisError):
+        return jsonify(error=f"index unavailable: {exc}"), 503
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
-import redis
 from flask import Blueprint, current_app, jsonify, request
 
 from app.control import Name, parse
@@ -38,13 +37,6 @@ def _fleet() -> Fleet:
     return current_app.extensions["kvlookup"]["fleet"]
 
 
-def _guard(fn, *args):
-    try:
-        return fn(*args)
-    except redis.RedisError as exc:
-        raise ApiError(503, f"index unavailable: {exc}") from None
-
-
 def _split_host_port(ip: str, port: int | None) -> tuple[str, int | None]:
     """``"10.0.0.1:8001"`` / ``"[::1]:8001"`` -> (host, port); a bare IP keeps ``port``."""
     if port is None:
@@ -66,7 +58,7 @@ def query_instance():
     req = parse(QueryInstanceRequest)
     ip, port = _split_host_port(req.ip, req.port)
     eid = new_event_id("QueryInst")
-    found = _guard(_fleet().instances_on_ip, ip)
+    found = _fleet().instances_on_ip(ip)
     if port is not None:
         found = [(p, inst) for p, inst in found if p == port]
     instances = sorted({inst for _p, inst in found})
@@ -88,7 +80,7 @@ def query_worker_info():
     """``{"instance_id": "all"|id, "worker_ids": [int]|null}`` ->
     ``{"event_id":"QueryWorkerInfo<uuid>","worker_infos":[WorkerInfo]}`` (unknown: empty list)."""
     req = parse(QueryWorkerInfoRequest)
-    workers = _guard(_fleet().workers, None if req.instance_id == "all" else [req.instance_id])
+    workers = _fleet().workers(None if req.instance_id == "all" else [req.instance_id])
     if req.worker_ids is not None:
         wanted = set(req.worker_ids)
         workers = [w for w in workers if w.worker_id in wanted]
@@ -115,14 +107,14 @@ def controller_workers():
     """``?instance_id=&worker_id=`` -> ``{"workers":[{...WorkerInfo, key_count, live, epoch}],
     "total_count"}``; 404 when a named instance or worker is unknown."""
     inst, wid = request.args.get("instance_id"), request.args.get("worker_id")
-    workers = _guard(_fleet().workers, [inst] if inst else None)
+    workers = _fleet().workers([inst] if inst else None)
     if inst and not workers:
         raise ApiError(404, f"unknown instance_id {inst!r}")
     if wid is not None:
         workers = [w for w in workers if str(w.worker_id) == wid]
         if not workers:
             raise ApiError(404, f"unknown worker_id {wid!r}")
-    rows = _guard(_worker_rows, workers)
+    rows = _worker_rows(workers)
     return jsonify(workers=rows, total_count=len(rows))
 
 
@@ -131,8 +123,8 @@ def key_stats():
     """``{"total_key_count","total_instance_count","total_worker_count",
     "instances":[{"instance_id","key_count","worker_count"}]}`` (key_count: records)."""
     fleet = _fleet()
-    workers = _guard(fleet.workers)
-    counts = _guard(fleet.key_counts, workers)
+    workers = fleet.workers()
+    counts = fleet.key_counts(workers)
     per: dict[str, dict] = {}
     for w, c in zip(workers, counts, strict=True):
         row = per.setdefault(w.instance_id, {"instance_id": w.instance_id, "key_count": 0, "worker_count": 0})

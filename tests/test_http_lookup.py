@@ -134,3 +134,13 @@ def test_health_when_redis_is_down(make_app):
     assert (resp.status_code, resp.get_json()["redis"]) == (503, "unreachable")
     status, body = post(http, {"tokens": [1]})
     assert status == 503 and body["error"].startswith("index unavailable")
+    # every Flask endpoint that reads the index answers the same way
+    for method, path, body in [("post", "/clear", {"instance_id": "a", "location": "LocalCPUBackend"}),
+                               ("post", "/health", {"instance_id": "a"}),
+                               ("post", "/check_finish", {"event_id": "Clear1"}),
+                               ("post", "/query_instance", {"ip": "10.0.0.1"}),
+                               ("post", "/query_worker_info", {"instance_id": "a"}),
+                               ("get", "/controller/workers", None),
+                               ("get", "/controller/key-stats", None)]:
+        resp = getattr(http, method)(path, json=body)
+        assert resp.status_code == 503 and resp.get_json()["error"].startswith("index unavailable: "), path
