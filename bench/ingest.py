@@ -118,5 +118,5 @@ def _records(r, instances: list[str]) -> int:
     for inst in instances:
         hid = r.hget(keys.worker_key(inst, "0"), keys.location_field(CPU))
         if hid:
-            n += int(r.hget(keys.holder_key(hid), "records") or 0)
+            n += int(r.hget(keys.records_key(), hid) or 0)
     return n

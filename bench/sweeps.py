@@ -126,5 +126,5 @@ def _records(store: Store, r) -> int:
     for inst in r.smembers(keys.instances_key()):
         hid = r.hget(keys.worker_key(inst, "0"), keys.location_field(CPU))
         if hid:
-            n += int(r.hget(keys.holder_key(hid), "records") or 0)
+            n += int(r.hget(keys.records_key(), hid) or 0)
     return n

@@ -15,8 +15,9 @@ import redis
 from kvlookup import keys
 from kvlookup import vllm_hash as vh
 from kvlookup.hashing import HashProfile
+from kvlookup.records import Chain, Match
 from kvlookup.redis_server import connect
-from kvlookup.store import Chain, Match, Store
+from kvlookup.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +110,17 @@ MAX_BLOCK_SIZES = 8
 
 class VllmChains:
     """Chain source for vLLM instances: kvlookup's own chain (kvlookup.vllm_hash) at every
-    block size vLLM instances reported (``keys.block_sizes_key``, read at most every
+    block size a live vLLM rank uses (``keys.block_sizes_key``; read at most every
     ``refresh_s`` seconds), in the request's namespace (base model unless ``lora_name`` /
-    ``cache_salt`` are given).
+    ``cache_salt`` are given). check_alive: count only ranks of instances with a current
+    liveness lease (the store's ``instance_ttl_s`` > 0), so a block size no live rank uses
+    leaves the walk.
     """
 
-    def __init__(self, redis: redis.Redis, refresh_s: float = 1.0):
+    def __init__(self, redis: redis.Redis, refresh_s: float = 1.0, check_alive: bool = True):
         self.r = redis
         self.refresh_s = refresh_s
+        self.check_alive = check_alive
         self._sizes: list[int] = []
         self._read_at = float("-inf")
 
@@ -125,12 +129,22 @@ class VllmChains:
         publisher cycling through sizes cannot make every lookup hash without bound."""
         now = time.monotonic()
         if now - self._read_at >= self.refresh_s:
-            sizes = sorted(int(b) for b in self.r.smembers(keys.block_sizes_key()))
-            if len(sizes) > MAX_BLOCK_SIZES:
-                log.warning("%d vLLM block sizes known; lookups walk the first %d", len(sizes), MAX_BLOCK_SIZES)
-            self._sizes = sizes[:MAX_BLOCK_SIZES]
+            self._sizes = self._read_sizes()
             self._read_at = now
         return self._sizes
+
+    def _read_sizes(self) -> list[int]:
+        per_rank = self.r.hgetall(keys.block_sizes_key())  # "<rank>\t<instance>" -> block size
+        if self.check_alive and per_rank:
+            insts = sorted({m.split(keys.SEP, 1)[1] for m in per_rank})
+            now_ms = time.time() * 1000
+            live = {i for i, s in zip(insts, self.r.zmscore(keys.alive_key(), insts), strict=True)
+                    if s is not None and s >= now_ms}
+            per_rank = {m: bs for m, bs in per_rank.items() if m.split(keys.SEP, 1)[1] in live}
+        sizes = sorted({int(b) for b in per_rank.values()})
+        if len(sizes) > MAX_BLOCK_SIZES:
+            log.warning("%d vLLM block sizes in use; lookups walk the first %d", len(sizes), MAX_BLOCK_SIZES)
+        return sizes[:MAX_BLOCK_SIZES]
 
     def __call__(self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None,
                  **_other) -> list[Chain]:

@@ -1,7 +1,8 @@
 """The fleet as the registry in Redis sees it: instances, workers, liveness, key counts; the reaper.
 
-Everything here reads index sets (``kvl:v1:instances``, ``instance:<id>:workers``), the worker
-hashes and the holders' record counts in pipelined round trips; nothing scans the keyspace.
+Everything here reads index sets (``instances``, ``instance:<id>:workers``), the worker hashes,
+the liveness leases and the holders' record counts in pipelined round trips; nothing scans the
+keyspace.
 Used by the controller's control and stats endpoints, the metrics collector, the sidecars'
 periodic reaper and ``kvlookup reap``.
 """
@@ -35,7 +36,7 @@ class WorkerInfo:
 
     @classmethod
     def from_hash(cls, instance_id: str, worker_id: str, h: dict[str, str]) -> WorkerInfo:
-        """Build from a worker hash (``kvl:v1:worker:<inst>:<wid>``)."""
+        """Build from a worker hash (``keys.worker_key``)."""
         return cls(
             instance_id=instance_id,
             worker_id=_wid(worker_id),
@@ -105,14 +106,13 @@ class Fleet:
         ]
         return sorted(infos, key=lambda w: (w.instance_id, _sort_key(w.worker_id)))
 
-    def alive(self, instance_ids: list[str]) -> dict[str, bool]:
-        """Whether each instance's sidecar liveness key exists (all True when liveness is off)."""
-        if self.store.instance_ttl_ms <= 0:
+    def alive(self, instance_ids: list[str], now: float | None = None) -> dict[str, bool]:
+        """Whether each instance's liveness lease is current (all True when liveness is off)."""
+        if self.store.instance_ttl_ms <= 0 or not instance_ids:
             return dict.fromkeys(instance_ids, True)
-        pipe = self.r.pipeline(transaction=False)
-        for inst in instance_ids:
-            pipe.exists(keys.instance_alive_key(inst))
-        return {inst: bool(n) for inst, n in zip(instance_ids, pipe.execute(), strict=True)}
+        now_ms = (time.time() if now is None else now) * 1000
+        scores = self.r.zmscore(keys.alive_key(), instance_ids)
+        return {inst: s is not None and s >= now_ms for inst, s in zip(instance_ids, scores, strict=True)}
 
     def worker_live(self, w: WorkerInfo, instance_alive: bool, now: float | None = None) -> bool:
         """A worker counts in lookups: instance alive, and no heartbeat older than worker_ttl_s."""
@@ -125,13 +125,12 @@ class Fleet:
 
     def key_counts(self, workers: list[WorkerInfo]) -> list[dict[str, int]]:
         """Records per location for each worker (the ``records`` count of each holder)."""
-        pipe = self.r.pipeline(transaction=False)
         order = [(i, loc) for i, w in enumerate(workers) for loc in sorted(w.holders)]
-        for i, loc in order:
-            pipe.hget(keys.holder_key(workers[i].holders[loc]), "records")
         out: list[dict[str, int]] = [{} for _ in workers]
-        for (i, loc), n in zip(order, pipe.execute() if order else [], strict=True):
-            out[i][loc] = int(n or 0)
+        if order:
+            counts = self.r.hmget(keys.records_key(), [workers[i].holders[loc] for i, loc in order])
+            for (i, loc), n in zip(order, counts, strict=True):
+                out[i][loc] = int(n or 0)
         return out
 
     def instances_on_ip(self, ip: str) -> list[tuple[int, str]]:
@@ -144,25 +143,35 @@ class Fleet:
 
 
 def reap(store: Store, now: float | None = None) -> list[tuple[str, int | str]]:
-    """Deregister every silent worker; returns the (instance_id, worker_id) pairs reaped.
+    """Deregister every worker there is evidence against; returns the (instance_id, worker_id)
+    pairs reaped.
 
-    Silent: its instance's sidecar liveness key expired, or it sent heartbeats and stopped
-    for longer than ``worker_ttl_s``. Its records stop counting at once and
-    :meth:`Store.purge` deletes them in bounded steps. Walks the instances index set
-    (SMEMBERS + EXISTS, no SCAN); each decision is re-checked atomically in Redis, so
-    concurrent reapers (one per sidecar) are safe. Cost: O(instances + workers) per call.
+    Evidence (docs/operations.md): its instance's liveness lease expired (the sidecar that
+    ingests it stopped renewing it); it sent heartbeats and stopped for longer than
+    ``worker_ttl_s``; or it is a suspect whose deadline passed (its connection closed, or a
+    health call to it failed, and it did not speak since). A quiet worker with none of these
+    is never reaped. Candidates come from the lease, heartbeat and suspect sorted sets (range
+    reads, no SCAN); each decision is re-checked atomically in Redis (``REAP_WORKER``), so
+    concurrent reapers (one per sidecar) are safe. Its records stop counting at once and
+    :meth:`Store.purge` deletes them in bounded steps.
     """
-    if store.instance_ttl_ms <= 0 and store.worker_ttl_ms <= 0:
-        return []
-    fleet = Fleet(store)
     now = time.time() if now is None else now
-    workers = fleet.workers()
-    alive = fleet.alive(sorted({w.instance_id for w in workers}))
+    now_ms = int(now * 1000)
+    fleet = Fleet(store)
+    pipe = store.r.pipeline(transaction=False)
+    pipe.smembers(keys.instances_key())
+    pipe.zrangebyscore(keys.heartbeats_key(), "-inf", now_ms - store.worker_ttl_ms - 1)
+    pipe.zrangebyscore(keys.suspects_key(), "-inf", now_ms)
+    instances, stale, suspects = pipe.execute()
+    members = set(suspects) | (set(stale) if store.worker_ttl_ms > 0 else set())
+    pairs = {tuple(reversed(m.split(keys.SEP, 1))) for m in members}
+    if store.instance_ttl_ms > 0:
+        alive = fleet.alive(sorted(instances), now)
+        gone = [inst for inst, ok in alive.items() if not ok]
+        pairs |= {(w.instance_id, str(w.worker_id)) for w in fleet.workers(gone)}
     reaped = []
-    for w in workers:
-        if fleet.worker_live(w, alive[w.instance_id], now):
-            continue
-        if store.reap_worker(w.instance_id, w.worker_id, int(now * 1000)):
-            reaped.append((w.instance_id, w.worker_id))
-            log.info("reaped silent worker %s/%s", w.instance_id, w.worker_id)
+    for inst, wid in sorted(pairs):
+        if store.reap_worker(inst, wid, now_ms):
+            reaped.append((inst, _wid(wid)))
+            log.info("reaped worker %s/%s", inst, wid)
     return reaped

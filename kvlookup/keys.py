@@ -1,36 +1,42 @@
 """Every Redis key kvlookup reads or writes, built in this one module.
 
-The schema is a persisted public API: the prefix carries its version (``kvl:v1:``) so a
+The schema is a persisted public API: the prefix carries its version (``kvl:v2:``) so a
 future layout can live beside this one. docs/redis-schema.md lists each key with its type,
 writer, reader and lifetime; tests/test_keys.py pins the exact strings.
 
-Lua scripts never invent key names: they receive full keys through KEYS, or (for keys found
-while walking, such as holder hashes) a prefix from this module through ARGV.
+Two families, so that the index works on one Redis and on Redis Cluster alike:
+
+- **Records** (chunk sorted sets and the holders' reverse-index buckets) carry no hash tag:
+  Redis Cluster spreads them over every slot, so records balance across masters.
+- **The registry** (instances, workers, holders, liveness, ownership) carries the hash tag
+  ``{r}``: every registry key lives in one slot, so each registry script receives all the
+  keys it touches through ``KEYS`` and runs atomically on a cluster too.
+
+Lua scripts never build key names: callers pass every key through KEYS.
 """
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 PREFIX = f"kvl:v{SCHEMA_VERSION}:"
+#: Every registry key starts with this; ``{r}`` is its Redis Cluster hash tag (one slot).
+REGISTRY = PREFIX + "{r}:"
 
-#: Prefix of per-chunk sorted sets; the full key is ``PREFIX + "chunk:" + [space ":"] + hash``.
-CHUNK_PREFIX = PREFIX + "chunk:"
-#: Prefix of holder hashes (``holder:<id>``) and their reverse-index sets (``holder:<id>:chunks``).
-HOLDER_PREFIX = PREFIX + "holder:"
-#: Prefix of worker hashes (``worker:<instance_id>:<worker_id>``).
-WORKER_PREFIX = PREFIX + "worker:"
-#: Prefix of instance hashes and their companion keys (``instance:<instance_id>[:facet]``).
-INSTANCE_PREFIX = PREFIX + "instance:"
+#: Separates the fields of packed registry values (holder descriptions, worker members).
+#: Instance ids, locations and worker ids are printable, so a tab never occurs inside them.
+SEP = "\t"
 
 
-def key_name(instance_id: str) -> str:
-    """An instance_id as it appears inside keys: ``%`` and ``:`` percent-encoded.
+def key_name(name: str) -> str:
+    """A name (instance id, sidecar id) as it appears inside keys: ``%`` and ``:`` percent-encoded.
 
-    Keys put facets after the instance id (``instance:<id>:workers``), so an id such as
-    ``a:workers`` must not read as instance ``a``'s facet. Ids without ``%`` or ``:`` (the usual
-    case) appear unchanged.
+    Keys put facets after the name (``instance:<id>:workers``), so an id such as ``a:workers``
+    must not read as instance ``a``'s facet. Ids without ``%`` or ``:`` appear unchanged.
     """
-    return instance_id.replace("%", "%25").replace(":", "%3A")
+    return name.replace("%", "%25").replace(":", "%3A")
+
+
+# -- records (no hash tag: spread over the cluster) ------------------------------------------
 
 
 def chunk_prefix(space: str = "") -> str:
@@ -39,17 +45,12 @@ def chunk_prefix(space: str = "") -> str:
     space: "" for LMCache chunk hashes (the engines' own keys); a short tag such as
     ``"v16"`` for hash chains kvlookup computes itself (vLLM blocks of 16 tokens).
     """
-    return CHUNK_PREFIX + (f"{space}:" if space else "")
+    return PREFIX + "chunk:" + (f"{space}:" if space else "")
 
 
 def chunk_key(chunk_hash: int | str, space: str = "") -> str:
     """Sorted set of the holders of one chunk: member holder id, score admit time (unix ms)."""
     return f"{chunk_prefix(space)}{chunk_hash}"
-
-
-def holder_key(holder_id: int | str) -> str:
-    """Hash describing one holder: instance, worker, location, space, dead flag."""
-    return f"{HOLDER_PREFIX}{holder_id}"
 
 
 #: Buckets of a holder's reverse index. Each bucket is a small set of integer chunk hashes,
@@ -60,70 +61,153 @@ HOLDER_CHUNK_BUCKETS = 2048
 
 
 def chunk_bucket(chunk_hash: int | str) -> int:
-    """Reverse-index bucket of a chunk hash, from the last 4 bytes of its decimal (or hex) text.
-
-    Must equal the Lua in kvlookup.scripts (``bucket()``); tests check both agree.
-    """
+    """Reverse-index bucket of a chunk hash, from the last 4 bytes of its decimal (or hex) text."""
     tail = str(chunk_hash).encode()[-4:].rjust(4, b"\0")
     return (tail[0] * 1000003 + tail[1] * 1009 + tail[2] * 31 + tail[3]) % HOLDER_CHUNK_BUCKETS
 
 
 def holder_chunks_key(holder_id: int | str, bucket: int) -> str:
-    """Set of the chunk hashes of one holder in one bucket (reverse index; purge never scans)."""
-    return f"{HOLDER_PREFIX}{holder_id}:chunks:{bucket}"
+    """Set of the chunk hashes of one holder in one bucket (reverse index; purge never scans).
+
+    Invariant: it holds at least every chunk whose sorted set names the holder (it is written
+    before the record on admit and cleaned after it on evict), so purge finds every record.
+    """
+    return f"{PREFIX}holder:{holder_id}:chunks:{bucket}"
+
+
+# -- holders (registry) ----------------------------------------------------------------------
+
+
+def holders_key() -> str:
+    """Hash holder id -> ``<instance_id>\\t<worker_id>\\t<location>\\t<space>`` (never changes)."""
+    return REGISTRY + "holders"
 
 
 def holder_seq_key() -> str:
     """Counter that allocates holder ids (INCR)."""
-    return PREFIX + "holders:seq"
+    return REGISTRY + "holders:seq"
+
+
+def records_key() -> str:
+    """Hash holder id -> number of records the holder has (its reverse-index size)."""
+    return REGISTRY + "records"
 
 
 def dead_holders_key() -> str:
-    """Set of retired holder ids whose records still wait to be purged."""
-    return PREFIX + "holders:dead"
+    """Sorted set of retired holder ids (score: retire time, unix ms) whose records wait for purge."""
+    return REGISTRY + "dead"
+
+
+def purge_key() -> str:
+    """Hash holder id -> next reverse-index bucket to purge (progress of a dead holder's purge)."""
+    return REGISTRY + "purge"
+
+
+def holder_value(instance_id: str, worker_id: int | str, location: str, space: str = "") -> str:
+    """The packed description of a holder in :func:`holders_key`."""
+    return SEP.join((instance_id, str(worker_id), location, space))
+
+
+def parse_holder(value: str) -> tuple[str, str, str, str]:
+    """(instance_id, worker_id, location, space) from :func:`holder_value`'s text."""
+    inst, wid, loc, space = value.split(SEP)
+    return inst, wid, loc, space
+
+
+# -- instances and workers (registry) --------------------------------------------------------
 
 
 def instances_key() -> str:
-    """Set of every known instance_id."""
-    return PREFIX + "instances"
+    """Set of every instance_id with a registered worker."""
+    return REGISTRY + "instances"
 
 
 def instance_key(instance_id: str) -> str:
-    """Hash of instance facts: kind (lmcache|vllm), worker_rule (all|any), block_size."""
-    return f"{INSTANCE_PREFIX}{key_name(instance_id)}"
+    """Hash of instance facts: kind (lmcache|vllm), worker_rule (all|any), vLLM rank fields."""
+    return f"{REGISTRY}instance:{key_name(instance_id)}"
 
 
 def instance_workers_key(instance_id: str) -> str:
     """Set of the registered worker ids (TP ranks, or DP ranks for vLLM) of one instance."""
-    return f"{INSTANCE_PREFIX}{key_name(instance_id)}:workers"
-
-
-def instance_alive_key(instance_id: str) -> str:
-    """String with a TTL, refreshed by the instance's sidecar; absent means the instance is silent."""
-    return f"{INSTANCE_PREFIX}{key_name(instance_id)}:alive"
+    return f"{REGISTRY}instance:{key_name(instance_id)}:workers"
 
 
 def worker_key(instance_id: str, worker_id: int | str) -> str:
-    """Hash of one worker: ip, port, peer_init_url, registered_at, last_heartbeat, epoch, loc:<location>."""
-    return f"{WORKER_PREFIX}{key_name(instance_id)}:{worker_id}"
+    """Hash of one worker: ip, port, peer_init_url, registered_at, last_heartbeat, heartbeats,
+    epoch, loc:<location> (its current holder id there)."""
+    return f"{REGISTRY}worker:{key_name(instance_id)}:{worker_id}"
+
+
+def worker_member(instance_id: str, worker_id: int | str) -> str:
+    """A worker as a member of the registry's per-worker sets: ``<worker_id>\\t<instance_id>``."""
+    return f"{worker_id}{SEP}{instance_id}"
+
+
+def rules_key() -> str:
+    """Hash instance_id -> ``<worker_rule>\\t<registered workers>`` (what the lookup walk needs)."""
+    return REGISTRY + "rules"
+
+
+def alive_key() -> str:
+    """Sorted set instance_id -> liveness lease expiry (unix ms), renewed by the owning sidecar."""
+    return REGISTRY + "alive"
+
+
+def heartbeats_key() -> str:
+    """Sorted set worker member -> last heartbeat (unix ms), for workers that send heartbeats."""
+    return REGISTRY + "heartbeats"
+
+
+def suspects_key() -> str:
+    """Sorted set worker member -> deadline (unix ms): the worker's connection closed (socket
+    monitor evidence) or a health call failed; it is reaped at the deadline unless it speaks."""
+    return REGISTRY + "suspects"
 
 
 def ip_index_key(ip: str) -> str:
-    """Set of ``instance_id|port`` registered from one IP (serves /query_instance without scanning)."""
-    return f"{PREFIX}ip:{ip}"
+    """Set of ``<port>:<instance_id>`` registered from one IP (serves /query_instance without scanning)."""
+    return f"{REGISTRY}ip:{ip}"
 
 
 def block_sizes_key() -> str:
-    """Set of the block sizes (tokens) of vLLM instances, so lookups know which chains to compute."""
-    return PREFIX + "vllm:block_sizes"
+    """Hash worker member -> block size (tokens) of each registered vLLM rank; lookups walk the
+    block sizes of live ranks only, and a rank's field goes with its registration."""
+    return REGISTRY + "block_sizes"
+
+
+# -- sidecars (registry) ---------------------------------------------------------------------
+
+
+def owners_key() -> str:
+    """Hash instance_id -> id of the sidecar that ingests the instance's traffic."""
+    return REGISTRY + "owners"
+
+
+def sidecar_instances_key(sidecar_id: str) -> str:
+    """Set of the instance ids one sidecar owns (a restarted sidecar resumes from it)."""
+    return f"{REGISTRY}sidecar:{key_name(sidecar_id)}:instances"
+
+
+def sidecars_key() -> str:
+    """Sorted set sidecar id -> lease expiry (unix ms) of every sidecar that owns instances."""
+    return REGISTRY + "sidecars"
+
+
+def sidecar_status_key(sidecar_id: str) -> str:
+    """Hash of a sidecar's last reported state (pid, host, endpoints, pending ops, lag)."""
+    return f"{REGISTRY}sidecar:{key_name(sidecar_id)}:status"
+
+
+# -- vLLM ------------------------------------------------------------------------------------
 
 
 def engine_map_key(instance_id: str, rank: int | str = 0) -> str:
     """Hash engine block hash (u64 decimal) -> ``"<kvlookup chunk hash>|<medium>[,<medium>]"``,
     per vLLM instance and data-parallel rank. Resolves BlockRemoved and token-less BlockStored;
     a field goes when no medium holds the block any more; the key goes when the rank is cleared.
+    No hash tag: as large as the rank's records, so it spreads over the cluster.
     """
-    return f"{INSTANCE_PREFIX}{key_name(instance_id)}:blocks:{rank}"
+    return f"{PREFIX}blocks:{key_name(instance_id)}:{rank}"
 
 
 def vllm_space(block_size: int) -> str:

@@ -3,238 +3,259 @@
 Each script is atomic, which is why it is Lua: registration retires a worker's old holders
 and writes the new epoch without a lookup seeing half of it; ``APPLY_OPS`` refuses to write
 for a holder retired since the caller resolved it; ``LOOKUP`` reads a consistent snapshot in
-one round trip. Full keys come through KEYS; keys discovered while running (holders, workers,
-instances found in a chunk's sorted set) are built from prefixes that kvlookup.keys passes in
-ARGV. Scripts are registered once per client (redis-py ``register_script``, EVALSHA).
+one round trip. Every key a script touches arrives in ``KEYS``; no script builds a key name.
+
+Two kinds (docs/redis-schema.md):
+
+- **Registry scripts** (REGISTER ... RESOLVE) touch only registry keys, which share the hash
+  tag ``{r}``: one slot, so they run unchanged on a single Redis and on Redis Cluster.
+- **Single-node record scripts** (APPLY_OPS, LOOKUP) also take chunk and reverse-index keys,
+  which spread over every slot; only the single-node backend runs them. The cluster backend
+  writes and reads records with plain single-key commands (kvlookup.records_cluster).
+
+Where a registry script needs a key that depends on stored state (the index set of a worker's
+previous IP, the set of an instance's previous owner), the caller reads that state first and
+passes the key and the value it saw; the script returns ``RETRY`` (-2) when the value changed
+meanwhile, and the caller reads again.
+
+Scripts are registered once per client (redis-py ``register_script``, EVALSHA).
 """
 
 from __future__ import annotations
 
-# Shared by every script that retires holders. A retired holder is marked dead at once (a
-# lookup skips it) and queued in the dead set; PURGE deletes its records later, in bounded steps.
+#: Codes shared by the registry scripts.
+NOT_REGISTERED = -1
+RETRY = -2
+LIVE = -3
+
+# Retire a worker's holders (all locations, or one field): marked dead at once (lookups skip
+# them, scored by retire time) and purged later in bounded steps.
 _RETIRE = """
-local function retire(worker_key, dead_key, holder_prefix, only_field)
+local function retire(worker_key, dead_key, now, only_field)
   local fields = redis.call('HGETALL', worker_key)
   local n = 0
   for i = 1, #fields, 2 do
     local f = fields[i]
     if (only_field and f == only_field) or (not only_field and string.sub(f, 1, 4) == 'loc:') then
-      redis.call('HSET', holder_prefix .. fields[i + 1], 'dead', '1')
-      redis.call('SADD', dead_key, fields[i + 1])
+      redis.call('ZADD', dead_key, now, fields[i + 1])
       redis.call('HDEL', worker_key, f)
       n = n + 1
     end
   end
   return n
 end
-"""
-
-# The reverse-index bucket of a chunk hash string; mirrors kvlookup.keys.chunk_bucket.
-_BUCKET = """
-local function bucket(h)
-  local n = #h
-  local a, b, c, d = string.byte(h, n - 3, n)
-  if n < 4 then
-    local t = {0, 0, 0, string.byte(h, 1, n)}
-    a, b, c, d = t[n], t[n + 1], t[n + 2], t[n + 3]
-  end
-  return (a * 1000003 + b * 1009 + c * 31 + d) % 2048
+local function rule_of(rules_key, inst)
+  local v = redis.call('HGET', rules_key, inst)
+  return v and string.match(v, '^([^\\t]*)') or 'all'
 end
 """
 
 #: Register (or re-register) a worker: a new epoch, old holders retired.
-#: KEYS[1] worker hash, KEYS[2] instance workers set, KEYS[3] instances set,
-#: KEYS[4] dead holders set, KEYS[5] instance hash, KEYS[6] ip index set of the new ip
-#: ARGV[1] holder key prefix, ARGV[2] worker_id, ARGV[3] instance_id, ARGV[4] ip index prefix,
-#: ARGV[5] ip index member ("<port>:<instance_id>"), ARGV[6] instance kind, ARGV[7] worker_rule,
-#: ARGV[8..] worker hash field/value pairs.
-#: Returns the new epoch (1 for a first registration).
+#: KEYS[1] worker hash, KEYS[2] instance workers set, KEYS[3] instances set, KEYS[4] dead
+#: holders, KEYS[5] instance hash, KEYS[6] ip index set of the new ip, KEYS[7] ip index set of
+#: the ip the caller saw registered (KEYS[6] when none), KEYS[8] rules, KEYS[9] heartbeats,
+#: KEYS[10] vLLM block sizes, KEYS[11] suspects
+#: ARGV[1] worker_id, ARGV[2] instance_id, ARGV[3] worker member, ARGV[4] ip the caller saw
+#: ('' when none), ARGV[5] new ip index member ("<port>:<instance_id>"), ARGV[6] kind,
+#: ARGV[7] worker_rule, ARGV[8] now (unix ms), ARGV[9..] worker hash field/value pairs.
+#: Returns the new epoch (1 for a first registration), or RETRY.
 REGISTER = _RETIRE + """
 local old = redis.call('HMGET', KEYS[1], 'ip', 'port', 'epoch')
-retire(KEYS[1], KEYS[4], ARGV[1], nil)
-if old[1] then
-  redis.call('SREM', ARGV[4] .. old[1], (old[2] or '') .. ':' .. ARGV[3])
-end
+if (old[1] or '') ~= ARGV[4] then return -2 end
+retire(KEYS[1], KEYS[4], ARGV[8], nil)
+if old[1] then redis.call('SREM', KEYS[7], (old[2] or '') .. ':' .. ARGV[2]) end
 local epoch = tonumber(old[3] or '0') + 1
 redis.call('DEL', KEYS[1])
-local fields = {}
-for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', KEYS[1], 'epoch', epoch, unpack(fields))
-redis.call('SADD', KEYS[2], ARGV[2])
-redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('HSET', KEYS[1], 'epoch', epoch, unpack(ARGV, 9))
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('HSET', KEYS[5], 'kind', ARGV[6], 'worker_rule', ARGV[7])
 redis.call('SADD', KEYS[6], ARGV[5])
+redis.call('HSET', KEYS[8], ARGV[2], ARGV[7] .. '\\t' .. redis.call('SCARD', KEYS[2]))
+redis.call('ZREM', KEYS[9], ARGV[3])
+redis.call('HDEL', KEYS[10], ARGV[3])
+redis.call('ZREM', KEYS[11], ARGV[3])
 return epoch
 """
 
-#: Deregister a worker: retire its holders, drop it from the registry; drop the instance
-#: when it was the last worker. Other instances are never touched.
-#: KEYS[1] worker hash, KEYS[2] instance workers set, KEYS[3] instances set,
-#: KEYS[4] dead holders set, KEYS[5] instance hash
-#: ARGV[1] holder key prefix, ARGV[2] worker_id, ARGV[3] instance_id, ARGV[4] ip index prefix
-#: Returns the number of holders retired, or -1 when the worker was not registered.
+# Deregister body, shared by DEREGISTER and REAP_WORKER.
+# KEYS[1] worker hash, KEYS[2] workers set, KEYS[3] instances set, KEYS[4] dead holders,
+# KEYS[5] instance hash, KEYS[6] ip index set of the ip the caller saw, KEYS[7] rules,
+# KEYS[8] heartbeats, KEYS[9] block sizes, KEYS[10] suspects, KEYS[11] owners, KEYS[12] the
+# set of the owner the caller saw (any registry key when none), KEYS[13] alive
+# ARGV[1] worker_id, ARGV[2] instance_id, ARGV[3] worker member, ARGV[4] ip the caller saw,
+# ARGV[5] owner the caller saw ('' when none), ARGV[6] now (unix ms)
 _DEREGISTER_BODY = """
-local known = redis.call('SISMEMBER', KEYS[2], ARGV[2]) == 1 or redis.call('EXISTS', KEYS[1]) == 1
-if not known then return -1 end
 local old = redis.call('HMGET', KEYS[1], 'ip', 'port')
-local n = retire(KEYS[1], KEYS[4], ARGV[1], nil)
-if old[1] then
-  redis.call('SREM', ARGV[4] .. old[1], (old[2] or '') .. ':' .. ARGV[3])
-end
+if (old[1] or '') ~= ARGV[4] or (redis.call('HGET', KEYS[11], ARGV[2]) or '') ~= ARGV[5] then return -2 end
+local n = retire(KEYS[1], KEYS[4], ARGV[6], nil)
+if old[1] then redis.call('SREM', KEYS[6], (old[2] or '') .. ':' .. ARGV[2]) end
+local rule = rule_of(KEYS[7], ARGV[2])
 redis.call('DEL', KEYS[1])
-redis.call('SREM', KEYS[2], ARGV[2])
-if redis.call('SCARD', KEYS[2]) == 0 then
-  redis.call('SREM', KEYS[3], ARGV[3])
+redis.call('SREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[8], ARGV[3])
+redis.call('HDEL', KEYS[9], ARGV[3])
+redis.call('ZREM', KEYS[10], ARGV[3])
+local left = redis.call('SCARD', KEYS[2])
+if left == 0 then
+  redis.call('SREM', KEYS[3], ARGV[2])
   redis.call('DEL', KEYS[5])
+  redis.call('HDEL', KEYS[7], ARGV[2])
+  if ARGV[5] ~= '' then
+    redis.call('HDEL', KEYS[11], ARGV[2])
+    redis.call('SREM', KEYS[12], ARGV[2])
+  end
+  redis.call('ZREM', KEYS[13], ARGV[2])
+else
+  redis.call('HSET', KEYS[7], ARGV[2], rule .. '\\t' .. left)
 end
 return n
 """
-DEREGISTER = _RETIRE + _DEREGISTER_BODY
 
-#: Reap a worker, atomically: deregister it (as DEREGISTER) only when it is silent, i.e.
-#: its instance's liveness key is gone (sidecar dead, when checked) or it sent heartbeats
-#: and the last one is older than the worker TTL. A worker that never sent a heartbeat is
-#: only reaped with its instance.
-#: KEYS[1..5] as DEREGISTER, KEYS[6] instance liveness key
-#: ARGV[1..4] as DEREGISTER, ARGV[5] now (unix ms), ARGV[6] worker TTL (ms, 0 = off),
-#: ARGV[7] '1' to check the liveness key.
-#: Returns -2 when the worker is live (nothing done), else as DEREGISTER.
-REAP_WORKER = _RETIRE + """
-local silent = ARGV[7] == '1' and redis.call('EXISTS', KEYS[6]) == 0
-local wttl = tonumber(ARGV[6])
-if not silent and wttl > 0 then
-  local f = redis.call('HMGET', KEYS[1], 'heartbeats', 'last_heartbeat')
-  if f[1] and tonumber(f[1]) > 0 and tonumber(ARGV[5]) - tonumber(f[2]) * 1000 > wttl then
-    silent = true
-  end
+_KNOWN = """
+if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 and redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+"""
+
+#: Deregister a worker: retire its holders, drop it from the registry; drop the instance
+#: (and its ownership and lease) when it was the last worker. Other instances are never touched.
+#: KEYS and ARGV: see _DEREGISTER_BODY. Returns holders retired, NOT_REGISTERED or RETRY.
+DEREGISTER = _RETIRE + _KNOWN + _DEREGISTER_BODY
+
+#: Reap a worker, atomically: deregister it (as DEREGISTER) only on evidence that it is gone:
+#: its instance's liveness lease expired (its sidecar stopped; when ARGV[8] is '1'), it sent
+#: heartbeats and the last is older than the worker TTL (ARGV[7] ms, 0 = off), or it is a
+#: suspect (connection closed, health call failed) whose deadline passed.
+#: KEYS, ARGV[1..6] as DEREGISTER. Returns LIVE when there is no evidence, else as DEREGISTER.
+REAP_WORKER = _RETIRE + _KNOWN + """
+local now, wttl = tonumber(ARGV[6]), tonumber(ARGV[7])
+local silent = false
+if ARGV[8] == '1' then
+  local exp = redis.call('ZSCORE', KEYS[13], ARGV[2])
+  silent = not exp or tonumber(exp) < now
 end
-if not silent then return -2 end
+if not silent and wttl > 0 then
+  local hb = redis.call('ZSCORE', KEYS[8], ARGV[3])
+  silent = hb and now - tonumber(hb) > wttl
+end
+if not silent then
+  local d = redis.call('ZSCORE', KEYS[10], ARGV[3])
+  silent = d and tonumber(d) <= now
+end
+if not silent then return -3 end
 """ + _DEREGISTER_BODY
 
 #: Retire the holder of one (worker, location): its records stop counting (full sync start,
-#: location cleared). KEYS[1] worker hash, KEYS[2] dead holders set
-#: ARGV[1] holder key prefix, ARGV[2] location field. Returns holders retired (0 or 1).
+#: location cleared). KEYS[1] worker hash, KEYS[2] dead holders
+#: ARGV[1] location field, ARGV[2] now (unix ms). Returns holders retired (0 or 1).
 RETIRE_LOCATION = _RETIRE + """
-return retire(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
+return retire(KEYS[1], KEYS[2], ARGV[2], ARGV[1])
 """
 
 #: Current holder id of (instance, worker, location), created on first use.
-#: KEYS[1] worker hash, KEYS[2] holder id counter
-#: ARGV[1] holder key prefix, ARGV[2] location field, ARGV[3] instance_id, ARGV[4] worker_id,
-#: ARGV[5] location, ARGV[6] chunk key prefix of the holder's hash space,
-#: ARGV[7] the instance id as it appears in keys (kvlookup.keys.key_name)
+#: KEYS[1] worker hash, KEYS[2] holder id counter, KEYS[3] holders
+#: ARGV[1] location field, ARGV[2] holder description (kvlookup.keys.holder_value)
 #: Returns the holder id, or false when the worker is not registered.
 HOLDER = """
-local hid = redis.call('HGET', KEYS[1], ARGV[2])
+local hid = redis.call('HGET', KEYS[1], ARGV[1])
 if hid then return hid end
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 hid = redis.call('INCR', KEYS[2])
-redis.call('HSET', ARGV[1] .. hid, 'instance', ARGV[3], 'worker', ARGV[4], 'location', ARGV[5],
-           'chunk_prefix', ARGV[6], 'key_name', ARGV[7])
-redis.call('HSET', KEYS[1], ARGV[2], hid)
+redis.call('HSET', KEYS[3], hid, ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], hid)
 return hid
 """
 
-#: Apply admits and evicts of one holder. The caller folds a batch to each chunk's last op
-#: (admit then evict of one chunk leaves it evicted, and so on: sets and sorted sets only keep
-#: the final state), so admits and evicts arrive as two space-separated lists of chunk hashes
-#: and each hash goes into (or out of) its reverse-index bucket ``<holder key>:chunks:<bucket>``;
-#: the holder hash's ``records`` field counts what the buckets hold.
-#: KEYS[1] holder hash
-#: ARGV[1] chunk key prefix, ARGV[2] holder id, ARGV[3] score (admit time, unix ms),
-#: ARGV[4] admitted chunk hashes, ARGV[5] evicted chunk hashes (space-separated, disjoint).
-#: Returns 1, or -1 when the holder was retired (the caller resolves the current holder and
-#: applies again).
-APPLY_OPS = _BUCKET + """
-if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'dead') == 1 then return -1 end
-local p, hid, score = ARGV[1], ARGV[2], ARGV[3]
-local rp = KEYS[1] .. ':chunks:'
-local delta = 0
-for h in string.gmatch(ARGV[4], '%S+') do
-  redis.call('ZADD', p .. h, score, hid)
-  delta = delta + redis.call('SADD', rp .. bucket(h), h)
-end
-for h in string.gmatch(ARGV[5], '%S+') do
-  redis.call('ZREM', p .. h, hid)
-  delta = delta - redis.call('SREM', rp .. bucket(h), h)
-end
-if delta ~= 0 then redis.call('HINCRBY', KEYS[1], 'records', delta) end
+#: Record a worker heartbeat. KEYS[1] worker hash, KEYS[2] heartbeats, KEYS[3] suspects
+#: ARGV[1] worker member, ARGV[2] now (unix s, text), ARGV[3] now (unix ms).
+#: Returns 1, or 0 when the worker is not registered.
+HEARTBEAT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'heartbeats', 1)
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
 return 1
 """
 
-#: Delete the records of retired holders, at most ARGV[2] records per call.
-#: KEYS[1] dead holders set; ARGV[1] holder key prefix, ARGV[2] budget (records),
-#: ARGV[3] number of reverse-index buckets. A holder's progress is kept in its hash
-#: (``purge_bucket``); the holder hash goes once every bucket is empty.
-#: Returns the number of (chunk, holder) records removed.
-PURGE = """
-local budget = tonumber(ARGV[2])
-local nbuckets = tonumber(ARGV[3])
-local done = 0
-while done < budget do
-  local hid = redis.call('SRANDMEMBER', KEYS[1])
-  if not hid then break end
-  local hk = ARGV[1] .. hid
-  local f = redis.call('HMGET', hk, 'chunk_prefix', 'purge_bucket')
-  local cp, b = f[1], tonumber(f[2] or '0')
-  while b < nbuckets and done < budget do
-    local ck = hk .. ':chunks:' .. b
-    local hs = redis.call('SPOP', ck, budget - done)
-    if cp then
-      for _, h in ipairs(hs) do redis.call('ZREM', cp .. h, hid) end
-    end
-    done = done + #hs
-    if redis.call('EXISTS', ck) == 0 then b = b + 1 end
-  end
-  if b >= nbuckets then
-    redis.call('DEL', hk)
-    redis.call('SREM', KEYS[1], hid)
-  else
-    redis.call('HSET', hk, 'purge_bucket', b)
-  end
-end
-return done
+#: Take (or keep) ownership of an instance for a sidecar and renew its lease.
+#: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] the previous owner's set the
+#: caller saw (KEYS[2] when none or the same), KEYS[4] alive
+#: ARGV[1] instance_id, ARGV[2] sidecar id, ARGV[3] previous owner the caller saw ('' none),
+#: ARGV[4] lease expiry (unix ms). Returns 1, or RETRY.
+OWN = """
+local prev = redis.call('HGET', KEYS[1], ARGV[1]) or ''
+if prev ~= ARGV[3] then return -2 end
+if prev ~= '' and prev ~= ARGV[2] then redis.call('SREM', KEYS[3], ARGV[1]) end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
+return 1
 """
 
-#: Walk a prompt's chunk chains; credit every live instance with its longest run of
-#: consecutive chunks from token 0. An instance with worker_rule 'all' (LMCache TP ranks)
-#: needs every registered worker to hold a chunk; with 'any' (vLLM DP ranks) each worker is
-#: walked on its own. A chain stops as soon as no instance can extend its match.
-#: KEYS: none (chunk keys are the chain's prefix + each hash: one short argument per chain
-#: instead of one key per chunk keeps the call cheap for long prompts).
-#: ARGV[1] holder key prefix, ARGV[2] worker key prefix, ARGV[3] instance key prefix,
-#: ARGV[4] now (unix ms), ARGV[5] worker heartbeat TTL (ms, 0 = off),
-#: ARGV[6] '1' to require the instance's sidecar liveness key, ARGV[7] number of chains,
-#: then per chain: chunk key prefix, chunk size, end of the last chunk (tokens), and the
-#: chunk hashes, space-separated in token order (chunk i ends at min(i * size, end)).
-#: Returns a flat array of records: instance_id, worker_id ('' for 'all'), matched end,
-#: number of locations, then (location, tokens held there) pairs.
-LOOKUP = """
-local hp, wp, ip = ARGV[1], ARGV[2], ARGV[3]
-local now, wttl, check_alive = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] == '1'
+#: Renew the leases of every instance a sidecar still owns, and the sidecar's own lease;
+#: instances another sidecar took over leave this sidecar's set.
+#: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] alive, KEYS[4] sidecars
+#: ARGV[1] sidecar id, ARGV[2] lease expiry (unix ms). Returns the instances renewed.
+TOUCH = """
+local n = 0
+for _, inst in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  if redis.call('HGET', KEYS[1], inst) == ARGV[1] then
+    redis.call('ZADD', KEYS[3], ARGV[2], inst)
+    n = n + 1
+  else
+    redis.call('SREM', KEYS[2], inst)
+  end
+end
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+return n
+"""
+
+#: Forget a purged holder. KEYS[1] holders, KEYS[2] dead, KEYS[3] records, KEYS[4] purge
+#: progress; ARGV[1] holder id. Returns 1.
+FORGET_HOLDER = """
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+return 1
+"""
+
+# Which holders count in a lookup, shared by LOOKUP and RESOLVE.
+# KEYS[1] holders, KEYS[2] dead, KEYS[3] rules, KEYS[4] alive, KEYS[5] heartbeats
+# ARGV[1] now (unix ms), ARGV[2] worker heartbeat TTL (ms, 0 = off), ARGV[3] '1' to require
+# the instance's liveness lease.
+# A holder counts when it is not retired, its instance has registered workers and (when
+# checked) a live lease, and its worker (when it sends heartbeats) is not past the TTL.
+# Groups: an instance with worker_rule 'all' (LMCache TP ranks) is one group whose every
+# registered worker must hold a chunk; with 'any' (vLLM DP ranks) each rank is its own group.
+_RESOLVER = """
+local now, wttl, check_alive = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
 local instances, workers, holders = {}, {}, {}
 
-local function instance(inst, kname)
+local function instance(inst)
   local c = instances[inst]
   if c ~= nil then return c end
-  local ik = ip .. kname
-  c = {alive = true, rule = redis.call('HGET', ik, 'worker_rule') or 'all', need = 1}
-  if check_alive then c.alive = redis.call('EXISTS', ik .. ':alive') == 1 end
-  if c.rule == 'all' then c.need = redis.call('SCARD', ik .. ':workers') end
+  c = {alive = false, rule = 'all', need = 0}
+  local v = redis.call('HGET', KEYS[3], inst)
+  if v then
+    local rule, n = string.match(v, '^([^\\t]*)\\t(%d+)$')
+    c.rule, c.need, c.alive = rule, rule == 'all' and tonumber(n) or 1, true
+    if check_alive then
+      local exp = redis.call('ZSCORE', KEYS[4], inst)
+      c.alive = exp ~= false and tonumber(exp) >= now
+    end
+  end
   instances[inst] = c
   return c
 end
 
-local function worker_alive(kname, wid)
-  local k = kname .. ':' .. wid
-  local v = workers[k]
+local function worker_alive(member)
+  if wttl <= 0 then return true end
+  local v = workers[member]
   if v ~= nil then return v end
-  local f = redis.call('HMGET', wp .. k, 'heartbeats', 'last_heartbeat')
-  v = f[1] ~= false
-  if v and wttl > 0 and tonumber(f[1]) > 0 then
-    v = now - tonumber(f[2]) * 1000 <= wttl
-  end
-  workers[k] = v
+  local hb = redis.call('ZSCORE', KEYS[5], member)
+  v = hb == false or now - tonumber(hb) <= wttl
+  workers[member] = v
   return v
 end
 
@@ -242,26 +263,76 @@ local function holder(hid)
   local h = holders[hid]
   if h ~= nil then return h end
   h = false
-  local f = redis.call('HMGET', hp .. hid, 'instance', 'worker', 'location', 'dead', 'key_name')
-  if f[1] and not f[4] then
-    local kname = f[5] or f[1]
-    local c = instance(f[1], kname)
-    if c.alive and c.need > 0 and worker_alive(kname, f[2]) then
-      local group, wid = f[1], ''
-      if c.rule == 'any' then group, wid = f[1] .. ':' .. f[2], f[2] end
-      h = {group = group, inst = f[1], wid = wid, rank = f[2], loc = f[3], need = c.need}
+  local raw = redis.call('HGET', KEYS[1], hid)
+  if raw and not redis.call('ZSCORE', KEYS[2], hid) then
+    local inst, rank, loc = string.match(raw, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)')
+    local c = instance(inst)
+    if c.alive and c.need > 0 and worker_alive(rank .. '\\t' .. inst) then
+      local group, wid = inst, ''
+      if c.rule == 'any' then group, wid = inst .. '\\t' .. rank, rank end
+      h = {group = group, inst = inst, wid = wid, rank = rank, loc = loc, need = c.need}
     end
   end
   holders[hid] = h
   return h
 end
+"""
 
+#: Which of a lookup's holders count, and how (the cluster backend walks in Python).
+#: KEYS[1..5] and ARGV[1..3] as _RESOLVER; ARGV[4..] holder ids.
+#: Returns one string per holder id: '' when it does not count, else
+#: ``<instance_id>\\t<worker_id or ''>\\t<rank>\\t<location>\\t<need>``.
+RESOLVE = _RESOLVER + """
 local out = {}
-local ai = 8
-for _ = 1, tonumber(ARGV[7]) do
-  local cp, size, last = ARGV[ai], tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
-  local next_hash = string.gmatch(ARGV[ai + 3], '%S+')  -- lazily: a miss at chunk 1 reads no more
-  ai = ai + 4
+for i = 4, #ARGV do
+  local h = holder(ARGV[i])
+  out[#out + 1] = h and table.concat({h.inst, h.wid, h.rank, h.loc, h.need}, '\\t') or ''
+end
+return out
+"""
+
+#: Apply admits and evicts of one holder (single-node backend). The caller folds a batch to
+#: each chunk's last op (sets and sorted sets only keep the final state), so the ops are
+#: admits then evicts, each a chunk key, its reverse-index bucket key and its hash text.
+#: KEYS[1] holders, KEYS[2] dead, KEYS[3] records, KEYS[4..3+n] chunk keys, KEYS[4+n..3+2n]
+#: the matching reverse-index bucket keys
+#: ARGV[1] holder id, ARGV[2] score (admit time, unix ms), ARGV[3] number of admits,
+#: ARGV[4..3+n] chunk hashes (reverse-index members), in KEYS order.
+#: Returns 1, or -1 when the holder was retired (the caller resolves the current holder and
+#: applies again).
+APPLY_OPS = """
+local hid, score, na = ARGV[1], ARGV[2], tonumber(ARGV[3])
+if redis.call('HEXISTS', KEYS[1], hid) == 0 or redis.call('ZSCORE', KEYS[2], hid) then return -1 end
+local n = (#KEYS - 3) / 2
+local delta = 0
+for i = 1, n do
+  if i <= na then
+    redis.call('ZADD', KEYS[3 + i], score, hid)
+    delta = delta + redis.call('SADD', KEYS[3 + n + i], ARGV[3 + i])
+  else
+    redis.call('ZREM', KEYS[3 + i], hid)
+    delta = delta - redis.call('SREM', KEYS[3 + n + i], ARGV[3 + i])
+  end
+end
+if delta ~= 0 then redis.call('HINCRBY', KEYS[3], hid, delta) end
+return 1
+"""
+
+#: Walk a prompt's chunk chains (single-node backend); credit every live group with its
+#: longest run of consecutive chunks from token 0 (see _RESOLVER for groups). A chain stops
+#: as soon as no group can extend its match.
+#: KEYS[1..5] as _RESOLVER, then every chain's chunk keys in token order, chain after chain.
+#: ARGV[1..3] as _RESOLVER, ARGV[4] number of chains, then per chain: its number of chunk
+#: keys, chunk size, end of the last chunk (tokens) (chunk i ends at min(i * size, end)).
+#: Returns a flat array of records: instance_id, worker_id ('' for 'all'), matched end,
+#: number of locations, then (location, tokens held there) pairs.
+LOOKUP = _RESOLVER + """
+local out = {}
+local ai, ki = 5, 5
+for _ = 1, tonumber(ARGV[4]) do
+  local count, size, last = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
+  local first = ki + 1
+  ai, ki = ai + 3, ki + count
   -- per group: upto = chunks matched so far; stamps mark the chunk a rank/location was seen at.
   -- A run of chunks held by exactly the holders of the chunk that opened it (chunk s, end
   -- offset es) extends exactly the groups chunk s extended, in the same locations: the run is
@@ -282,12 +353,10 @@ for _ = 1, tonumber(ARGV[7]) do
     end
     prev, s, es = er, r, er
   end
-  local i = 0
-  for h in next_hash do
-    i = i + 1
+  for i = 1, count do
     local e = i * size
     if e > last then e = last end
-    local members = redis.call('ZRANGE', cp .. h, 0, -1)
+    local members = redis.call('ZRANGE', KEYS[first + i - 1], 0, -1)
     local same = i > 1 and #members == nheld
     if same then
       for _, hid in ipairs(members) do

@@ -5,93 +5,78 @@ A *holder* is one (instance, worker, location) in one epoch of that worker. Reco
 holder's reverse-index set. Re-registering a worker retires its holders at once (a lookup
 skips them) and :meth:`Store.purge` deletes their records later in bounded steps, so neither
 deregistration nor a lookup ever waits on a large delete, and nothing scans the keyspace.
+
+The registry lives in one hash slot and is the same on every deployment; records go through a
+:class:`kvlookup.records.Records` backend chosen from the client: one Redis (or a Sentinel
+master) or Redis Cluster.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 import redis
+from redis.cluster import RedisCluster
 
 from kvlookup import keys, scripts
+from kvlookup.records import Chain, HolderWrite, Liveness, Match, Records, SingleNodeRecords
+
+__all__ = ["ADMIT", "EVICT", "Chain", "Match", "NotRegistered", "Store", "fold_ops"]
 
 log = logging.getLogger(__name__)
 
 ADMIT = "a"
 EVICT = "e"
 
-#: Chunk operations per APPLY_OPS call: a script blocks Redis while it runs, so a huge batch
-#: (a full sync, a million-op message) is applied in slices of this many admits and evicts.
-MAX_OPS_PER_CALL = 5000
-
 #: Worker rules: LMCache TP ranks must all hold a chunk; vLLM DP ranks are walked one by one.
 RULE_ALL = "all"
 RULE_ANY = "any"
+
+#: How many times a registry script is retried when the state it was given changed meanwhile.
+MAX_RETRIES = 8
 
 
 class NotRegistered(LookupError):
     """Raised when records arrive for a worker the registry does not know."""
 
 
-@dataclass
-class Match:
-    """One instance's (or, with worker_rule 'any', one rank's) match for a prompt.
+def make_records(client) -> Records:
+    """The records backend for a redis-py client: cluster or single node."""
+    if isinstance(client, RedisCluster):
+        from kvlookup.records_cluster import ClusterRecords
 
-    matched_prefix_length: tokens from token 0 held as consecutive chunks.
-    locations: tokens of that prefix held per location (a chunk held in two tiers counts twice).
-    worker_id: "" for an instance matched across all its TP ranks; the rank for 'any'.
-    """
-
-    instance_id: str
-    worker_id: str
-    matched_prefix_length: int
-    locations: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Chain:
-    """A prompt's chunk hashes in one hash space.
-
-    prefix: the space's chunk key prefix (``keys.chunk_prefix(space)``). hashes: chained chunk
-    hashes in token order. chunk_size: tokens per chunk. n_tokens: where the last chunk ends
-    (the prompt length when partial chunks are hashed, else the last full chunk's end).
-    Chunk i (0-based) ends at ``min((i + 1) * chunk_size, n_tokens)``.
-    """
-
-    prefix: str
-    hashes: Sequence[int | str]
-    chunk_size: int
-    n_tokens: int
-
-    def ends(self) -> list[int]:
-        """End offset (tokens) of every chunk."""
-        return [min((i + 1) * self.chunk_size, self.n_tokens) for i in range(len(self.hashes))]
+        return ClusterRecords(client)
+    return SingleNodeRecords(client)
 
 
 class Store:
     """Redis-backed registry and chunk index.
 
-    client: a redis-py client with ``decode_responses=True``.
-    instance_ttl_s: lifetime of an instance's liveness key; a sidecar refreshes it. 0 disables
-    liveness checks in lookups.
+    client: a redis-py ``Redis`` or ``RedisCluster`` with ``decode_responses=True``.
+    instance_ttl_s: lifetime of an instance's liveness lease; its sidecar renews it. 0
+    disables liveness checks in lookups.
     worker_ttl_s: a worker that sends heartbeats and stops for longer is excluded (0 = off).
+    purge_grace_s: retired holders are purged only this long after retirement (default: 0 on
+    one Redis, whose writes check retirement atomically; 5 s on a cluster, where a write racing
+    a retirement lands within one round trip).
     """
 
-    def __init__(self, client: redis.Redis, *, instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0):
+    def __init__(self, client, *, instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0,
+                 purge_grace_s: float | None = None, records: Records | None = None):
         self.r = client
+        self.cluster = isinstance(client, RedisCluster)
         self.instance_ttl_ms = int(instance_ttl_s * 1000)
         self.worker_ttl_ms = int(worker_ttl_s * 1000)
-        self._register = client.register_script(scripts.REGISTER)
-        self._deregister = client.register_script(scripts.DEREGISTER)
-        self._retire_location = client.register_script(scripts.RETIRE_LOCATION)
-        self._holder = client.register_script(scripts.HOLDER)
-        self._apply = client.register_script(scripts.APPLY_OPS)
-        self._purge = client.register_script(scripts.PURGE)
-        self._reap_worker = client.register_script(scripts.REAP_WORKER)
-        self._lookup = client.register_script(scripts.LOOKUP)
+        grace = (5.0 if self.cluster else 0.0) if purge_grace_s is None else purge_grace_s
+        self.purge_grace_ms = int(grace * 1000)
+        self.records = records or make_records(client)
+        s = {name: client.register_script(getattr(scripts, name)) for name in (
+            "REGISTER", "DEREGISTER", "REAP_WORKER", "RETIRE_LOCATION", "HOLDER", "HEARTBEAT", "OWN",
+            "TOUCH", "FORGET_HOLDER")}
+        self._scripts = s
         # (instance_id, worker_id) -> {(location, space): holder id}: a cache of HOLDER results
         self._holders: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
 
@@ -117,78 +102,118 @@ class Store:
         now = time.time() if now is None else now
         wid = str(worker_id)
         self._forget(instance_id, wid)
+        wk = keys.worker_key(instance_id, wid)
         fields = ["ip", ip, "port", int(port), "peer_init_url", peer_init_url or "",
                   "registered_at", repr(now), "last_heartbeat", repr(now), "heartbeats", 0]
-        epoch = self._register(
-            keys=[keys.worker_key(instance_id, wid), keys.instance_workers_key(instance_id),
-                  keys.instances_key(), keys.dead_holders_key(), keys.instance_key(instance_id),
-                  keys.ip_index_key(ip)],
-            args=[keys.HOLDER_PREFIX, wid, instance_id, keys.ip_index_key(""), f"{int(port)}:{instance_id}",
-                  kind, worker_rule, *fields],
-        )
-        self.touch_instance(instance_id)
-        return int(epoch)
+        for _ in range(MAX_RETRIES):
+            old_ip = self.r.hget(wk, "ip")
+            epoch = self._scripts["REGISTER"](
+                keys=[wk, keys.instance_workers_key(instance_id), keys.instances_key(), keys.dead_holders_key(),
+                      keys.instance_key(instance_id), keys.ip_index_key(ip),
+                      keys.ip_index_key(ip if old_ip is None else old_ip), keys.rules_key(), keys.heartbeats_key(),
+                      keys.block_sizes_key(), keys.suspects_key()],
+                args=[wid, instance_id, keys.worker_member(instance_id, wid), old_ip or "",
+                      f"{int(port)}:{instance_id}", kind, worker_rule, int(now * 1000), *fields],
+            )
+            if int(epoch) != scripts.RETRY:
+                self.touch_instances([instance_id])
+                return int(epoch)
+        raise RuntimeError(f"worker {wid} of {instance_id!r} kept changing while registering it")
 
     def deregister_worker(self, instance_id: str, worker_id: int | str) -> bool:
         """Drop a worker and retire its records; returns False when it was not registered."""
-        wid = str(worker_id)
-        self._forget(instance_id, wid)
-        n = self._deregister(
-            keys=[keys.worker_key(instance_id, wid), keys.instance_workers_key(instance_id),
-                  keys.instances_key(), keys.dead_holders_key(), keys.instance_key(instance_id)],
-            args=[keys.HOLDER_PREFIX, wid, instance_id, keys.ip_index_key("")],
-        )
-        return int(n) >= 0
+        return self._deregister("DEREGISTER", instance_id, worker_id, []) >= 0
 
     def reap_worker(self, instance_id: str, worker_id: int | str, now_ms: int | None = None) -> bool:
-        """Deregister a worker if it is silent (see scripts.REAP_WORKER); True when reaped.
-
-        Silent: its instance's liveness key expired (when instance_ttl_s > 0), or it sent
-        heartbeats and the last is older than worker_ttl_s. Checked and done atomically.
-        """
-        wid = str(worker_id)
+        """Deregister a worker if there is evidence it is gone (see scripts.REAP_WORKER); True
+        when reaped. Checked and done atomically, so concurrent reapers are safe."""
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-        n = self._reap_worker(
-            keys=[keys.worker_key(instance_id, wid), keys.instance_workers_key(instance_id),
-                  keys.instances_key(), keys.dead_holders_key(), keys.instance_key(instance_id),
-                  keys.instance_alive_key(instance_id)],
-            args=[keys.HOLDER_PREFIX, wid, instance_id, keys.ip_index_key(""), now_ms, self.worker_ttl_ms,
-                  1 if self.instance_ttl_ms > 0 else 0],
-        )
-        if int(n) == -2:
-            return False
+        n = self._deregister("REAP_WORKER", instance_id, worker_id,
+                             [self.worker_ttl_ms, 1 if self.instance_ttl_ms > 0 else 0], now_ms)
+        return n >= 0
+
+    def _deregister(self, script: str, instance_id: str, worker_id: int | str, extra: list,
+                    now_ms: int | None = None) -> int:
+        wid = str(worker_id)
         self._forget(instance_id, wid)
-        return int(n) >= 0
+        wk = keys.worker_key(instance_id, wid)
+        for _ in range(MAX_RETRIES):
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hget(wk, "ip")
+            pipe.hget(keys.owners_key(), instance_id)
+            old_ip, owner = pipe.execute()
+            n = int(self._scripts[script](
+                keys=[wk, keys.instance_workers_key(instance_id), keys.instances_key(), keys.dead_holders_key(),
+                      keys.instance_key(instance_id), keys.ip_index_key(old_ip or ""), keys.rules_key(),
+                      keys.heartbeats_key(), keys.block_sizes_key(), keys.suspects_key(), keys.owners_key(),
+                      keys.sidecar_instances_key(owner or ""), keys.alive_key()],
+                args=[wid, instance_id, keys.worker_member(instance_id, wid), old_ip or "", owner or "",
+                      int(time.time() * 1000) if now_ms is None else now_ms, *extra],
+            ))
+            if n != scripts.RETRY:
+                return n if n != scripts.LIVE else -1
+        raise RuntimeError(f"worker {wid} of {instance_id!r} kept changing while deregistering it")
 
     def is_registered(self, instance_id: str, worker_id: int | str) -> bool:
         """True when (instance, worker) is in the registry."""
         return bool(self.r.exists(keys.worker_key(instance_id, str(worker_id))))
 
     def heartbeat_worker(self, instance_id: str, worker_id: int | str, now: float | None = None) -> bool:
-        """Record a worker heartbeat; returns False when the worker is not registered."""
-        key = keys.worker_key(instance_id, str(worker_id))
-        if not self.r.exists(key):
-            return False
+        """Record a worker heartbeat (it also clears suspicion); False when not registered."""
         now = time.time() if now is None else now
-        pipe = self.r.pipeline()
-        pipe.hset(key, "last_heartbeat", repr(now))
-        pipe.hincrby(key, "heartbeats", 1)
-        pipe.execute()
-        self.touch_instance(instance_id)
-        return True
+        wid = str(worker_id)
+        ok = self._scripts["HEARTBEAT"](
+            keys=[keys.worker_key(instance_id, wid), keys.heartbeats_key(), keys.suspects_key()],
+            args=[keys.worker_member(instance_id, wid), repr(now), int(now * 1000)])
+        return bool(ok)
 
-    def touch_instance(self, instance_id: str) -> None:
-        """Refresh the instance's liveness key (sidecar heartbeat to Redis)."""
-        self.touch_instances([instance_id])
+    def suspect(self, instance_id: str, worker_id: int | str, deadline_ms: int) -> None:
+        """Record evidence that a worker is gone: it is reaped at ``deadline_ms`` (unix ms)
+        unless it speaks first (:meth:`clear_suspect`). An earlier deadline is kept."""
+        self.r.zadd(keys.suspects_key(), {keys.worker_member(instance_id, worker_id): deadline_ms}, nx=True)
+
+    def clear_suspect(self, instance_id: str, worker_id: int | str) -> None:
+        """The worker spoke: drop the evidence against it."""
+        self.r.zrem(keys.suspects_key(), keys.worker_member(instance_id, worker_id))
+
+    # -- liveness leases and ownership ----------------------------------------------------
+
+    def _expiry(self) -> int:
+        return int(time.time() * 1000) + self.instance_ttl_ms
 
     def touch_instances(self, instance_ids: Iterable[str]) -> None:
-        """Refresh several instances' liveness keys in one round trip."""
-        if self.instance_ttl_ms <= 0:
-            return
-        pipe = self.r.pipeline(transaction=False)
-        for instance_id in instance_ids:
-            pipe.set(keys.instance_alive_key(instance_id), "1", px=self.instance_ttl_ms)
-        pipe.execute()
+        """Renew instances' liveness leases directly (without a sidecar owning them)."""
+        ids = list(instance_ids)
+        if self.instance_ttl_ms > 0 and ids:
+            self.r.zadd(keys.alive_key(), dict.fromkeys(ids, self._expiry()))
+
+    def touch_instance(self, instance_id: str) -> None:
+        """Renew one instance's liveness lease."""
+        self.touch_instances([instance_id])
+
+    def own(self, sidecar_id: str, instance_id: str) -> None:
+        """Make ``sidecar_id`` the owner of an instance (the sidecar renewing its lease) and
+        renew the lease; a previous owner stops renewing it."""
+        for _ in range(MAX_RETRIES):
+            prev = self.r.hget(keys.owners_key(), instance_id) or ""
+            mine = keys.sidecar_instances_key(sidecar_id)
+            n = self._scripts["OWN"](
+                keys=[keys.owners_key(), mine, keys.sidecar_instances_key(prev) if prev else mine, keys.alive_key()],
+                args=[instance_id, sidecar_id, prev, self._expiry()])
+            if int(n) != scripts.RETRY:
+                return
+        raise RuntimeError(f"owner of {instance_id!r} kept changing")
+
+    def renew(self, sidecar_id: str) -> int:
+        """Renew the leases of every instance ``sidecar_id`` owns, and its own; returns how many
+        instances it owns. A restarted sidecar calls this first and resumes where it stopped."""
+        return int(self._scripts["TOUCH"](
+            keys=[keys.owners_key(), keys.sidecar_instances_key(sidecar_id), keys.alive_key(), keys.sidecars_key()],
+            args=[sidecar_id, self._expiry()]))
+
+    def owned(self, sidecar_id: str) -> set[str]:
+        """The instance ids ``sidecar_id`` owns."""
+        return set(self.r.smembers(keys.sidecar_instances_key(sidecar_id)))
 
     def retire_location(self, instance_id: str, worker_id: int | str, location: str) -> int:
         """Stop counting one (worker, location)'s records (full sync start); returns 0 or 1."""
@@ -196,9 +221,9 @@ class Store:
         cached = self._holders.get((instance_id, wid), {})
         for cache_key in [k for k in cached if k[0] == location]:
             del cached[cache_key]
-        return int(self._retire_location(
+        return int(self._scripts["RETIRE_LOCATION"](
             keys=[keys.worker_key(instance_id, wid), keys.dead_holders_key()],
-            args=[keys.HOLDER_PREFIX, keys.location_field(location)],
+            args=[keys.location_field(location), int(time.time() * 1000)],
         ))
 
     def _forget(self, instance_id: str, wid: str) -> None:
@@ -212,10 +237,9 @@ class Store:
         cached = self._holders.setdefault((instance_id, wid), {})
         hid = cached.get((location, space))
         if hid is None:
-            hid = self._holder(
-                keys=[keys.worker_key(instance_id, wid), keys.holder_seq_key()],
-                args=[keys.HOLDER_PREFIX, keys.location_field(location), instance_id, wid, location,
-                      keys.chunk_prefix(space), keys.key_name(instance_id)],
+            hid = self._scripts["HOLDER"](
+                keys=[keys.worker_key(instance_id, wid), keys.holder_seq_key(), keys.holders_key()],
+                args=[keys.location_field(location), keys.holder_value(instance_id, wid, location, space)],
             )
             if hid is None:
                 if not cached:
@@ -231,7 +255,8 @@ class Store:
         space: str = "",
         now_ms: int | None = None,
     ) -> int:
-        """Apply admit/evict ops in one pipelined round trip, order kept per holder.
+        """Apply admit/evict ops, order kept per holder (each batch is folded to every chunk's
+        last op, which leaves the same final state).
 
         batches: (instance_id, worker_id, location, [(ADMIT|EVICT, chunk_hash), ...]).
         Returns ops applied. Raises NotRegistered for an unknown worker (nothing of that
@@ -241,9 +266,11 @@ class Store:
         todo = [(inst, str(wid), loc, ops) for inst, wid, loc, ops in batches if ops]
         applied = 0
         for _attempt in range(3):
-            results = self._apply_once(todo, space, score)
-            retry = [b for b, res in zip(todo, results, strict=True) if int(res) < 0]
-            applied += sum(int(res) for res in results if int(res) > 0)
+            writes = [HolderWrite(self.holder_id(inst, wid, loc, space), space, *fold_ops(ops))
+                      for inst, wid, loc, ops in todo]
+            ok = self.records.apply(writes, score)
+            applied += sum(len(b[3]) for b, good in zip(todo, ok, strict=True) if good)
+            retry = [b for b, good in zip(todo, ok, strict=True) if not good]
             if not retry:
                 return applied
             for inst, wid, loc, _ops in retry:
@@ -251,72 +278,70 @@ class Store:
             todo = retry
         raise RuntimeError(f"holders kept being retired while applying {len(todo)} batches")
 
-    def _apply_once(self, todo: list, space: str, score: int) -> list:
-        pipe = self.r.pipeline(transaction=False)
-        prefix = keys.chunk_prefix(space)
-        calls: list[int] = []  # script calls per batch
-        for inst, wid, loc, ops in todo:
-            hid = self.holder_id(inst, wid, loc, space)
-            admits, evicts = fold_ops(ops)
-            n = 0
-            for i in range(0, max(len(admits), len(evicts), 1), MAX_OPS_PER_CALL):
-                args = [prefix, hid, score, " ".join(admits[i:i + MAX_OPS_PER_CALL]),
-                        " ".join(evicts[i:i + MAX_OPS_PER_CALL])]
-                self._apply(keys=[keys.holder_key(hid)], args=args, client=pipe)
-                n += 1
-            calls.append(n)
-        results = iter(pipe.execute())
-        out = []
-        for n, (_i, _w, _l, ops) in zip(calls, todo, strict=True):
-            codes = [int(next(results)) for _ in range(n)]  # consume every slice's reply
-            out.append(len(ops) if min(codes) >= 0 else -1)
-        return out
-
-    def purge(self, budget: int = 10_000) -> int:
-        """Delete up to ``budget`` records of retired holders; returns records removed."""
-        return int(self._purge(keys=[keys.dead_holders_key()],
-                               args=[keys.HOLDER_PREFIX, budget, keys.HOLDER_CHUNK_BUCKETS]))
+    def purge(self, budget: int = 10_000, now_ms: int | None = None) -> int:
+        """Delete up to about ``budget`` records of retired holders (retired more than
+        ``purge_grace_s`` ago); returns records removed. Each step touches at most one
+        bucket range of one holder, so Redis is never blocked for long."""
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        removed = 0
+        while removed < budget:
+            dead = self.r.zrangebyscore(keys.dead_holders_key(), "-inf", now_ms - self.purge_grace_ms, start=0, num=16)
+            if not dead:
+                break
+            hid = random.choice(dead)  # concurrent purgers (one per sidecar) mostly work apart
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hget(keys.holders_key(), hid)
+            pipe.hget(keys.purge_key(), hid)
+            desc, progress = pipe.execute()
+            space = keys.parse_holder(desc)[3] if desc else ""
+            n, bucket = self.records.purge_step(hid, space, int(progress or 0), budget - removed)
+            removed += n
+            if bucket >= keys.HOLDER_CHUNK_BUCKETS:
+                self._scripts["FORGET_HOLDER"](
+                    keys=[keys.holders_key(), keys.dead_holders_key(), keys.records_key(), keys.purge_key()],
+                    args=[hid])
+            else:
+                self.r.hset(keys.purge_key(), hid, bucket)
+        return removed
 
     # -- lookup ---------------------------------------------------------------------------
 
+    def liveness(self, now_ms: int | None = None) -> Liveness:
+        """What a lookup at ``now_ms`` checks (this store's TTL settings)."""
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        return Liveness(now_ms, self.worker_ttl_ms, self.instance_ttl_ms > 0)
+
     def lookup(self, chains: Sequence[Chain], now_ms: int | None = None) -> list[Match]:
-        """Walk the chains inside Redis (one script call) and return every match.
+        """Walk the chains and return every match, in no particular order.
 
         chains: one :class:`Chain` per hash space (LMCache profile, each vLLM block size).
-        Returns matches in no particular order; callers rank them.
         """
         chains = [c for c in chains if c.hashes]
         if not chains:
             return []
-        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-        args: list = [keys.HOLDER_PREFIX, keys.WORKER_PREFIX, keys.INSTANCE_PREFIX, now_ms,
-                      self.worker_ttl_ms, 1 if self.instance_ttl_ms > 0 else 0, len(chains)]
-        for chain in chains:
-            args += [chain.prefix, chain.chunk_size, chain.n_tokens, " ".join(map(str, chain.hashes))]
-        return _parse_matches(self._lookup(keys=[], args=args))
+        return self.records.lookup(chains, self.liveness(now_ms))
+
+
+def chunk_text(chunk_hash: int | str) -> str:
+    """A chunk key's one identity, whatever its wire type: int and str with the same digits are
+    the same chunk (decimal for LMCache 0.3.3+ ints, hex for 0.3.0-0.3.2 digests)."""
+    return chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)
 
 
 def fold_ops(ops: Sequence[tuple[str, int | str]]) -> tuple[list[str], list[str]]:
     """Fold an ordered batch of (ADMIT|EVICT, chunk hash) to each chunk's last op.
 
-    Returns (admitted, evicted) chunk hashes as decimal (or hex) strings, disjoint. Applying
-    them in any order leaves the index exactly as applying ``ops`` one by one would.
+    Returns (admitted, evicted) chunk hashes as text, disjoint. Applying them in any order
+    leaves the index exactly as applying ``ops`` one by one would. An int and a str key with
+    the same text are one chunk.
     """
-    last: dict[int | str, str] = {}
+    last: dict[str, str] = {}
     for op, chunk_hash in ops:
-        last[chunk_hash] = op
-    admits = [str(h) for h, op in last.items() if op == ADMIT]
-    evicts = [str(h) for h, op in last.items() if op != ADMIT]
+        last[chunk_text(chunk_hash)] = op
+    admits = [h for h, op in last.items() if op == ADMIT]
+    evicts = [h for h, op in last.items() if op != ADMIT]
     return admits, evicts
 
 
-def _parse_matches(flat: list) -> list[Match]:
-    out: list[Match] = []
-    i = 0
-    while i < len(flat):
-        inst, wid, end, nlocs = flat[i], flat[i + 1], int(flat[i + 2]), int(flat[i + 3])
-        pairs = flat[i + 4:i + 4 + 2 * nlocs]
-        locs = {pairs[j]: int(pairs[j + 1]) for j in range(0, len(pairs), 2)}
-        out.append(Match(inst, wid, end, locs))
-        i += 4 + 2 * nlocs
-    return out
+# The connection type callers may pass (documentation only).
+RedisClient = redis.Redis | RedisCluster

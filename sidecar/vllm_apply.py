@@ -224,7 +224,7 @@ class BatchApplier:
         self.fetched.update(self.changed)
         self.changed = {}
         if self.new_block_size is not None:
-            pipe.sadd(keys.block_sizes_key(), self.new_block_size)
+            pipe.hset(keys.block_sizes_key(), keys.worker_member(ctx.instance_id, ctx.rank), self.new_block_size)
             pipe.hset(keys.instance_key(ctx.instance_id), "block_size", self.new_block_size)
             persist = {**persist, keys.rank_field("block_size", ctx.rank): self.new_block_size}
             self.new_block_size = None

@@ -285,7 +285,7 @@ def test_metrics_endpoint(http, store, r):
             ("b", 0, "LocalDiskBackend", [("a", 3)]),
         ]
     )
-    r.delete(keys.instance_alive_key("b"))
+    r.zrem(keys.alive_key(), "b")
     before = http.get("/metrics").get_data(as_text=True)
     assert http.post("/lookup", json={"tokens": SEED_TOKENS}).get_json()["a"] == ["LocalCPUBackend", 12]
     assert http.post("/clear", json={"instance_id": "zz", "location": "x"}).status_code == 404

@@ -29,7 +29,7 @@ def test_silent_instance_is_excluded_at_once_then_reaped_and_purged(r):
         store.register_worker(inst, 0, "127.0.0.1", 8001 if inst == "a" else 8002)
         _admit(store, inst)
     assert client.lookup(SEED_TOKENS)[1] == {"a": HIT, "b": HIT}
-    r.delete(keys.instance_alive_key("b"))  # b's sidecar stopped refreshing: its key expired
+    r.zrem(keys.alive_key(), "b")  # b's sidecar stopped refreshing: its key expired
     assert client.lookup(SEED_TOKENS)[1] == {"a": HIT}
     assert reap(store) == [("b", 0)]
     assert store.purge() == 1
@@ -111,7 +111,7 @@ def test_sidecar_reaps_an_instance_whose_sidecar_died(r, short_store):
         w.register()
         w.admit([SEED_HASH])
         assert wait_for(lambda: short_store.is_registered("orphan", 0), False) is False
-        assert wait_for(lambda: r.exists(keys.holder_key(1)), 0) == 0
+        assert wait_for(lambda: r.hexists(keys.holders_key(), "1"), False) is False
         assert wait_for(lambda: client.lookup(SEED_TOKENS)[1], {"kept": HIT}) == {"kept": HIT}
         time.sleep(1.0)  # longer than both TTLs: the live sidecar keeps its (never-heartbeating) worker
         assert client.lookup(SEED_TOKENS)[1] == {"kept": HIT}

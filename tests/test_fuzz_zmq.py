@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
+from kvlookup import keys
 from kvlookup import lmcache_protocol as proto
 from kvlookup.client import Client
 from kvlookup.store import Store
@@ -223,7 +224,7 @@ def test_ten_thousand_bad_frames_then_valid_traffic(r):
             12,
         )
         w.admit([SEED_HASH])
-        assert wait_for(lambda: r.zcard(f"kvl:v1:chunk:{SEED_HASH + 1}"), 1) == 1
+        assert wait_for(lambda: r.zcard(keys.chunk_key(SEED_HASH + 1)), 1) == 1
         accounted = (_rejected() - before_rejected) + (_handled() - before_handled)
         assert accounted >= sent["frames"] >= 150
         assert sc.thread.is_alive()

@@ -14,7 +14,7 @@ import zmq
 from app import create_app
 from kvlookup import keys
 from kvlookup import lmcache_protocol as proto
-from kvlookup import store as store_mod
+from kvlookup import records as records_mod
 from kvlookup.client import MAX_BLOCK_SIZES, Client, VllmChains
 from kvlookup.hashing import HashProfile
 from kvlookup.redis_server import free_port
@@ -27,15 +27,15 @@ CPU = "LocalCPUBackend"
 
 
 def test_huge_batches_run_in_bounded_slices(store, r, monkeypatch):
-    monkeypatch.setattr(store_mod, "MAX_OPS_PER_CALL", 1000)
+    monkeypatch.setattr(records_mod, "MAX_OPS_PER_CALL", 1000)
     calls = []
-    real = store._apply
-    monkeypatch.setattr(store, "_apply", lambda **kw: calls.append(len(kw["args"][3].split())) or real(**kw))
+    real = store.records._apply
+    monkeypatch.setattr(store.records, "_apply", lambda **kw: calls.append(len(kw["args"]) - 3) or real(**kw))
     store.register_worker("a", 0)
     hashes = HashProfile(chunk_size=1).chunk_hashes(list(range(4500)))
     assert store.apply([("a", 0, CPU, [(ADMIT, h) for h in hashes])]) == 4500
     assert calls == [1000, 1000, 1000, 1000, 500]
-    assert r.hget(keys.holder_key(1), "records") == "4500"
+    assert r.hget(keys.records_key(), "1") == "4500"
     assert r.zrange(keys.chunk_key(hashes[-1]), 0, -1) == ["1"]
 
 
@@ -147,9 +147,9 @@ def test_endless_replay_gives_up_in_bounded_time():
 
 
 def test_lookups_walk_a_bounded_number_of_block_sizes(r):
-    r.sadd(keys.block_sizes_key(), *range(1, 40))
-    assert VllmChains(r).block_sizes() == list(range(1, MAX_BLOCK_SIZES + 1))
-    assert len(VllmChains(r)(list(range(64)))) == MAX_BLOCK_SIZES
+    r.hset(keys.block_sizes_key(), mapping={keys.worker_member(f"v{bs}", 0): bs for bs in range(1, 40)})
+    assert VllmChains(r, check_alive=False).block_sizes() == list(range(1, MAX_BLOCK_SIZES + 1))
+    assert len(VllmChains(r, check_alive=False)(list(range(64)))) == MAX_BLOCK_SIZES
 
 
 def test_store_caches_holders_per_worker(store):

@@ -29,7 +29,7 @@ pytestmark = [
 
 
 def test_health_and_clear_reach_a_real_worker(redis_url, r, tmp_path):
-    assert keys.event_key("x") == "kvl:v1:event:x"
+    assert keys.event_key("x") == "kvl:v2:event:x"
     store = Store(r)
     client = Client(store=store)
     done = tmp_path / "done"

@@ -114,7 +114,8 @@ def test_reregistration_starts_cold_epoch(store, client, r):
     assert store.purge() == 3
     assert r.zrange(keys.chunk_key(H600[0]), 0, -1) == ["2"]
     assert r.exists(keys.chunk_key(H600[1])) == 0
-    assert r.smembers(keys.dead_holders_key()) == set()
+    assert r.zrange(keys.dead_holders_key(), 0, -1) == []
+    assert r.hgetall(keys.holders_key()) == {"2": "a\t0\tLocalCPUBackend\t"}
 
 
 def test_deregister_touches_no_other_instance(store, client, r):
@@ -140,7 +141,7 @@ def test_silent_instance_is_excluded(r, client):
     store = Store(r, instance_ttl_s=30)
     store.register_worker("a", 0)
     admit(store, "a", [SEED_HASH])
-    r.delete(keys.instance_alive_key("a"))
+    r.zrem(keys.alive_key(), "a")  # its sidecar stopped renewing the lease
     assert Client(store=store).lookup(SEED_TOKENS)[1] == {}
     store.touch_instance("a")
     assert Client(store=store).lookup(SEED_TOKENS)[1] == {"a": (CPU, 12)}
@@ -153,11 +154,13 @@ def test_detail_and_redis_layout(store, client, r):
         "epoch": "1", "ip": "127.0.0.1", "port": "8001", "peer_init_url": "localhost:8200",
         "registered_at": "1700000000.5", "last_heartbeat": "1700000000.5", "heartbeats": "0",
         "loc:LocalCPUBackend": "1"}
-    assert r.hgetall(keys.holder_key(1)) == {"instance": "a", "worker": "0", "location": CPU,
-                                             "chunk_prefix": "kvl:v1:chunk:", "key_name": "a", "records": "1"}
+    assert r.hgetall(keys.holders_key()) == {"1": "a\t0\tLocalCPUBackend\t"}
     assert r.smembers(keys.holder_chunks_key(1, keys.chunk_bucket(SEED_HASH))) == {str(SEED_HASH)}
-    assert r.hget(keys.holder_key(1), "records") == "1"
+    assert r.hgetall(keys.records_key()) == {"1": "1"}
     assert r.hgetall(keys.instance_key("a")) == {"kind": "lmcache", "worker_rule": "all"}
+    assert r.hgetall(keys.rules_key()) == {"a": "all\t1"}
+    assert r.zrange(keys.chunk_key(SEED_HASH), 0, -1, withscores=True) == [("1", pytest.approx(r.zscore(
+        keys.chunk_key(SEED_HASH), "1")))]
     assert client.matches(SEED_TOKENS)[0].detail() == {
         "location": CPU, "matched_prefix_length": 12, "locations": {CPU: 12}}
 
@@ -188,18 +191,19 @@ def test_reverse_index_bucket_agrees_with_lua(store, r, chunk_hash):
     assert r.smembers(keys.holder_chunks_key(1, bucket)) == {str(chunk_hash)}
     evict(store, "a", [chunk_hash])
     assert r.exists(keys.holder_chunks_key(1, bucket)) == 0
-    assert r.hget(keys.holder_key(1), "records") == "0"
+    assert r.hget(keys.records_key(), "1") == "0"
 
 
 def test_reverse_index_buckets_are_intsets_and_purge_in_steps(store, r):
     store.register_worker("a", 0)
     hashes = HashProfile(chunk_size=1).chunk_hashes(list(range(5000)))
     admit(store, "a", hashes)
-    assert r.hget(keys.holder_key(1), "records") == "5000"
+    assert r.hget(keys.records_key(), "1") == "5000"
     counts = [r.scard(keys.holder_chunks_key(1, b)) for b in range(keys.HOLDER_CHUNK_BUCKETS)]
     assert sum(counts) == 5000 and max(counts) < 20  # spread over the buckets
     assert r.object("encoding", keys.holder_chunks_key(1, keys.chunk_bucket(hashes[0]))) == "intset"
     store.register_worker("a", 0)
     assert [store.purge(2000), store.purge(2000), store.purge(2000)] == [2000, 2000, 1000]
-    assert r.exists(keys.holder_key(1), keys.chunk_key(hashes[0]), keys.chunk_key(hashes[-1])) == 0
-    assert r.smembers(keys.dead_holders_key()) == set()
+    assert r.hget(keys.holders_key(), "1") is None
+    assert r.exists(keys.chunk_key(hashes[0])) == 0 and r.exists(keys.chunk_key(hashes[-1])) == 0
+    assert r.zrange(keys.dead_holders_key(), 0, -1) == []

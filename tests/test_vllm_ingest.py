@@ -60,7 +60,7 @@ def test_store_chain_remove(store, r, client):
     assert r.hgetall(keys.instance_key("pod-a")) == {
         "kind": "vllm", "worker_rule": "any", "block_size": "16", "block_size:0": "16", "seq:0": "1",
         "digest:0": r.hget(keys.instance_key("pod-a"), "digest:0")}
-    assert r.smembers(keys.block_sizes_key()) == {"16"}
+    assert r.hgetall(keys.block_sizes_key()) == {"0\tpod-a": "16"}
     s.send(ing, removed([H2]))
     assert layout(client, A + B) == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
     own = vh.chain(vh.request_root(16), A + B, 16)
@@ -229,8 +229,8 @@ def test_sidecar_restart_resumes_or_clears(store, r, client):
 
 
 def test_key_strings():
-    assert keys.engine_map_key("pod-a", 1) == "kvl:v1:instance:pod-a:blocks:1"
+    assert keys.engine_map_key("pod-a", 1) == "kvl:v2:blocks:pod-a:1"
     assert keys.vllm_space(16) == "v16"
-    assert keys.chunk_key(5, keys.vllm_space(16)) == "kvl:v1:chunk:v16:5"
-    assert keys.block_sizes_key() == "kvl:v1:vllm:block_sizes"
+    assert keys.chunk_key(5, keys.vllm_space(16)) == "kvl:v2:chunk:v16:5"
+    assert keys.block_sizes_key() == "kvl:v2:{r}:block_sizes"
     assert keys.rank_field("seq", 0) == "seq:0"

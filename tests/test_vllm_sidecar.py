@@ -9,6 +9,7 @@ import time
 import pytest
 
 import app
+from kvlookup import keys
 from kvlookup.client import Client, VllmChains
 from kvlookup.store import Store
 from kvlookup.workersim import WorkerSim
@@ -79,7 +80,7 @@ def test_replay_unavailable_marks_resync(r, client):
         assert wait_for(lambda: dict(ing.resyncs), {"no_replay": 1}) == {"no_replay": 1}
         # cleared, then seq 2 applied
         assert wait_for(lambda: layout(client, A), {"pod-a": ("GPU", 16)}) == {"pod-a": ("GPU", 16)}
-        assert r.hget("kvl:v1:instance:pod-a", "resync:0") == "no_replay"
+        assert r.hget(keys.instance_key("pod-a"), "resync:0") == "no_replay"
     finally:
         sc.close()
         pub.close()
@@ -170,7 +171,7 @@ def test_sidecar_vouches_for_its_vllm_instance(r):
     pub = LoopbackPublisher(replay=False)
     sc = Running(r, VllmSource("pod-quiet", pub.endpoint))
     try:
-        assert wait_for(lambda: r.exists("kvl:v1:instance:pod-quiet:alive"), 1) == 1
+        assert wait_for(lambda: r.zscore(keys.alive_key(), "pod-quiet") is not None, True) is True
     finally:
         sc.close()
         pub.close()

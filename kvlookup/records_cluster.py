@@ -1,0 +1,115 @@
+"""Chunk records on Redis Cluster: plain single-key commands, every master at once.
+
+Chunk sorted sets and reverse-index buckets carry no hash tag, so they spread over every slot
+and balance across masters. A record is written in two ordered rounds — the reverse-index
+bucket first, then the chunk's sorted set (evicts: the other way round) — so a bucket always
+lists at least the records that exist and purge never misses one, without needing both keys
+in one slot. Each round is one pipelined round trip per master, all masters in parallel
+(kvlookup.cluster_io). Lookups read the chunks' holders in stages (the first
+:data:`FIRST_STAGE` chunks of every chain, then eight times more while some group still
+extends), resolve the holders in one RESOLVE call on the registry's slot, and walk in Python
+(kvlookup.walk). docs/scaling.md has the cost model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from redis.cluster import RedisCluster
+
+from kvlookup import keys, scripts
+from kvlookup.cluster_io import ClusterIO
+from kvlookup.records import Chain, HolderWrite, Liveness, Match, purge_step, walk_registry_keys
+from kvlookup.walk import ChainWalk, Holder
+
+#: Chunks of each chain read in a lookup's first round; later rounds read 8x the previous.
+FIRST_STAGE = 64
+STAGE_GROWTH = 8
+
+
+class ClusterRecords:
+    """Records on a Redis Cluster (see the module docstring)."""
+
+    def __init__(self, rc: RedisCluster, io: ClusterIO | None = None):
+        self.rc = rc
+        self.io = io or ClusterIO(rc)
+        self._resolve = rc.register_script(scripts.RESOLVE)
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def apply(self, writes: Sequence[HolderWrite], score: int) -> list[bool]:
+        # a holder counts while it is described and not retired (the same test as APPLY_OPS)
+        first: list[tuple] = [cmd for w in writes for cmd in (("HEXISTS", keys.holders_key(), w.holder_id),
+                                                              ("ZSCORE", keys.dead_holders_key(), w.holder_id))]
+        admit_adds: list[tuple[int, int]] = []  # (write index, command index) of bucket SADDs
+        for wi, w in enumerate(writes):
+            prefix = keys.chunk_prefix(w.space)
+            for bucket_key, members in _by_bucket(w.holder_id, w.admits).items():
+                admit_adds.append((wi, len(first)))
+                first.append(("SADD", bucket_key, *members))
+            first += [("ZREM", prefix + h, w.holder_id) for h in w.evicts]
+        res = self.io.execute(first)
+        live = [res[2 * i] == 1 and res[2 * i + 1] is None for i in range(len(writes))]
+        second: list[tuple] = []
+        evict_rems: list[tuple[int, int]] = []
+        for wi, w in enumerate(writes):
+            if not live[wi]:
+                continue
+            prefix = keys.chunk_prefix(w.space)
+            second += [("ZADD", prefix + h, score, w.holder_id) for h in w.admits]
+            for bucket_key, members in _by_bucket(w.holder_id, w.evicts).items():
+                evict_rems.append((wi, len(second)))
+                second.append(("SREM", bucket_key, *members))
+        res2 = self.io.execute(second) if second else []
+        delta: dict[str, int] = defaultdict(int)
+        for wi, ci in admit_adds:
+            delta[writes[wi].holder_id] += _count(res[ci])
+        for wi, ci in evict_rems:
+            delta[writes[wi].holder_id] -= _count(res2[ci])
+        counts = [("HINCRBY", keys.records_key(), hid, d) for hid, d in delta.items() if d]
+        if counts:
+            self.io.execute(counts)
+        return live
+
+    # -- lookup ------------------------------------------------------------------------------
+
+    def lookup(self, chains: Sequence[Chain], live: Liveness) -> list[Match]:
+        walks = [ChainWalk(c.chunk_size, c.n_tokens) for c in chains]
+        holders: dict[str, Holder | None] = {}
+        start, stop = 0, FIRST_STAGE
+        active = list(range(len(chains)))
+        while active:
+            spans = [(ci, chains[ci].chunk_keys(start, stop)) for ci in active]
+            flat = self.io.execute([("ZRANGE", k, 0, -1) for _ci, ks in spans for k in ks])
+            self._resolve_new(flat, holders, live)
+            pos, still = 0, []
+            for ci, ks in spans:
+                members = flat[pos:pos + len(ks)]
+                pos += len(ks)
+                if walks[ci].feed(members, holders) and stop < len(chains[ci].hashes):
+                    still.append(ci)
+            active, start, stop = still, stop, stop * STAGE_GROWTH
+        return [Match(inst, wid, end, locs) for w in walks for inst, wid, end, locs in w.matches()]
+
+    def _resolve_new(self, member_lists: list, holders: dict, live: Liveness) -> None:
+        new = sorted({hid for members in member_lists for hid in members if hid not in holders})
+        if new:
+            texts = self._resolve(keys=walk_registry_keys(), args=[*live.argv(), *new])
+            holders.update(zip(new, map(Holder.parse, texts), strict=True))
+
+    # -- purge -------------------------------------------------------------------------------
+
+    def purge_step(self, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
+        return purge_step(self.io.execute, holder_id, space, bucket, budget)
+
+
+def _by_bucket(holder_id: str, hashes: Sequence[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = defaultdict(list)
+    for h in hashes:
+        out[keys.holder_chunks_key(holder_id, keys.chunk_bucket(h))].append(h)
+    return out
+
+
+def _count(reply) -> int:
+    return reply if isinstance(reply, int) else 0

@@ -1,0 +1,106 @@
+"""The prefix walk in Python, fed chunk by chunk (the cluster backend reads chunks in stages).
+
+Same rule as the single-node Lua ``LOOKUP`` (kvlookup.scripts): every live group — an
+instance (worker_rule 'all': every registered TP rank must hold a chunk) or one rank of an
+instance (worker_rule 'any', vLLM DP ranks) — is credited with its longest run of
+consecutive chunks from chunk 0; per location, the tokens of those chunks it holds there (a
+chunk held in two locations counts for both). tests/test_walk_model.py pins both walks
+against one plain model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvlookup.keys import SEP
+
+
+@dataclass(frozen=True)
+class Holder:
+    """How one holder counts in a lookup (from the RESOLVE script)."""
+
+    group: str
+    instance_id: str
+    worker_id: str  # "" for worker_rule 'all'
+    rank: str
+    location: str
+    need: int
+
+    @classmethod
+    def parse(cls, text: str) -> Holder | None:
+        """From RESOLVE's ``<instance>\\t<worker or ''>\\t<rank>\\t<location>\\t<need>``; '' -> None."""
+        if not text:
+            return None
+        inst, wid, rank, loc, need = text.split(SEP)
+        return cls(inst + SEP + wid if wid else inst, inst, wid, rank, loc, int(need))
+
+
+@dataclass
+class _Group:
+    instance_id: str
+    worker_id: str
+    need: int
+    upto: int = 0  # chunks matched
+    end: int = 0  # tokens matched
+    tokens: dict[str, int] = field(default_factory=dict)
+
+
+class ChainWalk:
+    """The walk of one chain; :meth:`feed` it the member lists of the next chunks.
+
+    chunk_size, n_tokens: as :class:`kvlookup.store.Chain` (chunk i ends at
+    ``min((i + 1) * chunk_size, n_tokens)``).
+    """
+
+    def __init__(self, chunk_size: int, n_tokens: int):
+        self.size = chunk_size
+        self.last = n_tokens
+        self.groups: dict[str, _Group] = {}
+        self.i = 0  # chunks fed so far
+        self.prev_end = 0
+        self.prev_members: Sequence[str] | None = None
+        self.extended: list[tuple[_Group, set[str]]] = []
+        self.done = False
+
+    def feed(self, member_lists: Sequence[Sequence[str]], holders: Mapping[str, Holder | None]) -> bool:
+        """Walk the next chunks (their holder ids); False once no group can extend any more."""
+        for members in member_lists:
+            if self.done:
+                break
+            end = min((self.i + 1) * self.size, self.last)
+            if self.i == 0 or members != self.prev_members:
+                self.extended = self._extend(members, holders)
+            for g, locations in self.extended:  # the same holders extend the same groups
+                g.upto, g.end = self.i + 1, end
+                for loc in locations:
+                    g.tokens[loc] = g.tokens.get(loc, 0) + end - self.prev_end
+            self.done = not self.extended
+            self.prev_end, self.prev_members = end, members
+            self.i += 1
+        return not self.done
+
+    def _extend(self, members: Sequence[str], holders: Mapping[str, Holder | None]) -> list:
+        seen: dict[str, tuple[_Group, set[str], set[str]]] = {}
+        for hid in members:
+            h = holders.get(hid)
+            if h is None:
+                continue
+            g = self.groups.get(h.group)
+            if g is None:
+                if self.i:
+                    continue
+                g = self.groups[h.group] = _Group(h.instance_id, h.worker_id, h.need)
+            if g.upto != self.i:
+                continue
+            entry = seen.get(h.group)
+            if entry is None:
+                entry = seen[h.group] = (g, set(), set())
+            entry[1].add(h.rank)
+            entry[2].add(h.location)
+        return [(g, locations) for g, ranks, locations in seen.values() if len(ranks) >= g.need]
+
+    def matches(self) -> list[tuple[str, str, int, dict[str, int]]]:
+        """(instance_id, worker_id, matched end, tokens per location) of every group matched."""
+        return [(g.instance_id, g.worker_id, g.end, {k: v for k, v in g.tokens.items() if v > 0})
+                for g in self.groups.values() if g.upto > 0]
