@@ -33,8 +33,8 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     app.json.sort_keys = False
     # one bounded pool per worker process: under gevent every lookup in flight holds a
     # connection, so a burst waits (up to 5 s) for one instead of failing at once
-    redis_client = connect(settings.redis_url, socket_timeout=5, health_check_interval=30,
-                           max_connections=settings.redis_max_connections)
+    redis_client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=5,
+                           health_check_interval=30, max_connections=settings.redis_max_connections)
     client = Client(redis=redis_client, profile=settings.profile(), max_tokens=settings.max_tokens,
                     instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s,
                     extra_chains=[VllmChains(redis_client, check_alive=settings.instance_ttl_s > 0)])

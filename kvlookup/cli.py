@@ -20,7 +20,10 @@ log = logging.getLogger("kvlookup")
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="kvlookup YAML settings file (see config/)")
-    p.add_argument("--redis-url", help="redis://, rediss:// or unix:// URL (default: embedded Redis)")
+    p.add_argument("--redis-url", help="redis://, rediss://, unix:// or redis+sentinel:// URL "
+                   "(default: embedded Redis); with --redis-cluster, any one node of the cluster")
+    p.add_argument("--redis-cluster", action="store_true", default=None,
+                   help="the index lives on a Redis Cluster (redis_cluster: true)")
     p.add_argument("--data-dir", help="embedded Redis data dir (default ~/.local/share/kvlookup)")
     p.add_argument("--instance-ttl", type=float, dest="instance_ttl_s",
                    help="seconds an instance stays live without its sidecar's heartbeat (0 = off)")
@@ -153,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- commands --------------------------------------------------------------------------------
 
-CONTROLLER_SETTINGS = ("redis_url", "data_dir", "instance_ttl_s", "log_level", "lmcache_config", "host",
-                       "port", "monitor_port", "monitor_ports", "gunicorn_workers", "gunicorn_threads",
+CONTROLLER_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "log_level", "lmcache_config",
+                       "host", "port", "monitor_port", "monitor_ports", "gunicorn_workers", "gunicorn_threads",
                        "gunicorn_worker_class", "lookup_response", "worker_ttl_s")
 
 
@@ -181,6 +184,8 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> subprocess.Popen:
     """The monitor port(s) of a single-box controller, served by a sidecar child process."""
     cmd = [sys.executable, "-m", "kvlookup", "sidecar", "--redis-url", settings.redis_url,
            "--pull-url", f"{settings.host}:{settings.pull_port()}", "--log-level", settings.log_level]
+    if settings.redis_cluster:
+        cmd += ["--redis-cluster"]
     if settings.reply_port():
         cmd += ["--reply-url", f"{settings.host}:{settings.reply_port()}"]
     if settings.instance_ttl_s is not None:
@@ -190,7 +195,7 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> subprocess.Popen:
     return subprocess.Popen(cmd)
 
 
-SIDECAR_SETTINGS = ("redis_url", "data_dir", "instance_ttl_s", "log_level", "instance_id", "pull_url",
+SIDECAR_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "log_level", "instance_id", "pull_url",
                     "reply_url", "advertise_reply", "worker_ttl_s", "metrics_port", "vllm_endpoint",
                     "vllm_replay_endpoint", "vllm_dp_size", "vllm_bind", "vllm_topic", "vllm_replay_timeout_s")
 
@@ -225,8 +230,8 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
                            settings.vllm_dp_size, settings.vllm_bind, settings.vllm_topic,
                            settings.vllm_replay_timeout_s),)
     server = ensure_redis(settings)
-    store = Store(connect(settings.redis_url, socket_timeout=10), instance_ttl_s=settings.instance_ttl_s,
-                  worker_ttl_s=settings.worker_ttl_s)
+    store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
+                  instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
     sidecar = Sidecar(store, settings.pull_url, settings.reply_url,
                       instance_ids=(settings.instance_id,) if settings.instance_id else (),
                       advertise_reply=settings.advertise_reply, vllm=vllm)
@@ -250,13 +255,13 @@ def cmd_reap(args: argparse.Namespace) -> int:
     from kvlookup.redis_server import connect
     from kvlookup.store import Store
 
-    settings = kvconfig.load(args.config, overrides=_overrides(args, ("redis_url", "data_dir", "instance_ttl_s",
-                                                                       "worker_ttl_s", "log_level")))
+    names = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "worker_ttl_s", "log_level")
+    settings = kvconfig.load(args.config, overrides=_overrides(args, names))
     setup_logging(settings.log_level)
     if not settings.redis_url:
         raise ValueError("kvlookup reap needs --redis-url (or KVLOOKUP_REDIS_URL)")
-    store = Store(connect(settings.redis_url, socket_timeout=10), instance_ttl_s=settings.instance_ttl_s,
-                  worker_ttl_s=settings.worker_ttl_s)
+    store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
+                  instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
     stop = threading.Event()
     _stop_on_signals(stop.set)
     while True:

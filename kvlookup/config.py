@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from kvlookup.hashing import HashProfile, profile_from_lmcache_yaml
+from kvlookup.redis_urls import is_sentinel, parse_sentinel
 
 ENV_PREFIX = "KVLOOKUP_"
 LOOKUP_RESPONSES = ("flat", "layout_info")
@@ -37,6 +38,7 @@ class Settings:
     """
 
     redis_url: str | None = None
+    redis_cluster: bool = False
     data_dir: str | None = None
     host: str = "127.0.0.1"
     port: int = 9000
@@ -87,6 +89,12 @@ class Settings:
             raise ValueError("control_timeout_s must be > 0 and control_retries >= 0")
         if self.instance_ttl_s < 0 or self.worker_ttl_s < 0:
             raise ValueError("instance_ttl_s and worker_ttl_s must be >= 0")
+        if self.redis_cluster and not self.redis_url:
+            raise ValueError("redis_cluster needs redis_url (any one node of the cluster)")
+        if self.redis_cluster and self.redis_url and is_sentinel(self.redis_url):
+            raise ValueError("redis_cluster and a redis+sentinel:// redis_url exclude each other")
+        if self.redis_url and is_sentinel(self.redis_url):
+            parse_sentinel(self.redis_url)
         if self.vllm_endpoint and not self.instance_id:
             raise ValueError("vllm_endpoint needs instance_id (the name lookups report for that instance)")
         if self.vllm_replay_endpoint and not self.vllm_endpoint:

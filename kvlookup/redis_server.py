@@ -65,24 +65,39 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def connect(url: str, *, max_connections: int | None = None, **kwargs) -> redis.Redis:
-    """redis-py client for redis://, rediss:// (TLS) or unix:// URLs, passwords included.
+def connect(url: str, *, cluster: bool = False, max_connections: int | None = None, **kwargs):
+    """redis-py client for a Redis URL, passwords and TLS included.
 
-    max_connections: bound the pool (``redis.BlockingConnectionPool``): a caller finding every
-    connection busy waits up to 5 s for one, then gets ``redis.ConnectionError``. None: redis-py's
-    default pool. kwargs: connection options (socket_timeout, ...).
+    url: ``redis://``, ``rediss://`` (TLS), ``unix://``; with ``cluster`` any one node of a
+    Redis Cluster (redis-py ``RedisCluster`` finds the rest); or
+    ``redis+sentinel://[:password@]host:26379[,host2:26379]/<master name>[/<db>]`` for a
+    Sentinel-managed master (redis-py ``Sentinel``; the client follows failovers).
+    max_connections: bound each pool (``redis.BlockingConnectionPool``): a caller finding every
+    connection busy waits up to 5 s for one, then gets ``redis.ConnectionError``. None:
+    redis-py's default pool. kwargs: connection options (socket_timeout, ...).
+    Raises ValueError for a malformed Sentinel URL.
     """
+    from kvlookup.redis_urls import connect_sentinel, is_sentinel
+
+    pool = {} if max_connections is None else {"max_connections": max_connections}
+    if is_sentinel(url):
+        return connect_sentinel(url, **pool, **kwargs)
+    if cluster:
+        from redis.cluster import RedisCluster
+
+        if max_connections is not None:
+            pool = {"connection_pool_class": redis.BlockingConnectionPool, "timeout": 5, **pool}
+        return RedisCluster.from_url(url, decode_responses=True, **pool, **kwargs)
     if max_connections is None:
         return redis.Redis.from_url(url, decode_responses=True, **kwargs)
-    pool = redis.BlockingConnectionPool.from_url(url, decode_responses=True, max_connections=max_connections,
-                                                 timeout=5, **kwargs)
-    return redis.Redis(connection_pool=pool)
+    blocking = redis.BlockingConnectionPool.from_url(url, decode_responses=True, timeout=5, **pool, **kwargs)
+    return redis.Redis(connection_pool=blocking)
 
 
-def ping(url: str, timeout: float = 0.5) -> bool:
+def ping(url: str, timeout: float = 0.5, cluster: bool = False) -> bool:
     """True when a server answers PING at ``url``."""
     try:
-        client = connect(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        client = connect(url, cluster=cluster, socket_timeout=timeout, socket_connect_timeout=timeout)
         try:
             return bool(client.ping())
         finally:

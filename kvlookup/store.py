@@ -255,15 +255,18 @@ class Store:
         space: str = "",
         now_ms: int | None = None,
     ) -> int:
-        """Apply admit/evict ops, order kept per holder (each batch is folded to every chunk's
-        last op, which leaves the same final state).
+        """Apply admit/evict ops, order kept per holder: the batches of one holder are joined in
+        order and folded to every chunk's last op, which leaves the same final state.
 
         batches: (instance_id, worker_id, location, [(ADMIT|EVICT, chunk_hash), ...]).
-        Returns ops applied. Raises NotRegistered for an unknown worker (nothing of that
-        batch is written; earlier batches are).
+        Returns ops applied. Raises NotRegistered for an unknown worker (then nothing is written).
         """
         score = int(time.time() * 1000) if now_ms is None else now_ms
-        todo = [(inst, str(wid), loc, ops) for inst, wid, loc, ops in batches if ops]
+        merged: dict[tuple[str, str, str], list] = {}  # one write per holder: backends may reorder writes
+        for inst, wid, loc, ops in batches:
+            if ops:
+                merged.setdefault((inst, str(wid), loc), []).extend(ops)
+        todo = [(*k, ops) for k, ops in merged.items()]
         applied = 0
         for _attempt in range(3):
             writes = [HolderWrite(self.holder_id(inst, wid, loc, space), space, *fold_ops(ops))

@@ -1,14 +1,24 @@
-"""Shared fixtures: one real Redis-compatible server per test session, flushed per test."""
+"""Shared fixtures: real Redis-compatible servers started by the tests, flushed per test.
+
+Every test that asks for ``redis_url``, ``r`` or ``store`` runs twice: against one real server
+and against a real 3-master + 3-replica Redis Cluster (``valkey-cli --cluster create`` over the
+same valkey binaries). ``KVLOOKUP_TEST_BACKENDS=single`` (or ``cluster``) runs one of them.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from kvlookup.local_cluster import LocalCluster
 from kvlookup.redis_server import EmbeddedRedis, connect
 from kvlookup.store import Store
 
 SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 SEED_HASH = 4690244967161877535
+
+BACKENDS = [b for b in os.environ.get("KVLOOKUP_TEST_BACKENDS", "single,cluster").split(",") if b]
 
 
 @pytest.fixture(scope="session")
@@ -19,21 +29,67 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=1)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``single_node`` (what only one Redis has: its scripts' slicing, the embedded
+    server) run against the single server only."""
+    keep = [i for i in items if not (i.get_closest_marker("single_node") and "[cluster" in i.nodeid)]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    """``single`` or ``cluster``: which deployment this run of the test talks to."""
+    return request.param
+
+
 @pytest.fixture()
-def redis_url(redis_server):
-    client = connect(redis_server.url)
+def cluster(backend) -> bool:
+    """True when the test runs against the Redis Cluster."""
+    return backend == "cluster"
+
+
+@pytest.fixture()
+def redis_url(request, cluster):
+    if cluster:
+        c = request.getfixturevalue("redis_cluster")
+        c.flushall()
+        return c.url
+    server = request.getfixturevalue("redis_server")
+    client = connect(server.url)
     client.flushall()
     client.close()
-    return redis_server.url
+    return server.url
 
 
 @pytest.fixture()
-def r(redis_url):
-    client = connect(redis_url)
+def redis_settings(redis_url, cluster) -> dict:
+    """Settings naming this test's Redis (for create_app and kvlookup.config)."""
+    return {"redis_url": redis_url, "redis_cluster": cluster}
+
+
+@pytest.fixture()
+def redis_args(redis_url, cluster) -> list[str]:
+    """Command-line flags naming this test's Redis (for kvlookup processes)."""
+    return ["--redis-url", redis_url, *(["--redis-cluster"] if cluster else [])]
+
+
+@pytest.fixture()
+def r(redis_url, cluster):
+    client = connect(redis_url, cluster=cluster)
     yield client
     client.close()
 
 
 @pytest.fixture()
 def store(r):
-    return Store(r)
+    return Store(r, purge_grace_s=0)

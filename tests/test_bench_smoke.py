@@ -82,6 +82,7 @@ def test_gunicorn_conf_names():
         gunicorn_conf("2x4")
 
 
+@pytest.mark.single_node  # bench stages measures the single-node path
 def test_stage_handlers_stop_where_told(redis_url, store):
     from bench.stages import _make_handler
     from kvlookup.store import ADMIT, Match

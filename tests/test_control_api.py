@@ -18,8 +18,8 @@ UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
 
 @pytest.fixture()
-def app(redis_url):
-    app = create_app({"redis_url": redis_url, "control_timeout_s": 0.3, "control_retries": 1})
+def app(redis_settings):
+    app = create_app({**redis_settings, "control_timeout_s": 0.3, "control_retries": 1})
     yield app
     app.extensions["kvlookup"]["control"].close()
 
@@ -164,10 +164,10 @@ def test_disagreeing_workers_and_unknown_instances(http, store, workers):
     assert vllm.status_code == 409
 
 
-def test_bearer_token_guards_mutating_endpoints(redis_url, store, workers):
+def test_bearer_token_guards_mutating_endpoints(redis_settings, store, workers):
     rep = workers()
     _register(store, "inst", [rep])
-    app = create_app({"redis_url": redis_url, "api_token": "s3cret", "control_timeout_s": 0.3})
+    app = create_app({**redis_settings, "api_token": "s3cret", "control_timeout_s": 0.3})
     http = app.test_client()
     body = {"instance_id": "inst", "location": "LocalCPUBackend"}
     for path in ("/clear", "/pin", "/compress", "/decompress", "/move"):
@@ -319,8 +319,8 @@ def test_metrics_endpoint(http, store, r):
         assert f"# TYPE {name} counter" in text
 
 
-def test_body_limit_and_bad_bodies(redis_url):
-    app = create_app({"redis_url": redis_url, "max_body_bytes": 64})
+def test_body_limit_and_bad_bodies(redis_settings):
+    app = create_app({**redis_settings, "max_body_bytes": 64})
     http = app.test_client()
     big = http.post("/clear", data=b"{" + b" " * 100 + b"}", content_type="application/json")
     assert (big.status_code, big.get_json()) == (413, {"error": "request body too large"})

@@ -69,15 +69,14 @@ def _safe_hits(client: Client) -> dict | None:
         return None
 
 
-def _sidecar_proc(redis_url: str, pull: str, reply: str) -> subprocess.Popen:
+def _sidecar_proc(redis_args: list[str], pull: str, reply: str) -> subprocess.Popen:
     return subprocess.Popen(
         [
             sys.executable,
             "-m",
             "kvlookup",
             "sidecar",
-            "--redis-url",
-            redis_url,
+            *redis_args,
             "--pull-url",
             pull,
             "--reply-url",
@@ -92,10 +91,10 @@ def _sidecar_proc(redis_url: str, pull: str, reply: str) -> subprocess.Popen:
     )
 
 
-def test_sidecar_kill9_restart_asks_for_full_sync_and_converges(redis_url):
+def test_sidecar_kill9_restart_asks_for_full_sync_and_converges(redis_url, redis_args, cluster):
     pull, reply = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    client = Client(redis_url)
-    proc = _sidecar_proc(redis_url, pull, reply)
+    client = Client(redis_url, redis_cluster=cluster)
+    proc = _sidecar_proc(redis_args, pull, reply)
     w = WorkerSim("inst", era="0.5", pull_url=pull, reply_url=reply)
     try:
         assert w.register()["type"] == "RegisterRetMsg"
@@ -106,7 +105,7 @@ def test_sidecar_kill9_restart_asks_for_full_sync_and_converges(redis_url):
         proc.kill()
         proc.wait(10)
         # while the sidecar is down the engine evicts P2 and stores P3; those events are lost
-        proc = _sidecar_proc(redis_url, pull, reply)
+        proc = _sidecar_proc(redis_args, pull, reply)
         hb = w.heartbeat()
         assert hb == {
             "type": "HeartbeatRetMsg",
@@ -136,7 +135,7 @@ def _wait_http(url: str, timeout: float = 30.0) -> None:
     raise TimeoutError(url)
 
 
-def _controller(redis_url: str, port: int, pull: int, metrics_dir: str) -> subprocess.Popen:
+def _controller(redis_args: list[str], port: int, pull: int, metrics_dir: str) -> subprocess.Popen:
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     return subprocess.Popen(
         [
@@ -144,8 +143,7 @@ def _controller(redis_url: str, port: int, pull: int, metrics_dir: str) -> subpr
             "-m",
             "kvlookup",
             "controller",
-            "--redis-url",
-            redis_url,
+            *redis_args,
             "--port",
             str(port),
             "--monitor-ports",
@@ -163,10 +161,10 @@ def _controller(redis_url: str, port: int, pull: int, metrics_dir: str) -> subpr
 
 
 @pytest.mark.slow
-def test_controller_kill9_and_restart_loses_nothing(redis_url, tmp_path):
+def test_controller_kill9_and_restart_loses_nothing(redis_url, redis_args, cluster, tmp_path):
     port, pull = free_port(), free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = _controller(redis_url, port, pull, str(tmp_path))
+    proc = _controller(redis_args, port, pull, str(tmp_path))
     try:
         _wait_http(base + "/health")
         w = WorkerSim("inst", era="0.3", pull_url=f"127.0.0.1:{pull}")
@@ -187,8 +185,8 @@ def test_controller_kill9_and_restart_loses_nothing(redis_url, tmp_path):
         w.close()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        assert ping(redis_url)
-        proc = _controller(redis_url, port, pull, str(tmp_path))
+        assert ping(redis_url, cluster=cluster)
+        proc = _controller(redis_args, port, pull, str(tmp_path))
         _wait_http(base + "/health")
         assert lookup() == hit
         assert requests.get(base + "/controller/key-stats", timeout=5).json() == stats

@@ -36,9 +36,9 @@ def test_seed_command_with_embedded_redis(tmp_path):
     assert not (tmp_path / "redis.url").exists()  # the embedded server stopped with the controller
 
 
-def test_both_eras_several_instances_tiers_and_tp(redis_url):
+def test_both_eras_several_instances_tiers_and_tp(redis_args):
     pull, reply = free_port(), free_port()
-    ctrl = ControllerProc("--redis-url", redis_url, "--monitor-ports", json.dumps({"pull": pull, "reply": reply}),
+    ctrl = ControllerProc(*redis_args, "--monitor-ports", json.dumps({"pull": pull, "reply": reply}),
                           "--workers", "2")
     try:
         ctrl.wait_ready()
@@ -67,21 +67,20 @@ def test_both_eras_several_instances_tiers_and_tp(redis_url):
         ctrl.stop()
 
 
-def _seed(redis_url: str, ports: list[int]) -> None:
+def _seed(r, ports: list[int]) -> None:
     """Instance ``inst`` with one worker per port, each holding the seed chunk in CPU."""
-    from kvlookup.redis_server import connect
     from kvlookup.store import ADMIT, Store
 
-    store = Store(connect(redis_url), instance_ttl_s=0)
+    store = Store(r, instance_ttl_s=0)
     for wid, port in enumerate(ports):
         store.register_worker("inst", wid, "127.0.0.1", port)
         store.apply([("inst", wid, "LocalCPUBackend", [(ADMIT, SEED_HASH)])])
 
 
 @pytest.mark.parametrize(("worker_class", "connection"), [("gthread", "keep-alive"), ("sync", "close")])
-def test_other_gunicorn_worker_classes(redis_url, worker_class, connection):
-    _seed(redis_url, [8001])
-    ctrl = ControllerProc("--redis-url", redis_url, "--worker-class", worker_class, "--workers", "1",
+def test_other_gunicorn_worker_classes(r, redis_args, worker_class, connection):
+    _seed(r, [8001])
+    ctrl = ControllerProc(*redis_args, "--worker-class", worker_class, "--workers", "1",
                           "--instance-ttl", "0")  # gunicorn_threads stays 4: sync must stay sync
     try:
         ctrl.wait_ready()
@@ -92,7 +91,7 @@ def test_other_gunicorn_worker_classes(redis_url, worker_class, connection):
         ctrl.stop()
 
 
-def test_control_call_to_hung_worker_does_not_stall_lookups(redis_url):
+def test_control_call_to_hung_worker_does_not_stall_lookups(r, redis_args):
     """Default gevent worker, one process: /clear waits 2 s on a silent worker (green ZMQ) while
     /lookup requests to the same process are answered."""
     import threading
@@ -102,8 +101,8 @@ def test_control_call_to_hung_worker_does_not_stall_lookups(redis_url):
     from tests.repworker import RepWorker
 
     hung = RepWorker(answer=lambda msg: None)
-    _seed(redis_url, [hung.port])
-    ctrl = ControllerProc("--redis-url", redis_url, "--workers", "1", "--instance-ttl", "0",
+    _seed(r, [hung.port])
+    ctrl = ControllerProc(*redis_args, "--workers", "1", "--instance-ttl", "0",
                           env={"KVLOOKUP_CONTROL_TIMEOUT_S": "2", "KVLOOKUP_CONTROL_RETRIES": "0"})
     try:
         ctrl.wait_ready()
@@ -144,14 +143,14 @@ def _raw(port: int, request: bytes, timeout: float = 5.0) -> bytes:
         return _response(s)
 
 
-def test_slow_and_malformed_bodies_are_bounded(redis_url):
+def test_slow_and_malformed_bodies_are_bounded(r, redis_args):
     """A body that stalls gets 408 after body_timeout_s while others are served; a malformed
     chunked body gets 400; a burst larger than the Redis pool waits instead of failing."""
     import socket
     from concurrent.futures import ThreadPoolExecutor
 
-    _seed(redis_url, [8001])
-    ctrl = ControllerProc("--redis-url", redis_url, "--workers", "1", "--instance-ttl", "0",
+    _seed(r, [8001])
+    ctrl = ControllerProc(*redis_args, "--workers", "1", "--instance-ttl", "0",
                           env={"KVLOOKUP_BODY_TIMEOUT_S": "1", "KVLOOKUP_REDIS_MAX_CONNECTIONS": "2"})
     try:
         ctrl.wait_ready()

@@ -23,7 +23,7 @@ def _admit(store: Store, inst: str, wid: int = 0, h: int = SEED_HASH) -> None:
 
 
 def test_silent_instance_is_excluded_at_once_then_reaped_and_purged(r):
-    store = Store(r, instance_ttl_s=30)
+    store = Store(r, instance_ttl_s=30, purge_grace_s=0)
     client = Client(store=store)
     for inst in ("a", "b"):
         store.register_worker(inst, 0, "127.0.0.1", 8001 if inst == "a" else 8002)
@@ -41,7 +41,7 @@ def test_silent_instance_is_excluded_at_once_then_reaped_and_purged(r):
 
 
 def test_stale_heartbeats_reap_the_worker_but_a_silent_non_heartbeating_one_stays(r):
-    store = Store(r, instance_ttl_s=30, worker_ttl_s=1.0)
+    store = Store(r, instance_ttl_s=30, worker_ttl_s=1.0, purge_grace_s=0)
     client = Client(store=store)
     now = time.time()
     store.register_worker("hb", 0, now=now - 10)
@@ -60,7 +60,7 @@ def test_stale_heartbeats_reap_the_worker_but_a_silent_non_heartbeating_one_stay
 
 
 def test_reregistration_starts_a_new_epoch(r):
-    store = Store(r)
+    store = Store(r, purge_grace_s=0)
     client = Client(store=store)
     assert store.register_worker("i", 0) == 1
     store.register_worker("i", 1)
@@ -77,7 +77,7 @@ def test_reregistration_starts_a_new_epoch(r):
 
 
 def test_deregistering_one_instance_never_touches_another_on_the_same_host(r):
-    store = Store(r)
+    store = Store(r, purge_grace_s=0)
     client = Client(store=store)
     for inst, port in (("llama-a", 8001), ("llama-b", 8002)):  # same model, same host
         store.register_worker(inst, 0, "10.0.0.1", port)
@@ -98,7 +98,7 @@ def test_deregistering_one_instance_never_touches_another_on_the_same_host(r):
 
 @pytest.fixture()
 def short_store(r):
-    return Store(r, instance_ttl_s=0.6, worker_ttl_s=0.6)
+    return Store(r, instance_ttl_s=0.6, worker_ttl_s=0.6, purge_grace_s=0)
 
 
 def test_sidecar_reaps_an_instance_whose_sidecar_died(r, short_store):

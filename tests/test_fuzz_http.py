@@ -106,8 +106,8 @@ def _check(status: int, payload, field: str | None, path: str, body: bytes) -> N
         assert field in payload["error"], (path, body, payload)
 
 
-def test_ten_thousand_malformed_bodies_get_4xx_json(redis_url):
-    app = create_app({"redis_url": redis_url, "control_timeout_s": 0.2, "max_body_bytes": 4096})
+def test_ten_thousand_malformed_bodies_get_4xx_json(redis_settings):
+    app = create_app({**redis_settings, "control_timeout_s": 0.2, "max_body_bytes": 4096})
     http = app.test_client()
     seen = {"requests": 0}
 

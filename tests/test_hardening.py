@@ -26,6 +26,7 @@ from tests.conftest import SEED_HASH, SEED_TOKENS
 CPU = "LocalCPUBackend"
 
 
+@pytest.mark.single_node  # APPLY_OPS is the single-node script; the cluster writes plain commands
 def test_huge_batches_run_in_bounded_slices(store, r, monkeypatch):
     monkeypatch.setattr(records_mod, "MAX_OPS_PER_CALL", 1000)
     calls = []
@@ -86,12 +87,12 @@ def test_deregistered_instances_are_no_longer_refreshed(store):
     assert ingest.instances == {"mine", "y"}
 
 
-def test_deep_nesting_is_a_clear_rejection(redis_url):
+def test_deep_nesting_is_a_clear_rejection(redis_settings):
     bomb = b"\x91" * 100_000 + b"\x01"
     with pytest.raises(proto.FrameError) as info:
         proto.decode_frame(bomb)
     assert info.value.reason == "undecodable"
-    http = create_app({"redis_url": redis_url}).test_client()
+    http = create_app(redis_settings).test_client()
     body = b'{"x":' + b"[" * 200_000 + b"]" * 200_000 + b',"tokens":[1]}'
     resp = http.post("/lookup", data=body, content_type="application/json")
     assert (resp.status_code, resp.get_json()) == (400, {"error": "body is not valid JSON: nested too deeply"})
@@ -110,9 +111,9 @@ def test_registrations_with_unusable_fields_are_rejected(fields, message):
         proto.decode_frame(msgpack.packb(msg))
 
 
-def test_unusable_worker_address_is_an_error_code_not_a_500(redis_url, store):
+def test_unusable_worker_address_is_an_error_code_not_a_500(redis_settings, store):
     store.register_worker("p2", 0, "bad host!", 8001)
-    app = create_app({"redis_url": redis_url, "control_timeout_s": 0.2, "control_retries": 0})
+    app = create_app({**redis_settings, "control_timeout_s": 0.2, "control_retries": 0})
     resp = app.test_client().post("/health", json={"instance_id": "p2"})
     assert resp.status_code == 200
     assert resp.get_json()["error_codes"] == {"0": -1005}

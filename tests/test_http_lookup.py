@@ -12,9 +12,9 @@ from tests.conftest import SEED_HASH, SEED_TOKENS
 
 
 @pytest.fixture()
-def make_app(redis_url):
+def make_app(redis_settings):
     def make(**overrides):
-        return create_app({"redis_url": redis_url, **overrides}).test_client()
+        return create_app({**redis_settings, **overrides}).test_client()
     return make
 
 
@@ -118,8 +118,13 @@ def test_methods_head_options_and_flask_405_allow(http):
 def test_redis_pool_is_bounded_and_blocking(make_app):
     import redis
 
-    pool = make_app(redis_max_connections=7).application.extensions["kvlookup"]["redis"].connection_pool
-    assert isinstance(pool, redis.BlockingConnectionPool) and pool.max_connections == 7
+    client = make_app(redis_max_connections=7).application.extensions["kvlookup"]["redis"]
+    if hasattr(client, "get_nodes"):  # a cluster: one pool per node
+        client.ping()
+        pools = [n.redis_connection.connection_pool for n in client.get_nodes()]
+    else:
+        pools = [client.connection_pool]
+    assert all(isinstance(p, redis.BlockingConnectionPool) and p.max_connections == 7 for p in pools)
 
 
 def test_health_reports_redis(http):

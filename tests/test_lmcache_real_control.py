@@ -28,7 +28,7 @@ pytestmark = [
 ]
 
 
-def test_health_and_clear_reach_a_real_worker(redis_url, r, tmp_path):
+def test_health_and_clear_reach_a_real_worker(redis_settings, r, tmp_path):
     assert keys.event_key("x") == "kvl:v2:event:x"
     store = Store(r)
     client = Client(store=store)
@@ -67,7 +67,7 @@ def test_health_and_clear_reach_a_real_worker(redis_url, r, tmp_path):
             proc.stdin.close()
             hit = {"real": ("LocalCPUBackend", 12)}
             assert wait_for(lambda: client.lookup(SEED_TOKENS)[1], hit, timeout=60) == hit
-            app = create_app({"redis_url": redis_url, "control_timeout_s": 5})
+            app = create_app({**redis_settings, "control_timeout_s": 5})
             http = app.test_client()
             health = http.post("/health", json={"instance_id": "real"}).get_json()
             assert health["error_codes"] == {"0": 0}

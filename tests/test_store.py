@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvlookup import keys
 from kvlookup.client import Client, pick_location
@@ -207,3 +209,42 @@ def test_reverse_index_buckets_are_intsets_and_purge_in_steps(store, r):
     assert r.hget(keys.holders_key(), "1") is None
     assert r.exists(keys.chunk_key(hashes[0])) == 0 and r.exists(keys.chunk_key(hashes[-1])) == 0
     assert r.zrange(keys.dead_holders_key(), 0, -1) == []
+
+
+def test_batches_of_one_holder_keep_their_order(store, r):
+    """A holder's ops in several batches of one call apply in order (a cluster backend writes in
+    rounds, so the store joins a holder's batches before folding)."""
+    store.register_worker("a", 0)
+    store.apply([("a", 0, CPU, [(ADMIT, 1), (ADMIT, 2)]), ("a", 0, DISK, [(ADMIT, 1)]),
+                 ("a", 0, CPU, [(EVICT, 1), (EVICT, 2), (ADMIT, 2)]), ("a", 0, DISK, [(EVICT, 1)])])
+    assert [r.zrange(keys.chunk_key(h), 0, -1) for h in (1, 2)] == [[], ["1"]]
+    assert r.hgetall(keys.records_key()) == {"1": "1"}  # the disk holder netted to nothing
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(calls=st.lists(st.lists(st.tuples(st.sampled_from([("a", 0, CPU), ("a", 0, DISK), ("b", 0, CPU)]),
+                                         st.lists(st.tuples(st.sampled_from([ADMIT, EVICT]), st.integers(1, 6)),
+                                                  min_size=1, max_size=6)),
+                               min_size=1, max_size=4), min_size=1, max_size=4))
+def test_any_sequence_of_ops_leaves_exactly_the_last_state(r, calls):
+    """Random admits/evicts over several holders, batches and calls: every chunk's sorted set,
+    every reverse-index bucket and every record count equal the plain model's final state."""
+    r.flushdb() if not hasattr(r, "get_nodes") else [n.redis_connection.flushall() for n in r.get_primaries()]
+    store = Store(r, instance_ttl_s=0, purge_grace_s=0)
+    store.register_worker("a", 0)
+    store.register_worker("b", 0)
+    held: dict[tuple, set[int]] = {}
+    for call in calls:
+        store.apply([(inst, wid, loc, ops) for (inst, wid, loc), ops in call])
+        for holder, ops in call:
+            for op, h in ops:
+                (held.setdefault(holder, set()).add if op == ADMIT else held.setdefault(holder, set()).discard)(h)
+    hid = {holder: store.holder_id(*holder) for holder in held}
+    for h in range(1, 7):
+        assert set(r.zrange(keys.chunk_key(h), 0, -1)) == {hid[k] for k, s in held.items() if h in s}
+    for holder, chunks in held.items():
+        members = set()
+        for b in {keys.chunk_bucket(h) for h in range(1, 7)}:
+            members |= r.smembers(keys.holder_chunks_key(hid[holder], b))
+        assert members == {str(h) for h in chunks}
+        assert int(r.hget(keys.records_key(), hid[holder]) or 0) == len(chunks)

@@ -97,7 +97,7 @@ def test_lossy_gap_replay_then_engine_restart(r, client):
         assert pub.close() == 0
 
 
-def test_dp_rank_and_mixed_fleet_over_http(r, redis_url):
+def test_dp_rank_and_mixed_fleet_over_http(r, redis_settings):
     port, rport, pull = free_port(), free_port(), f"127.0.0.1:{free_port()}"
     pub = RealPublisher("0.26.0", port, rport, dp_rank=1, int_hashes=False)  # binds port+1, rport+1
     sc = Running(r, VllmSource("vllm-pod", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", dp_size=2),
@@ -109,7 +109,7 @@ def test_dp_rank_and_mixed_fleet_over_http(r, redis_url):
         pub.send({"stored": {"token_ids": S600[:48], "block_size": 16, "lora_name": None}})
         pub.send({"stored": {"token_ids": S600[:16], "block_size": 16, "lora_id": 3, "lora_name": "sql-lora",
                              "block_hashes": [11]}})
-        http = app.create_app({"redis_url": redis_url}).test_client()
+        http = app.create_app(redis_settings).test_client()
         want = {"lmcache-pod": ["LocalCPUBackend", 512], "vllm-pod": ["GPU", 48]}
 
         def ask(body, q=""):

@@ -86,7 +86,7 @@ def test_replay_unavailable_marks_resync(r, client):
         pub.close()
 
 
-def test_data_parallel_ranks_and_detail(r, redis_url):
+def test_data_parallel_ranks_and_detail(r, redis_settings):
     pubs = [LoopbackPublisher(replay=False)]
     sc = None
     try:
@@ -94,15 +94,16 @@ def test_data_parallel_ranks_and_detail(r, redis_url):
         sc = Running(r, VllmSource("pod-dp", pubs[0].endpoint, dp_size=2))
         pubs[0].publish(payload(stored([1], A[:16])))
         pubs[1].publish(payload(stored([1, 2], A, rank=1), rank=1))
-        flask_app = app.create_app({"redis_url": redis_url})
+        flask_app = app.create_app(redis_settings)
         http = flask_app.test_client()
         expected = {"pod-dp": ["GPU", 32]}
         got = wait_for(lambda: {k: v for k, v in http.post("/lookup", json={"tokens": A}).json.items()
                                 if k != "event_id"}, expected)
         assert got == expected
-        detail = http.post("/lookup?detail=1", json={"tokens": A}).json["detail"]
-        assert detail == {"pod-dp": {"location": "GPU", "matched_prefix_length": 32, "locations": {"GPU": 32},
-                                     "ranks": {"0": 16, "1": 32}}}
+        want = {"pod-dp": {"location": "GPU", "matched_prefix_length": 32, "locations": {"GPU": 32},
+                           "ranks": {"0": 16, "1": 32}}}
+        # rank 1 alone already gives the flat answer: wait until rank 0's batch is in too
+        assert wait_for(lambda: http.post("/lookup?detail=1", json={"tokens": A}).json["detail"], want) == want
     finally:
         if sc:
             sc.close()
@@ -110,7 +111,7 @@ def test_data_parallel_ranks_and_detail(r, redis_url):
             p.close()
 
 
-def test_mixed_fleet_one_lookup(r, redis_url):
+def test_mixed_fleet_one_lookup(r, redis_settings):
     """An LMCache instance and a vLLM instance, both answered by one POST /lookup."""
     pub = LoopbackPublisher()
     from kvlookup.redis_server import free_port
@@ -124,7 +125,7 @@ def test_mixed_fleet_one_lookup(r, redis_url):
         worker.admit(S600_HASHES[:2])
         pub.publish(payload(stored([7, 8], S600[:32])))
         pub.publish(payload(stored([9], list(range(16)), lora_name="x", lora_id=1)))
-        http = app.create_app({"redis_url": redis_url}).test_client()
+        http = app.create_app(redis_settings).test_client()
         want600 = {"lmcache-pod": ["LocalCPUBackend", 512], "vllm-pod": ["GPU", 32]}
 
         def ask(body):

@@ -1,0 +1,67 @@
+"""Sentinel URLs: ``redis+sentinel://[:password@]host:port[,host:port...]/<master name>[/<db>]``.
+
+redis-py reads redis://, rediss:// and unix:// URLs itself but has no URL form for Sentinel;
+this is the one place that parses ours. Query parameters: ``sentinel_password`` (the
+Sentinels' own password, when they have one) and ``ssl=true``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit
+
+SCHEMES = ("redis+sentinel", "rediss+sentinel")
+
+
+def is_sentinel(url: str) -> bool:
+    """True for a ``redis+sentinel://`` (or ``rediss+sentinel://``) URL."""
+    return url.split("://", 1)[0] in SCHEMES
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """A parsed Sentinel URL: the Sentinels, the master's name, db and credentials."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+    ssl: bool = False
+
+
+def parse_sentinel(url: str) -> SentinelURL:
+    """Parse a Sentinel URL; raises ValueError naming what is wrong."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(f"not a Sentinel URL: {url!r}")
+    auth, _, hosts = parts.netloc.rpartition("@")
+    sentinels = []
+    for hp in hosts.split(","):
+        host, _, port = hp.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"Sentinel URL {url!r}: {hp!r} is not host:port")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"Sentinel URL {url!r} needs /<master name>[/<db>]")
+    user, _, password = auth.partition(":") if auth else ("", "", "")
+    query = parse_qs(parts.query)
+    return SentinelURL(tuple(sentinels), unquote(path[0]), int(path[1]) if len(path) == 2 else 0,
+                       unquote(user) or None, unquote(password) or None,
+                       query.get("sentinel_password", [None])[0],
+                       parts.scheme == "rediss+sentinel" or query.get("ssl", ["false"])[0] == "true")
+
+
+def connect_sentinel(url: str, **kwargs):
+    """A client of the master a Sentinel URL names (redis-py ``Sentinel.master_for``): it asks
+    the Sentinels where the master is and follows failovers. kwargs: connection options."""
+    from redis.sentinel import Sentinel
+
+    u = parse_sentinel(url)
+    timeouts = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout") if k in kwargs}
+    sentinel = Sentinel(list(u.sentinels), sentinel_kwargs={"password": u.sentinel_password, **timeouts},
+                        **timeouts)
+    return sentinel.master_for(u.master, db=u.db, username=u.username, password=u.password, ssl=u.ssl,
+                               decode_responses=True, **kwargs)
