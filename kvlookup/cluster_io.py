@@ -3,24 +3,27 @@ node, every node at once, with MOVED/ASK redirections and failover followed.
 
 Why not redis-py's ``ClusterPipeline``: it builds several Python objects per command and
 answers one node after another; 128 ``ZRANGE`` calls (a 32k-token lookup) cost 3.8-5.8 ms
-through it and 1.0 ms here (measured side by side, docs/benchmarks-notes.md). This module
+through it and about 1 ms here (measured side by side, docs/benchmarks-notes.md). This module
 keeps everything else to redis-py: the slot map (``RedisCluster.nodes_manager``), the
-connection pools, RESP packing and parsing, the redirection errors.
+connection pools, RESP parsing, the redirection errors; hiredis packs the commands.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from binascii import crc_hqx
 from collections import defaultdict
 from collections.abc import Sequence
 
+import hiredis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
     ClusterDownError,
     MovedError,
+    NoScriptError,
     RedisError,
     ResponseError,
     TryAgainError,
@@ -30,15 +33,29 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 
-#: A command: its name, the key that routes it, then the other arguments.
+#: A command: its name, the key that routes it, then the other arguments; ``EVALSHA``
+#: commands (``"EVALSHA", sha, numkeys, key, ...``) are routed by their first key.
 Command = tuple
 
-#: Pause before retrying after a lost node or CLUSTERDOWN (the replica takes over meanwhile).
+#: Pause before retrying after a lost node or CLUSTERDOWN (a replica takes over meanwhile).
 RETRY_PAUSE_S = 0.1
+SLOTS = 16384
+
+
+def slot_of(key: str) -> int:
+    """The cluster hash slot of a key (CRC16 of the key, or of its ``{hash tag}``)."""
+    if "{" in key:
+        return key_slot(key.encode())
+    return crc_hqx(key.encode(), 0) % SLOTS
+
+
+def routing_key(cmd: Command) -> str:
+    """The key a command is routed by."""
+    return cmd[3] if cmd[0] == "EVALSHA" else cmd[1]
 
 
 class ClusterIO:
-    """Runs batches of single-key commands on a :class:`RedisCluster`'s masters.
+    """Runs batches of single-key commands (and single-slot EVALSHA) on a cluster's masters.
 
     rc: the cluster client (its slot map and connection pools are used).
     retry_s: how long a batch keeps retrying commands whose node is gone (failover, a node
@@ -48,6 +65,14 @@ class ClusterIO:
     def __init__(self, rc: RedisCluster, retry_s: float = 10.0):
         self.rc = rc
         self.retry_s = retry_s
+        self._slots: list[tuple[str, int]] | None = None  # slot -> its master (host, port)
+        self._scripts: dict[str, str] = {}  # sha -> source, for masters that lack a script
+
+    def register(self, script: str) -> str:
+        """Load a Lua script on the masters; returns its sha, for ``("EVALSHA", sha, ...)``."""
+        sha = self.rc.script_load(script)
+        self._scripts[sha] = script
+        return sha
 
     def execute(self, commands: Sequence[Command]) -> list:
         """Results of ``commands`` in order; a command error (WRONGTYPE, ...) is returned as its
@@ -70,60 +95,71 @@ class ClusterIO:
             todo = retry
         return results
 
+    # -- topology ----------------------------------------------------------------------------
+
     def _refresh(self) -> None:
+        self._slots = None
         try:
             self.rc.nodes_manager.initialize()
         except RedisError as exc:  # the next round fails fast and we retry until the deadline
             log.debug("cluster topology refresh failed: %s", exc)
 
+    def _slot_map(self) -> list[tuple[str, int]]:
+        if self._slots is None:
+            cache = self.rc.nodes_manager.slots_cache
+            self._slots = [(cache[s][0].host, cache[s][0].port) if cache.get(s) else ("", 0) for s in range(SLOTS)]
+        return self._slots
+
+    # -- one round: send every node its commands, then read every node's replies -------------
+
     def _round(self, commands, todo, asking, results) -> tuple[list[int], Exception | None]:
         groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+        slots = self._slot_map()
         for i in todo:
-            groups[asking.get(i) or self._addr(commands[i][1])].append(i)
+            groups[asking.get(i) or slots[slot_of(routing_key(commands[i]))]].append(i)
         retry: list[int] = []
         error: Exception | None = None
         sent = []
         for addr, idx in groups.items():
             try:
-                sent.append((addr, idx, *self._send(addr, [commands[i] for i in idx],
-                                                    [i in asking for i in idx])))
+                sent.append((addr, idx, *self._send(addr, [commands[i] for i in idx], [i in asking for i in idx])))
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 retry.extend(idx)
                 error = exc
-        for _addr, idx, pool, conn in sent:
-            r, e = self._read(conn, commands, idx, asking, results)
+        for addr, idx, pool, conn in sent:
+            r, e, missing = self._read(conn, commands, idx, asking, results)
+            pool.release(conn)
+            for sha in missing:
+                self._node(addr).redis_connection.script_load(self._scripts[sha])
             retry.extend(r)
             error = e or error
-            pool.release(conn)
         return retry, error
 
-    def _addr(self, key: str) -> tuple[str, int]:
-        node = self.rc.nodes_manager.get_node_from_slot(key_slot(key.encode()))
-        return node.host, node.port
-
-    def _send(self, addr: tuple[str, int], cmds: list[Command], ask: list[bool]):
-        node = self.rc.nodes_manager.get_node(addr[0], addr[1]) or self.rc.get_node(addr[0], addr[1])
+    def _node(self, addr: tuple[str, int]):
+        node = self.rc.get_node(addr[0], addr[1])
         if node is None or node.redis_connection is None:
             self._refresh()
             raise RedisConnectionError(f"no connection to cluster node {addr[0]}:{addr[1]}")
-        pool = node.redis_connection.connection_pool
+        return node
+
+    def _send(self, addr: tuple[str, int], cmds: list[Command], ask: list[bool]):
+        pool = self._node(addr).redis_connection.connection_pool
         conn = pool.get_connection()
         try:
-            args = []
-            for cmd, asked in zip(cmds, ask, strict=True):
-                if asked:
-                    args.append(("ASKING",))
-                args.append(cmd)
-            conn.send_packed_command(conn.pack_commands(args), check_health=False)
+            packed = [hiredis.pack_command(("ASKING",)) + hiredis.pack_command(cmd) if asked
+                      else hiredis.pack_command(cmd) for cmd, asked in zip(cmds, ask, strict=True)]
+            conn.send_packed_command([b"".join(packed)], check_health=False)
         except BaseException:
             conn.disconnect()
             pool.release(conn)
             raise
         return pool, conn
 
-    def _read(self, conn, commands, idx, asking, results) -> tuple[list[int], Exception | None]:
+    def _read(self, conn, commands, idx, asking, results):
+        """Read one node's replies; returns (to retry, error, script shas it lacks)."""
         retry: list[int] = []
         error: Exception | None = None
+        missing: set[str] = set()
         for n, i in enumerate(idx):
             try:
                 if asking.pop(i, None) is not None:
@@ -131,6 +167,7 @@ class ClusterIO:
                 results[i] = conn.read_response()
             except MovedError as exc:
                 self.rc.nodes_manager.move_slot(exc)
+                self._slots = None
                 retry.append(i)
             except AskError as exc:
                 asking[i] = exc.node_addr
@@ -138,9 +175,15 @@ class ClusterIO:
             except (TryAgainError, ClusterDownError) as exc:  # the slot is moving or failing over
                 retry.append(i)
                 error = exc
+            except NoScriptError as exc:  # a master that never saw the script (a promoted replica)
+                if commands[i][1] in self._scripts:
+                    missing.add(commands[i][1])
+                    retry.append(i)
+                else:
+                    results[i] = exc
             except ResponseError as exc:
                 results[i] = exc
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 conn.disconnect()
-                return retry + idx[n:], exc  # the node is gone: nothing more to read from it
-        return retry, error
+                return retry + idx[n:], exc, missing  # the node is gone: nothing more to read from it
+        return retry, error, missing

@@ -34,7 +34,7 @@ class ClusterRecords:
     def __init__(self, rc: RedisCluster, io: ClusterIO | None = None):
         self.rc = rc
         self.io = io or ClusterIO(rc)
-        self._resolve = rc.register_script(scripts.RESOLVE)
+        self.resolve_sha = self.io.register(scripts.RESOLVE)
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -75,28 +75,7 @@ class ClusterRecords:
     # -- lookup ------------------------------------------------------------------------------
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> list[Match]:
-        walks = [ChainWalk(c.chunk_size, c.n_tokens) for c in chains]
-        holders: dict[str, Holder | None] = {}
-        start, stop = 0, FIRST_STAGE
-        active = list(range(len(chains)))
-        while active:
-            spans = [(ci, chains[ci].chunk_keys(start, stop)) for ci in active]
-            flat = self.io.execute([("ZRANGE", k, 0, -1) for _ci, ks in spans for k in ks])
-            self._resolve_new(flat, holders, live)
-            pos, still = 0, []
-            for ci, ks in spans:
-                members = flat[pos:pos + len(ks)]
-                pos += len(ks)
-                if walks[ci].feed(members, holders) and stop < len(chains[ci].hashes):
-                    still.append(ci)
-            active, start, stop = still, stop, stop * STAGE_GROWTH
-        return [Match(inst, wid, end, locs) for w in walks for inst, wid, end, locs in w.matches()]
-
-    def _resolve_new(self, member_lists: list, holders: dict, live: Liveness) -> None:
-        new = sorted({hid for members in member_lists for hid in members if hid not in holders})
-        if new:
-            texts = self._resolve(keys=walk_registry_keys(), args=[*live.argv(), *new])
-            holders.update(zip(new, map(Holder.parse, texts), strict=True))
+        return _Lookup(self, chains, live).run()
 
     # -- purge -------------------------------------------------------------------------------
 
@@ -113,3 +92,71 @@ def _by_bucket(holder_id: str, hashes: Sequence[str]) -> dict[str, list[str]]:
 
 def _count(reply) -> int:
     return reply if isinstance(reply, int) else 0
+
+
+class _Lookup:
+    """One lookup's rounds. Round 1 reads the first :data:`FIRST_STAGE` chunks of every chain;
+    each later round resolves the holders the previous round found (one RESOLVE on the
+    registry's slot) *and*, in the same round trip, reads the next stage of every chain that
+    may still extend (its last chunk read had holders). A prompt of up to FIRST_STAGE chunks
+    costs two round trips; each further stage one more."""
+
+    def __init__(self, records: ClusterRecords, chains: Sequence[Chain], live: Liveness):
+        self.rec, self.chains, self.live = records, chains, live
+        self.walks = [ChainWalk(c.chunk_size, c.n_tokens) for c in chains]
+        self.holders: dict[str, Holder | None] = {}
+        self.read_upto = [0] * len(chains)  # chunks read per chain
+        self.unfed: list[list] = [[] for _ in chains]  # member lists read, not walked yet
+        self.stage = [FIRST_STAGE] * len(chains)
+
+    def run(self) -> list[Match]:
+        new_hids: list[str] = []
+        while True:
+            reads = [(ci, self._next_span(ci)) for ci in range(len(self.chains)) if self._may_extend(ci)]
+            reads = [(ci, span) for ci, span in reads if span]
+            if not reads and not new_hids:
+                break
+            cmds = [("ZRANGE", k, 0, -1) for _ci, span in reads for k in span]
+            if new_hids:
+                cmds.append(("EVALSHA", self.rec.resolve_sha, 5, *walk_registry_keys(), *self.live.argv(), *new_hids))
+            res = self.rec.io.execute(cmds)
+            if new_hids:
+                self.holders.update(zip(new_hids, map(Holder.parse, res[-1]), strict=True))
+            self._feed()  # what the previous round read is resolved now
+            new_hids = self._take(reads, res)
+            if not new_hids:
+                self._feed()
+        return [Match(inst, wid, end, locs) for w in self.walks for inst, wid, end, locs in w.matches()]
+
+    def _may_extend(self, ci: int) -> bool:
+        walk, unfed = self.walks[ci], self.unfed[ci]
+        if walk.done or self.read_upto[ci] >= len(self.chains[ci].hashes):
+            return False
+        last = unfed[-1] if unfed else (walk.prev_members if walk.i else True)
+        return bool(last)  # an empty chunk ends every match
+
+    def _next_span(self, ci: int) -> list[str]:
+        start = self.read_upto[ci]
+        stop = start + self.stage[ci]
+        self.stage[ci] *= STAGE_GROWTH
+        self.read_upto[ci] = min(stop, len(self.chains[ci].hashes))
+        return self.chains[ci].chunk_keys(start, stop)
+
+    def _take(self, reads, res) -> list[str]:
+        """Buffer the member lists read; returns the holder ids not resolved yet."""
+        pos, new, prev = 0, set(), None
+        for ci, span in reads:
+            lists = res[pos:pos + len(span)]
+            pos += len(span)
+            self.unfed[ci].extend(lists)
+            for members in lists:
+                if members != prev:  # runs of chunks with the same holders are common
+                    new.update(members)
+                    prev = members
+        return sorted(h for h in new if h not in self.holders)
+
+    def _feed(self) -> None:
+        for ci, lists in enumerate(self.unfed):
+            if lists:
+                self.walks[ci].feed(lists, self.holders)
+                self.unfed[ci] = []

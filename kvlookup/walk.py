@@ -64,21 +64,31 @@ class ChainWalk:
         self.done = False
 
     def feed(self, member_lists: Sequence[Sequence[str]], holders: Mapping[str, Holder | None]) -> bool:
-        """Walk the next chunks (their holder ids); False once no group can extend any more."""
+        """Walk the next chunks (their holder ids); False once no group can extend any more.
+
+        A run of chunks with the same holders as the chunk that opened it extends the same
+        groups in the same locations: it is only counted, and settled when it ends.
+        """
         for members in member_lists:
             if self.done:
                 break
-            end = min((self.i + 1) * self.size, self.last)
             if self.i == 0 or members != self.prev_members:
+                self._settle()
                 self.extended = self._extend(members, holders)
-            for g, locations in self.extended:  # the same holders extend the same groups
-                g.upto, g.end = self.i + 1, end
-                for loc in locations:
-                    g.tokens[loc] = g.tokens.get(loc, 0) + end - self.prev_end
-            self.done = not self.extended
-            self.prev_end, self.prev_members = end, members
+                self.done = not self.extended
+                self.prev_members = members
             self.i += 1
         return not self.done
+
+    def _settle(self) -> None:
+        """Credit the chunks walked since the last settle to the groups that extended."""
+        end = min(self.i * self.size, self.last)
+        if self.extended and end > self.prev_end:
+            for g, locations in self.extended:
+                g.upto, g.end = self.i, end
+                for loc in locations:
+                    g.tokens[loc] = g.tokens.get(loc, 0) + end - self.prev_end
+        self.prev_end = end
 
     def _extend(self, members: Sequence[str], holders: Mapping[str, Holder | None]) -> list:
         seen: dict[str, tuple[_Group, set[str], set[str]]] = {}
@@ -92,7 +102,7 @@ class ChainWalk:
                     continue
                 g = self.groups[h.group] = _Group(h.instance_id, h.worker_id, h.need)
             if g.upto != self.i:
-                continue
+                continue  # it missed an earlier chunk
             entry = seen.get(h.group)
             if entry is None:
                 entry = seen[h.group] = (g, set(), set())
@@ -102,5 +112,7 @@ class ChainWalk:
 
     def matches(self) -> list[tuple[str, str, int, dict[str, int]]]:
         """(instance_id, worker_id, matched end, tokens per location) of every group matched."""
+        if not self.done:
+            self._settle()
         return [(g.instance_id, g.worker_id, g.end, {k: v for k, v in g.tokens.items() if v > 0})
                 for g in self.groups.values() if g.upto > 0]

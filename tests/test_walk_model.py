@@ -9,10 +9,11 @@ fleets with gaps, tier moves, ranks that disagree and chunks shared by several i
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlookup import keys
+from kvlookup import keys, records_cluster
 from kvlookup.store import ADMIT, Chain, Store
 
 LOCATIONS = ("LocalCPUBackend", "LocalDiskBackend", "GPU")
@@ -53,11 +54,25 @@ def model(n_chunks, n_tokens, tp, held) -> dict:
     return out
 
 
+@pytest.fixture(params=["one stage", "staged"])
+def stages(request, monkeypatch):
+    """The cluster backend reads chunks in stages; "staged" makes every stage tiny so the walk
+    is fed across several rounds (no effect on the single-node Lua walk)."""
+    if request.param == "staged":
+        monkeypatch.setattr(records_cluster, "FIRST_STAGE", 2)
+        monkeypatch.setattr(records_cluster, "STAGE_GROWTH", 2)
+
+
+def _flush(r) -> None:
+    for node in r.get_primaries() if hasattr(r, "get_primaries") else [None]:
+        (node.redis_connection if node else r).flushdb()
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(fleet=fleets())
-def test_walk_matches_model(r, fleet):
+def test_walk_matches_model(r, stages, fleet):
     n_chunks, n_tokens, tp, held = fleet
-    r.flushdb()
+    _flush(r)
     store = Store(r, instance_ttl_s=0)
     hashes = [1000 + c for c in range(n_chunks)]
     for inst, ranks in tp.items():
