@@ -13,12 +13,17 @@ LOOKUP_MATCHED_TOKENS = Histogram(
     "kvlookup_lookup_matched_tokens", "Longest matched prefix per lookup (tokens)",
     buckets=(0, 256, 1024, 4096, 16384, 65536, 262144),
 )
+#: outcome: applied; unregistered (its worker is not registered: dropped, as LMCache 0.5 does);
+#: superseded (dropped unapplied: its worker re-registered, deregistered or began a full sync
+#: first); redis_error (dropped after repeated Redis errors).
 INGEST_OPS = Counter("kvlookup_ingest_ops_total", "Chunk operations received", ["kind", "outcome"])
 MESSAGES = Counter("kvlookup_messages_total", "Worker messages handled", ["type"])
 REJECTED = Counter("kvlookup_rejected_frames_total", "Frames or events rejected", ["source", "reason"])
 SEQ_GAPS = Counter("kvlookup_seq_gaps_total", "Sequence gaps seen", ["source"])
 RESYNCS = Counter("kvlookup_resyncs_total", "Instances cleared or asked to resync", ["source", "reason"])
-REAPED = Counter("kvlookup_reaped_workers_total", "Silent workers deregistered by the reaper")
+REAPED = Counter("kvlookup_reaped_workers_total", "Workers deregistered by the reaper on evidence they are gone")
+PROBES = Counter("kvlookup_worker_probes_total", "Health calls a sidecar made to workers it had no news of",
+                 ["outcome"])
 CONTROL_CALLS = Counter("kvlookup_control_calls_total", "Controller -> worker control calls",
                         ["message", "outcome"])
 # Live instances/workers and records per instance and location are computed from Redis at

@@ -195,7 +195,8 @@ return 1
 #: Renew the leases of every instance a sidecar still owns, and the sidecar's own lease;
 #: instances another sidecar took over leave this sidecar's set.
 #: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] alive, KEYS[4] sidecars
-#: ARGV[1] sidecar id, ARGV[2] lease expiry (unix ms). Returns the instances renewed.
+#: ARGV[1] sidecar id, ARGV[2] instance lease expiry, ARGV[3] sidecar lease expiry (unix ms).
+#: Returns the instances renewed.
 TOUCH = """
 local n = 0
 for _, inst in ipairs(redis.call('SMEMBERS', KEYS[2])) do
@@ -206,7 +207,7 @@ for _, inst in ipairs(redis.call('SMEMBERS', KEYS[2])) do
     redis.call('SREM', KEYS[2], inst)
   end
 end
-redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
 return n
 """
 

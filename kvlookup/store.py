@@ -204,12 +204,22 @@ class Store:
                 return
         raise RuntimeError(f"owner of {instance_id!r} kept changing")
 
-    def renew(self, sidecar_id: str) -> int:
-        """Renew the leases of every instance ``sidecar_id`` owns, and its own; returns how many
-        instances it owns. A restarted sidecar calls this first and resumes where it stopped."""
+    def renew(self, sidecar_id: str, sidecar_lease_s: float = 5.0) -> int:
+        """Renew the leases of every instance ``sidecar_id`` owns, and its own (for
+        ``sidecar_lease_s``); returns how many instances it owns. A restarted sidecar calls this
+        first and resumes where it stopped."""
+        now_ms = int(time.time() * 1000)
         return int(self._scripts["TOUCH"](
             keys=[keys.owners_key(), keys.sidecar_instances_key(sidecar_id), keys.alive_key(), keys.sidecars_key()],
-            args=[sidecar_id, self._expiry()]))
+            args=[sidecar_id, now_ms + self.instance_ttl_ms, now_ms + int(sidecar_lease_s * 1000)]))
+
+    def publish_status(self, sidecar_id: str, status: dict) -> None:
+        """Record a sidecar's state (``keys.sidecar_status_key``) for /health; expires with it."""
+        key = keys.sidecar_status_key(sidecar_id)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(key, mapping={k: str(v) for k, v in status.items()})
+        pipe.expire(key, 3600)
+        pipe.execute()
 
     def owned(self, sidecar_id: str) -> set[str]:
         """The instance ids ``sidecar_id`` owns."""

@@ -1,14 +1,28 @@
 """Apply LMCache worker messages to the index (no sockets here; see sidecar.service).
 
-Push frames (PULL socket) are decoded one by one; admits and evicts are gathered and written
-in one pipelined round trip per multipart message, in arrival order per (instance, worker,
-location). Registry messages flush pending writes first, so order holds across them too.
+Push frames (PULL socket) are decoded one by one; their admits and evicts queue up in arrival
+order and :meth:`LMCacheIngest.flush` writes at most a budget of them per call, so one huge
+message never holds the loop for long. A registry message never waits for queued ops: a
+re-registration, deregistration or full-sync start drops the queued ops it makes moot (they
+belong to a holder being retired), so order holds without flushing.
+
+Ops of a worker the registry does not know are dropped and counted, as LMCache 0.5 does,
+except 0.3-era admits (``KVAdmitMsg``): 0.3 workers register once and never again, so an
+admit registers its worker implicitly, as LMCache 0.3 would store it.
+
+After a (re)start the sidecar does not know what it missed: the first heartbeat of each 0.5-era
+worker gets a ``full_sync`` command (``controller_restart``; ``worker_re_registered`` for a
+worker the registry lost) whatever arrived before it, as LMCache's own controller asks.
 A frame that fails to decode or apply is counted and logged; the rest of the batch goes on.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -19,34 +33,57 @@ from kvlookup.store import ADMIT, EVICT, NotRegistered, Store
 
 log = logging.getLogger(__name__)
 
-Batch = tuple[str, int, str, list[tuple[str, Any]]]
-
-#: Non-connection Redis errors (BUSY, OOM, READONLY...) tolerated for one pending batch
+#: Non-connection Redis errors (BUSY, OOM, READONLY...) tolerated for the head of the queue
 #: before it is dropped and counted, so a persistent error cannot wedge the sidecar.
 MAX_REDIS_FAILURES = 5
+
+
+@dataclass
+class Batch:
+    """Queued ops of one (instance, worker, location); ``implicit``: 0.3-era admits, which
+    register their worker when the registry does not know it."""
+
+    instance_id: str
+    worker_id: int
+    location: str
+    ops: list[tuple[str, Any]]
+    implicit: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+#: Hooks the sidecar gives the ingest: ``seen(conn, instance_id, worker_id)`` (liveness evidence)
+#: and ``allowed(instance_id) -> bool`` (which instances this sidecar accepts).
+Seen = Callable[[Any, str, int], None]
 
 
 class LMCacheIngest:
     """Turns decoded LMCache messages into index writes.
 
-    store: the index. heartbeat_url: advertised to 0.3.12+ workers in RegisterRetMsg so their
-    heartbeats reach this sidecar ("" = none).
+    store: the index. sidecar_id: the owner this sidecar registers its instances under.
+    heartbeat_url: advertised to 0.3.12+ workers in RegisterRetMsg so their heartbeats reach
+    this sidecar ("" = none). seen: called with (connection, instance_id, worker_id) for every
+    message that names a worker; left: with (instance_id, worker_id) when one deregisters.
     """
 
-    def __init__(self, store: Store, heartbeat_url: str = ""):
+    def __init__(self, store: Store, sidecar_id: str = "", heartbeat_url: str = "", seen: Seen | None = None,
+                 left: Callable[[str, int], None] | None = None):
         self.store = store
+        self.sidecar_id = sidecar_id
         self.heartbeat_url = heartbeat_url
-        self.instances: set[str] = set()  # instances whose liveness this sidecar refreshes
-        self.pinned: set[str] = set()  # configured instances: refreshed even with no worker seen
-        self._workers: dict[str, set[int]] = {}  # workers registered through this process
+        self.seen = seen or (lambda _conn, _inst, _wid: None)
+        self.left = left or (lambda _inst, _wid: None)
+        self.queue: deque[Batch] = deque()
+        self.queued_ops = 0
+        self._registered: set[tuple[str, int]] = set()  # known registered (cache; NotRegistered resets)
+        self._synced: set[tuple[str, int]] = set()  # registered or full-synced by this process
+        self._gaps: set[tuple[str, int]] = set()  # skipped a seq: its next heartbeat asks a full sync
         self._redis_failures = 0
         self._next_seq: dict[tuple[str, int, str], int] = {}
-        self._pending: list[Batch] = []
 
     # -- push channel ----------------------------------------------------------------------
 
-    def handle_push(self, frames: list[bytes]) -> None:
-        """Apply one multipart PUSH message (one LMCache message per frame)."""
+    def handle_push(self, frames: list[bytes], conn: Any = None) -> None:
+        """Decode one multipart PUSH message (one LMCache message per frame) and queue it."""
         for frame in frames:
             try:
                 tag, msg = proto.decode_frame(frame)
@@ -56,28 +93,30 @@ class LMCacheIngest:
                 continue
             metrics.MESSAGES.labels(tag).inc()
             try:
+                self.seen(conn, msg.instance_id, msg.worker_id)
                 self._on_push(tag, msg)
+            except (redis.ConnectionError, redis.TimeoutError):
+                raise  # the loop backs off; what is queued stays queued
             except Exception:  # a bad message never stops the loop
                 metrics.REJECTED.labels("lmcache", "handler_error").inc()
                 log.exception("failed to handle %s", tag)
-        self.flush()
 
     def _on_push(self, tag: str, msg: Any) -> None:
         if tag == "KVAdmitMsg" or tag == "KVEvictMsg":
-            self._queue(msg.instance_id, msg.worker_id, msg.location,
-                        [(ADMIT if tag == "KVAdmitMsg" else EVICT, msg.key)])
+            admit = tag == "KVAdmitMsg"
+            self._queue(msg.instance_id, msg.worker_id, msg.location, [(ADMIT if admit else EVICT, msg.key)], admit)
         elif tag == "BatchedKVOperationMsg":
             self._check_seq(msg)
             ops = [(ADMIT if op.op_type == "admit" else EVICT, op.key) for op in msg.operations]
             self._queue(msg.instance_id, msg.worker_id, msg.location, ops)
         elif tag == "FullSyncBatchMsg":
             self._queue(msg.instance_id, msg.worker_id, msg.location, [(ADMIT, k) for k in msg.keys])
-        elif tag in ("RegisterMsg", "HeartbeatMsg"):
-            self.flush()
-            if tag == "RegisterMsg" or not self.store.heartbeat_worker(msg.instance_id, msg.worker_id):
+        elif tag == "RegisterMsg":
+            self._register(msg)
+        elif tag == "HeartbeatMsg":  # 0.3.5-0.3.9 heartbeats come on PUSH: nothing to answer
+            if not self.store.heartbeat_worker(msg.instance_id, msg.worker_id):
                 self._register(msg)
         elif tag == "DeRegisterMsg":
-            self.flush()
             self._deregister(msg.instance_id, msg.worker_id)
         elif tag == "FullSyncEndMsg":
             log.info("full sync %s of %s/%s/%s ended with %d keys", msg.sync_id, msg.instance_id,
@@ -86,92 +125,147 @@ class LMCacheIngest:
             metrics.REJECTED.labels("lmcache", "wrong_channel").inc()
             log.warning("%s is a request; it belongs on the reply socket", tag)
 
-    def _queue(self, instance_id: str, worker_id: int, location: str, ops: list) -> None:
-        if self._pending and self._pending[-1][:3] == (instance_id, worker_id, location):
-            self._pending[-1][3].extend(ops)
+    def _queue(self, instance_id: str, worker_id: int, location: str, ops: list, implicit: bool = False) -> None:
+        tail = self.queue[-1] if self.queue else None
+        if tail and (tail.instance_id, tail.worker_id, tail.location, tail.implicit) == (
+                instance_id, worker_id, location, implicit):
+            tail.ops.extend(ops)
         else:
-            self._pending.append((instance_id, worker_id, location, list(ops)))
+            self.queue.append(Batch(instance_id, worker_id, location, list(ops), implicit))
+        self.queued_ops += len(ops)
 
-    def flush(self) -> None:
-        """Write every pending op in one round trip.
+    def drop_queued(self, instance_id: str, worker_id: int, location: str | None = None) -> int:
+        """Drop the queued ops of a worker (of one location, when given): its holder is being
+        retired, so they are moot. Returns the ops dropped."""
+        keep, gone = deque(), 0
+        for b in self.queue:
+            if b.instance_id == instance_id and b.worker_id == worker_id and location in (None, b.location):
+                gone += len(b.ops)
+                metrics.count_ops(b.ops, "superseded")
+            else:
+                keep.append(b)
+        self.queue, self.queued_ops = keep, self.queued_ops - gone
+        return gone
 
-        On a Redis error the ops stay pending and the error propagates; the service loop
-        backs off and calls flush again before reading more frames. Connection errors are
-        retried until Redis is back; other errors (BUSY, OOM, READONLY...) up to
-        ``MAX_REDIS_FAILURES`` times, then the ops are dropped and counted.
+    def lag_s(self) -> float:
+        """How long the oldest queued op has waited (seconds; 0 when nothing is queued)."""
+        return time.monotonic() - self.queue[0].queued_at if self.queue else 0.0
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def flush(self, budget: int | None = None) -> int:
+        """Write up to ``budget`` queued ops (all when None), oldest first; returns ops taken.
+
+        On a Redis error the ops stay queued and the error propagates; the service loop backs
+        off and calls flush again. Connection errors are retried until Redis is back; other
+        errors (BUSY, OOM, READONLY...) up to ``MAX_REDIS_FAILURES`` times, then the ops are
+        dropped and counted.
         """
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
+        taken = self._take(budget)
+        if not taken:
+            return 0
         try:
-            self._write(pending)
+            self._write(taken)
             self._redis_failures = 0
         except (redis.ConnectionError, redis.TimeoutError):
-            self._pending = pending + self._pending  # nothing lost: the loop retries
+            self._put_back(taken)
             raise
         except redis.RedisError as exc:
             self._redis_failures += 1
             if self._redis_failures < MAX_REDIS_FAILURES:
-                self._pending = pending + self._pending
+                self._put_back(taken)
                 raise
             self._redis_failures = 0
-            for batch in pending:
-                metrics.count_ops(batch[3], "redis_error")
-            log.error("dropped %d batches after %d Redis errors: %s", len(pending), MAX_REDIS_FAILURES, exc)
+            for b in taken:
+                metrics.count_ops(b.ops, "redis_error")
+            log.error("dropped %d batches after %d Redis errors: %s", len(taken), MAX_REDIS_FAILURES, exc)
+        return sum(len(b.ops) for b in taken)
 
-    def _write(self, pending: list[Batch]) -> None:
-        for inst, wid, _loc, _ops in pending:
-            if not self._seen(inst, wid) and not self.store.is_registered(inst, wid):
-                log.info("records for unregistered worker %s/%s: registering it", inst, wid)
-                self.store.register_worker(inst, wid)
-            self._see(inst, wid)
+    def _take(self, budget: int | None) -> list[Batch]:
+        taken, n = [], 0
+        while self.queue and (budget is None or n < budget):
+            b = self.queue[0]
+            room = len(b.ops) if budget is None else budget - n
+            if len(b.ops) <= room:
+                taken.append(self.queue.popleft())
+            else:  # split: the rest stays at the head, in order
+                taken.append(Batch(b.instance_id, b.worker_id, b.location, b.ops[:room], b.implicit, b.queued_at))
+                del b.ops[:room]
+            n += len(taken[-1].ops)
+        self.queued_ops -= n
+        return taken
+
+    def _put_back(self, taken: list[Batch]) -> None:
+        self.queue.extendleft(reversed(taken))
+        self.queued_ops += sum(len(b.ops) for b in taken)
+
+    def _write(self, taken: list[Batch]) -> None:
+        writable = [b for b in taken if self._writable(b)]
         try:
-            self.store.apply(pending)
-        except NotRegistered:
-            # a worker deregistered between the check and the write: apply the others
-            for batch in pending:
-                self._apply_one(batch)
+            self.store.apply([(b.instance_id, b.worker_id, b.location, b.ops) for b in writable])
+        except NotRegistered:  # a worker left the registry since we looked: sort them out one by one
+            self._registered.clear()
+            for b in writable:
+                if self._writable(b):
+                    try:
+                        self.store.apply([(b.instance_id, b.worker_id, b.location, b.ops)])
+                    except NotRegistered:
+                        metrics.count_ops(b.ops, "unregistered")
+                        continue
+                    metrics.count_ops(b.ops, "applied")
             return
-        for batch in pending:
-            metrics.count_ops(batch[3], "applied")
+        for b in writable:
+            metrics.count_ops(b.ops, "applied")
 
-    def _apply_one(self, batch: Batch) -> None:
-        inst, wid = batch[0], batch[1]
-        try:
-            self.store.apply([batch])
-        except NotRegistered:
-            # deregistered or reaped elsewhere while this process thought it known (0.3.x
-            # workers register once): register again, as for any unknown worker, and retry
-            log.info("worker %s/%s vanished from the registry: registering it again", inst, wid)
-            self._unsee(inst, wid)
-            self.store.register_worker(inst, wid)
-            self._see(inst, wid)
-            self.store.apply([batch])
-        metrics.count_ops(batch[3], "applied")
+    def _writable(self, b: Batch) -> bool:
+        """Is the batch's worker registered? A 0.3-era admit registers it; else it is dropped."""
+        key = (b.instance_id, b.worker_id)
+        if key in self._registered:
+            return True
+        if self.store.is_registered(*key):
+            self._registered.add(key)
+            return True
+        if b.implicit:
+            log.info("0.3-era admits of unregistered worker %s/%s: registering it", *key)
+            self._register_worker(b.instance_id, b.worker_id)
+            return True
+        metrics.count_ops(b.ops, "unregistered")
+        log.info("dropped %d ops of unregistered worker %s/%s", len(b.ops), *key)
+        return False
 
-    # -- workers this process has seen -----------------------------------------------------
+    # -- registry --------------------------------------------------------------------------
 
-    def _seen(self, instance_id: str, worker_id: int) -> bool:
-        return worker_id in self._workers.get(instance_id, ())
+    def _register(self, msg: proto.Register) -> int:
+        url = msg.peer_init_url if msg.peer_init_url is not None else msg.distributed_url
+        return self._register_worker(msg.instance_id, msg.worker_id, msg.ip, msg.port, url)
 
-    def _see(self, instance_id: str, worker_id: int) -> None:
-        self._workers.setdefault(instance_id, set()).add(worker_id)
-        self.instances.add(instance_id)
+    def _register_worker(self, instance_id: str, worker_id: int, ip: str = "", port: int = 0,
+                         url: str | None = None) -> int:
+        self.drop_queued(instance_id, worker_id)  # a new epoch: queued ops of the old one are moot
+        epoch = self.store.register_worker(instance_id, worker_id, ip, port, url)
+        self.store.own(self.sidecar_id, instance_id)
+        key = (instance_id, worker_id)
+        self._registered.add(key)
+        self._synced.add(key)
+        self._reset_seq(instance_id, worker_id)
+        log.info("registered %s worker %d (%s:%d), epoch %d", instance_id, worker_id, ip, port, epoch)
+        return epoch
 
-    def _unsee(self, instance_id: str, worker_id: int) -> None:
-        """Forget a worker; an instance with no worker left here is no longer refreshed."""
-        workers = self._workers.get(instance_id)
-        if workers is not None:
-            workers.discard(worker_id)
-            if not workers:
-                del self._workers[instance_id]
-                if instance_id not in self.pinned:
-                    self.instances.discard(instance_id)
+    def _deregister(self, instance_id: str, worker_id: int) -> None:
+        self.drop_queued(instance_id, worker_id)
+        known = self.store.deregister_worker(instance_id, worker_id)
+        self.forget(instance_id, worker_id)
+        self.left(instance_id, worker_id)
+        log.info("deregistered %s worker %d%s", instance_id, worker_id, "" if known else " (was unknown)")
 
-    def pin(self, *instance_ids: str) -> None:
-        """Instances whose liveness this sidecar refreshes even before (or without) a worker."""
-        self.pinned.update(instance_ids)
-        self.instances.update(instance_ids)
+    def forget(self, instance_id: str, worker_id: int | str) -> None:
+        """Drop what this process knows of a worker that left the registry, so its next
+        heartbeat or record re-registers it (and, for 0.5.x, asks for a full sync)."""
+        wid = int(worker_id) if isinstance(worker_id, str) and worker_id.isdigit() else worker_id
+        self._registered.discard((instance_id, wid))
+        self._synced.discard((instance_id, wid))
+        self._gaps.discard((instance_id, wid))
+        self._reset_seq(instance_id, wid)
 
     def _reset_seq(self, instance_id: str, worker_id: int) -> None:
         """Forget the expected seq_num of every location of a worker (new epoch or reaped)."""
@@ -186,35 +280,15 @@ class LMCacheIngest:
         first = msg.operations[0].seq_num
         if expected is not None and first != expected:
             metrics.SEQ_GAPS.labels("lmcache").inc()
-            log.warning("seq gap from %s: expected %d, got %d", source, expected, first)
+            log.warning("seq gap from %s: expected %d, got %d; full sync at its next heartbeat",
+                        source, expected, first)
+            self._synced.discard(source[:2])
+            self._gaps.add(source[:2])
         self._next_seq[source] = msg.operations[-1].seq_num + 1
-
-    # -- registry --------------------------------------------------------------------------
-
-    def _register(self, msg: proto.Register) -> int:
-        url = msg.peer_init_url if msg.peer_init_url is not None else msg.distributed_url
-        epoch = self.store.register_worker(msg.instance_id, msg.worker_id, msg.ip, msg.port, url)
-        self._see(msg.instance_id, msg.worker_id)
-        self._reset_seq(msg.instance_id, msg.worker_id)
-        log.info("registered %s worker %d (%s:%d), epoch %d", msg.instance_id, msg.worker_id,
-                 msg.ip, msg.port, epoch)
-        return epoch
-
-    def _deregister(self, instance_id: str, worker_id: int) -> None:
-        known = self.store.deregister_worker(instance_id, worker_id)
-        self._unsee(instance_id, worker_id)
-        log.info("deregistered %s worker %d%s", instance_id, worker_id, "" if known else " (was unknown)")
-
-    def forget(self, instance_id: str, worker_id: int | str) -> None:
-        """Drop what this process knows of a worker the reaper deregistered, so its next
-        heartbeat or record re-registers it (and, for 0.5.x, asks for a full sync)."""
-        wid = int(worker_id) if isinstance(worker_id, str) and worker_id.isdigit() else worker_id
-        self._unsee(instance_id, wid)
-        self._reset_seq(instance_id, wid)
 
     # -- request channel (ROUTER) ----------------------------------------------------------
 
-    def handle_request(self, payload: bytes) -> bytes:
+    def handle_request(self, payload: bytes, conn: Any = None) -> bytes:
         """Answer one worker request (0.3.12+ DEALER, or a 0.3.x REQ); returns the reply frame."""
         try:
             tag, msg = proto.decode_frame(payload)
@@ -223,9 +297,11 @@ class LMCacheIngest:
             log.warning("rejected request (%d bytes): %s", len(payload), exc)
             return proto.encode(proto.ErrorMsg(error=str(exc)))
         metrics.MESSAGES.labels(tag).inc()
-        self.flush()
         try:
+            self.seen(conn, msg.instance_id, msg.worker_id)
             return proto.encode(self._on_request(tag, msg))
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            return proto.encode(proto.ErrorMsg(error=f"index unavailable: {exc}"))
         except Exception as exc:
             metrics.REJECTED.labels("lmcache", "handler_error").inc()
             log.exception("failed to answer %s", tag)
@@ -239,11 +315,7 @@ class LMCacheIngest:
         if tag == "HeartbeatMsg":
             return self._heartbeat(msg)
         if tag == "FullSyncStartMsg":
-            self.store.retire_location(msg.instance_id, msg.worker_id, msg.location)
-            self._next_seq.pop((msg.instance_id, msg.worker_id, msg.location), None)
-            log.info("full sync %s of %s/%s/%s: %d keys in %d batches", msg.sync_id, msg.instance_id,
-                     msg.worker_id, msg.location, msg.total_keys, msg.batch_count)
-            return proto.FullSyncStartRetMsg(sync_id=msg.sync_id, accepted=True)
+            return self._full_sync_start(msg)
         if tag == "FullSyncStatusMsg":
             return proto.FullSyncStatusRetMsg(sync_id=msg.sync_id, is_complete=True, global_progress=1.0,
                                               can_exit_freeze=True)
@@ -251,19 +323,36 @@ class LMCacheIngest:
             return proto.BatchedP2PLookupRetMsg(layout_info=[("", "", 0, "")])
         # a push message sent on the request channel: apply it, acknowledge with an error
         self._on_push(tag, msg)
-        self.flush()
         return proto.ErrorMsg(error=f"{tag} is not a request")
 
+    def _full_sync_start(self, msg: proto.FullSyncStart) -> proto.FullSyncStartRetMsg:
+        key = (msg.instance_id, msg.worker_id)
+        if not self.store.is_registered(*key):
+            return proto.FullSyncStartRetMsg(sync_id=msg.sync_id, accepted=False,
+                                             error_msg="worker is not registered; register first")
+        self.drop_queued(msg.instance_id, msg.worker_id, msg.location)
+        self.store.retire_location(msg.instance_id, msg.worker_id, msg.location)
+        self._next_seq.pop((msg.instance_id, msg.worker_id, msg.location), None)
+        self._synced.add(key)
+        log.info("full sync %s of %s/%s/%s: %d keys in %d batches", msg.sync_id, msg.instance_id,
+                 msg.worker_id, msg.location, msg.total_keys, msg.batch_count)
+        return proto.FullSyncStartRetMsg(sync_id=msg.sync_id, accepted=True)
+
     def _heartbeat(self, msg: proto.Register) -> proto.HeartbeatRetMsg:
-        """Refresh a worker; one this process has not seen is asked for a full sync."""
+        """Refresh a worker. One this process has not registered or synced since it started
+        (or that skipped a seq) is asked for a full sync, once."""
         key = (msg.instance_id, msg.worker_id)
         known = self.store.heartbeat_worker(msg.instance_id, msg.worker_id)
-        if known and self._seen(*key):
+        if known and key in self._synced:
             return proto.HeartbeatRetMsg()
-        reason = "controller_restart" if known else "worker_re_registered"
         if known:
-            self._see(*key)
+            reason = "sync_failed_retry" if key in self._gaps else "controller_restart"
+            self._gaps.discard(key)
+            self._synced.add(key)
+            self._registered.add(key)
+            self.store.own(self.sidecar_id, msg.instance_id)
         else:
+            reason = "worker_re_registered"
             self._register(msg)
         metrics.RESYNCS.labels("lmcache", reason).inc()
         log.info("asking %s worker %d for a full sync (%s)", msg.instance_id, msg.worker_id, reason)

@@ -1,13 +1,20 @@
-"""The sidecar process: ZMQ sockets, one poll loop, periodic liveness and purge.
+"""The sidecar process: LMCache sockets in one loop, vLLM streams in another, leases in Redis.
 
-One thread owns every socket. Each readable socket's handler runs to completion before the
-next poll, so writes keep their arrival order. Periodic work (liveness keys, purge of retired
-records) runs between polls.
+The LMCache loop owns the PULL and ROUTER sockets. Each turn it serves worker requests
+(registration, heartbeats, full-sync control: small, answered at once), reads PUSH traffic
+into a queue while the queue is below its bound, and writes one bounded slice of the queue,
+so one huge message or a flood never holds the loop: leases are renewed and heartbeats answered
+between slices. Once a second it renews the leases of every instance this sidecar owns (kept in
+Redis, so a restarted sidecar resumes them), publishes its status, asks about workers that went
+quiet (sidecar.liveness), and reaps workers there is evidence against; idle turns purge retired
+records. vLLM streams run in their own thread (sidecar.vllm_zmq.VllmLoop).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -20,129 +27,193 @@ from kvlookup import metrics
 from kvlookup.fleet import reap
 from kvlookup.store import Store
 from kvlookup.zmqaddr import endpoint
+from sidecar.liveness import Liveness
 from sidecar.lmcache_ingest import LMCacheIngest
-from sidecar.vllm_ingest import VllmIngest
-from sidecar.vllm_zmq import VllmSource, attach
+from sidecar.sockets import Limits, SocketSet, source_fd
+from sidecar.vllm_zmq import VllmLoop, VllmSource
 
 log = logging.getLogger(__name__)
 
-#: Records purged per periodic step (bounded so ingest is never starved).
+#: Records purged per idle turn (one holder's buckets at a time; a few ms of Redis each).
 PURGE_BUDGET = 20_000
-MAX_FRAMES_PER_MESSAGE = 10_000
-#: Largest frame a peer may send (ZMQ_MAXMSGSIZE); a peer sending more is disconnected.
-MAX_FRAME_BYTES = 64 * 1024 * 1024
+#: Records purged per turn while ops are queued (ingest first).
+BUSY_PURGE_BUDGET = 2_000
+#: Requests and PUSH messages read per turn (then the turn writes a slice and comes back).
+MAX_REQUESTS_PER_TURN = 200
+MAX_PUSHES_PER_TURN = 200
+#: Seconds between reaper passes of this sidecar.
+REAP_EVERY_S = 5.0
+#: How long a sidecar's own lease lasts (its status in /health goes "down" after this).
+SIDECAR_LEASE_S = 5.0
+
+
+def default_sidecar_id(*urls: str | None) -> str:
+    """``<hostname>/<first bound address>``: stable across restarts of the same sidecar."""
+    first = next((u for u in urls if u), "")
+    return f"{socket.gethostname()}/{first}"
 
 
 class Sidecar:
-    """Receives LMCache worker traffic (and, via :meth:`add_socket`, other sources).
+    """Receives LMCache worker traffic and vLLM KV event streams.
 
-    store: the index. pull_url: LMCache ``controller_pull_url`` to bind (PULL).
-    reply_url: ``controller_reply_url`` to bind (ROUTER; 0.3.12+ registration, heartbeats,
-    full sync), or None. instance_ids: instances whose liveness this sidecar vouches for from
-    the start (instances seen in traffic are added). advertise_reply: the address workers
-    should use for heartbeats ("" = the reply URL's host:port). vllm: vLLM instances whose KV
-    event streams to ingest (see sidecar.vllm_zmq); their ids are vouched for too.
+    store: the index. pull_url: LMCache ``controller_pull_url`` to bind (PULL). reply_url:
+    ``controller_reply_url`` to bind (ROUTER; 0.3.12+ registration, heartbeats, full sync), or
+    None. sidecar_id: this sidecar's name in the registry (default :func:`default_sidecar_id`);
+    a restarted sidecar with the same id resumes renewing the leases of the instances it owned.
+    instance_ids: instances this sidecar vouches for from the start. heartbeat_s: seconds
+    between lease renewals (default 1). advertise_reply: the address workers should use for
+    heartbeats ("" = the reply URL's host:port). vllm: vLLM instances whose KV event streams to
+    ingest (sidecar.vllm_zmq). limits: bounds on frames, messages and queued ops.
+    grace_s, probe_timeout_s, probe_retries, address_allowed: liveness evidence (sidecar.liveness).
     """
 
     def __init__(self, store: Store, pull_url: str | None, reply_url: str | None = None, *,
-                 instance_ids: tuple[str, ...] = (), heartbeat_s: float | None = None,
-                 advertise_reply: str = "", vllm: tuple[VllmSource, ...] = ()):
+                 sidecar_id: str | None = None, instance_ids: tuple[str, ...] = (), heartbeat_s: float | None = None,
+                 advertise_reply: str = "", vllm: tuple[VllmSource, ...] = (), limits: Limits | None = None,
+                 grace_s: float = 5.0, probe_timeout_s: float = 2.0, probe_retries: int = 1,
+                 address_allowed: Callable[[str], bool] = lambda _ip: True):
         self.store = store
+        self.sidecar_id = sidecar_id or default_sidecar_id(pull_url, reply_url, *(v.endpoint for v in vllm))
+        self.limits = limits or Limits()
         self.ctx = zmq.Context()
-        self.poller = zmq.Poller()
-        self.handlers: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
+        self.sockets = SocketSet(self.ctx, self.limits)
+        self.pinned = tuple(instance_ids) + tuple(v.instance_id for v in vllm)
+        self.heartbeat_s = heartbeat_s or 1.0
+        self.liveness = Liveness(store, self.sidecar_id, grace_s=grace_s, timeout_s=probe_timeout_s,
+                                 retries=probe_retries, address_allowed=address_allowed)
         hb_url = advertise_reply or (_host_port(reply_url) if reply_url else "")
-        self.lmcache = LMCacheIngest(store, heartbeat_url=hb_url)
-        self.lmcache.pin(*instance_ids)
-        self.heartbeat_s = heartbeat_s or max(0.5, store.instance_ttl_ms / 3000)
-        self.tasks: list[Callable[[], None]] = [self._touch_instances, self._reap, self._purge]
+        self.lmcache = LMCacheIngest(store, self.sidecar_id, heartbeat_url=hb_url, seen=self.liveness.seen,
+                                     left=self.liveness.forget)
         self._stop = threading.Event()
-        self.closers: list[Callable[[], None]] = []
+        self.started_at = time.time()
+        self.status: dict = {}
         self.pull = self.router = None
-        self.vllm: dict[str, VllmIngest] = {}
-        for source in vllm:
-            self.vllm[source.instance_id] = attach(self, source)
-            self.lmcache.pin(source.instance_id)
+        self.names: dict[zmq.Socket, str] = {}
         if pull_url:
-            self.pull = self.add_socket(zmq.PULL, endpoint(pull_url), self._on_pull)
+            self.pull = self._bind(zmq.PULL, pull_url, self._on_pull, "pull")
         if reply_url:
-            self.router = self.add_socket(zmq.ROUTER, endpoint(reply_url), self._on_router)
+            self.router = self._bind(zmq.ROUTER, reply_url, self._on_router, "reply")
+        self.vllm = VllmLoop(store, vllm, sidecar_id=self.sidecar_id, ctx=self.ctx, limits=self.limits,
+                             grace_s=grace_s) if vllm else None
 
-    def add_socket(self, kind: int, bind: str | None, handler: Callable[[zmq.Socket], None],
-                   connect: str | None = None) -> zmq.Socket:
-        """Create, bind (or connect) and poll a socket; ``handler(sock)`` runs when readable."""
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if kind in (zmq.PULL, zmq.SUB, zmq.ROUTER):
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        if bind:
-            sock.bind(bind)
-        if connect:
-            sock.connect(connect)
-        self.poller.register(sock, zmq.POLLIN)
-        self.handlers[sock] = handler
+    def _bind(self, kind: int, url: str, handler, name: str) -> zmq.Socket:
+        def on_event(event: int, fd: int, _endpoint: str) -> None:
+            if event == zmq.EVENT_ACCEPTED:
+                self.liveness.accepted((name, fd))
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.liveness.disconnected((name, fd))
+
+        sock = self.sockets.add(kind, handler, bind=endpoint(url), on_event=on_event)
+        self.names[sock] = name  # connections are (socket name, descriptor)
         return sock
-
-    def remove_socket(self, sock: zmq.Socket) -> None:
-        """Stop polling and close a socket."""
-        self.poller.unregister(sock)
-        self.handlers.pop(sock, None)
-        sock.close(0)
 
     # -- handlers ----------------------------------------------------------------------------
 
+    def _read(self, sock: zmq.Socket) -> tuple[list[bytes], tuple[str, int] | None] | None:
+        """One multipart message (frames, connection); None when it breaks the size limit."""
+        frames = sock.recv_multipart(copy=False)
+        size = sum(len(f) for f in frames)
+        if size > self.limits.max_message_bytes:
+            metrics.REJECTED.labels("lmcache", "message_too_large").inc()
+            log.warning("dropped a %d-frame message of %d bytes (max_message_bytes %d)", len(frames), size,
+                        self.limits.max_message_bytes)
+            return None
+        fd = source_fd(frames[-1])
+        return [f.bytes for f in frames], (self.names[sock], fd) if fd is not None else None
+
     def _on_pull(self, sock: zmq.Socket) -> None:
-        frames = sock.recv_multipart(copy=True)
-        if len(frames) > MAX_FRAMES_PER_MESSAGE:
-            metrics.REJECTED.labels("lmcache", "too_many_frames").inc(len(frames) - MAX_FRAMES_PER_MESSAGE)
-            log.warning("multipart of %d frames: only the first %d applied", len(frames), MAX_FRAMES_PER_MESSAGE)
-        self.lmcache.handle_push(frames[:MAX_FRAMES_PER_MESSAGE])
+        for _ in range(MAX_PUSHES_PER_TURN):
+            if self.lmcache.queued_ops >= self.limits.max_queued_ops:
+                return  # back pressure: the rest waits in ZMQ (RCVHWM), then in the senders
+            try:
+                got = self._read_nowait(sock)
+            except zmq.Again:
+                return
+            if got is not None:
+                self.lmcache.handle_push(*got)
+
+    def _read_nowait(self, sock: zmq.Socket):
+        if not sock.poll(0):
+            raise zmq.Again()
+        return self._read(sock)
 
     def _on_router(self, sock: zmq.Socket) -> None:
-        frames = sock.recv_multipart(copy=True)
-        if len(frames) < 2:
-            log.warning("ROUTER message with %d frame(s) ignored", len(frames))
-            return
-        identity, payload = frames[0], frames[-1]
-        envelope = [identity, b""] if len(frames) >= 3 and frames[1] == b"" else [identity]
-        reply = proto.encode(proto.ErrorMsg(error="controller error"))
-        try:
-            reply = self.lmcache.handle_request(payload)
-        finally:  # a REQ worker waits for a reply: it always gets one
-            sock.send_multipart([*envelope, reply])
+        for _ in range(MAX_REQUESTS_PER_TURN):
+            try:
+                got = self._read_nowait(sock)
+            except zmq.Again:
+                return
+            if got is None:
+                continue
+            frames, conn = got
+            if len(frames) < 2:
+                log.warning("ROUTER message with %d frame(s) ignored", len(frames))
+                continue
+            identity, payload = frames[0], frames[-1]
+            envelope = [identity, b""] if len(frames) >= 3 and frames[1] == b"" else [identity]
+            reply = proto.encode(proto.ErrorMsg(error="controller error"))
+            try:
+                reply = self.lmcache.handle_request(payload, conn)
+            finally:  # a REQ/DEALER worker waits for a reply: it always gets one
+                sock.send_multipart([*envelope, reply])
 
-    # -- periodic tasks ----------------------------------------------------------------------
+    # -- periodic ----------------------------------------------------------------------------
 
-    def _touch_instances(self) -> None:
-        self.store.touch_instances(self.lmcache.instances)
+    def _start(self) -> None:
+        for instance_id in self.pinned:
+            self.store.own(self.sidecar_id, instance_id)
+        owned = self.store.renew(self.sidecar_id, SIDECAR_LEASE_S)
+        log.info("sidecar %s: resuming %d owned instance(s)", self.sidecar_id, owned)
+        if self.vllm is not None:
+            self.vllm.start()
+
+    def _tick(self) -> None:
+        self.store.renew(self.sidecar_id, SIDECAR_LEASE_S)
+        self.liveness.tick()
+        self._publish_status()
 
     def _reap(self) -> None:
         for instance_id, worker_id in reap(self.store):
             metrics.REAPED.inc()
             self.lmcache.forget(instance_id, worker_id)
+            self.liveness.forget(instance_id, worker_id)
 
-    def _purge(self) -> None:
-        removed = self.store.purge(PURGE_BUDGET)
+    def _purge(self, budget: int) -> None:
+        removed = self.store.purge(budget)
         if removed:
-            log.info("purged %d retired records", removed)
+            log.debug("purged %d retired records", removed)
+
+    def _publish_status(self) -> None:
+        self.status = {"sidecar_id": self.sidecar_id, "pid": os.getpid(), "host": socket.gethostname(),
+                       "started_at": round(self.started_at, 3), "queued_ops": self.lmcache.queued_ops,
+                       "lag_ms": round(self.lmcache.lag_s() * 1000, 1), "updated_at": round(time.time(), 3)}
+        self.store.publish_status(self.sidecar_id, self.status)
 
     # -- loop --------------------------------------------------------------------------------
 
     def run(self) -> None:
         """Serve until :meth:`stop`. Redis outages pause the loop; nothing queued is lost."""
-        next_tick = 0.0
+        next_tick = next_reap = 0.0
         backoff = 0.1
+        started = False
         while not self._stop.is_set():
             try:
-                self.lmcache.flush()
+                if not started:
+                    self._start()
+                    started = True
                 now = time.monotonic()
                 if now >= next_tick:
-                    for task in self.tasks:
-                        task()
+                    self._tick()
                     next_tick = now + self.heartbeat_s
-                for sock, _ev in self.poller.poll(timeout=int(min(self.heartbeat_s, 0.2) * 1000)):
-                    self.handlers[sock](sock)
+                if now >= next_reap:
+                    self._reap()
+                    next_reap = now + REAP_EVERY_S
+                busy = self.lmcache.queued_ops > 0
+                wait_ms = 0 if busy else int(max(0.0, min(next_tick - time.monotonic(), 0.2)) * 1000)
+                for sock in self.sockets.poll(wait_ms):
+                    self.sockets.handlers[sock](sock)
+                self.lmcache.flush(self.limits.slice_ops)
+                self._purge(BUSY_PURGE_BUDGET if self.lmcache.queued_ops else PURGE_BUDGET)
                 backoff = 0.1
             except redis.RedisError as exc:  # unreachable, BUSY, OOM, READONLY...: back off
                 log.warning("redis error (%s); retrying in %.1fs", exc, backoff)
@@ -159,11 +230,12 @@ class Sidecar:
         self._stop.set()
 
     def close(self) -> None:
-        """Close every socket and the context."""
-        for closer in self.closers:
-            closer()
-        for sock in list(self.handlers):
-            self.remove_socket(sock)
+        """Stop the vLLM loop, close every socket and the context."""
+        if self.vllm is not None:
+            self.vllm.stop()
+            self.vllm.join(5)
+        self.liveness.close()
+        self.sockets.close()
         self.ctx.term()
 
 

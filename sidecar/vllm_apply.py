@@ -67,13 +67,15 @@ class Entry:
 @dataclass
 class RankContext:
     """What the applier needs about a rank. block_size: the size its records use (None until
-    the first store). wipe: retire every record of the rank and empty its engine map."""
+    the first store). wipe: retire every record of the rank and empty its engine map.
+    register: register the rank again (a new epoch) when the registry lost it."""
 
     store: Store
     instance_id: str
     rank: int
     block_size: int | None
     wipe: Callable[[], None]
+    register: Callable[[], None]
     rejected: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
 
@@ -239,7 +241,7 @@ class BatchApplier:
         except NotRegistered:
             ctx = self.ctx
             log.warning("%s rank %d was deregistered; registering it again", ctx.instance_id, ctx.rank)
-            ctx.store.register_worker(ctx.instance_id, ctx.rank, kind="vllm", worker_rule="any")
+            ctx.register()
             self.ctx.store.apply(batches, space=space)
         for batch in batches:
             metrics.count_ops(batch[3], "applied")

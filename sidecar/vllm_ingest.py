@@ -57,14 +57,15 @@ class VllmIngest:
     """Applies one vLLM instance's event streams (one per DP rank) to the index.
 
     store: the index. instance_id: the name lookups report. replay: see :data:`ReplayFn`
-    (None = no replay endpoint). Counters: ``rejected`` (events/batches per reason),
+    (None = no replay endpoint). owner: the sidecar id that owns the instance (renews its lease). Counters: ``rejected`` (events/batches per reason),
     ``skipped`` (other_group, remove_unknown), ``duplicates``, ``resyncs`` (per reason).
     """
 
-    def __init__(self, store: Store, instance_id: str, replay: ReplayFn | None = None):
+    def __init__(self, store: Store, instance_id: str, replay: ReplayFn | None = None, owner: str = ""):
         self.store = store
         self.instance_id = instance_id
         self.replay = replay
+        self.owner = owner
         self.ranks: dict[int, RankState] = {}
         self.rejected: Counter = Counter()
         self.skipped: Counter = Counter()
@@ -166,6 +167,7 @@ class VllmIngest:
     def _apply(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
         persist = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): digest(payload)}
         ctx = RankContext(self.store, self.instance_id, rank, st.block_size, lambda: self._wipe(rank),
+                          lambda: self._register_rank(rank),
                           self.rejected, self.skipped)
         try:
             events = decode_batch(payload).events
@@ -176,9 +178,15 @@ class VllmIngest:
         st.block_size = ctx.block_size
         st.last = seq
 
+    def _register_rank(self, rank: int) -> None:
+        """A new epoch of the rank in the registry, owned by this sidecar."""
+        self.store.register_worker(self.instance_id, rank, kind="vllm", worker_rule="any")
+        if self.owner:
+            self.store.own(self.owner, self.instance_id)
+
     def _wipe(self, rank: int) -> None:
         """New epoch for the rank (its records stop counting), empty engine map."""
-        self.store.register_worker(self.instance_id, rank, kind="vllm", worker_rule="any")
+        self._register_rank(rank)
         pipe = self.store.r.pipeline(transaction=False)
         pipe.unlink(keys.engine_map_key(self.instance_id, rank))
         pipe.hdel(keys.instance_key(self.instance_id),

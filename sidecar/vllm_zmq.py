@@ -10,14 +10,18 @@ bound by vLLM, so the DEALER always connects.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
+import redis
 import zmq
 
 from kvlookup import metrics
+from kvlookup.store import Store
 from kvlookup.vllm_events import REPLAY_END, DecodeError, parse_replay
 from kvlookup.zmqaddr import endpoint, with_port_offset
+from sidecar.sockets import Limits, SocketSet
 from sidecar.vllm_ingest import VllmIngest
 
 log = logging.getLogger(__name__)
@@ -106,22 +110,95 @@ class VllmSource:
     replay_timeout_s: float = 2.0
 
 
-def attach(sidecar, source: VllmSource) -> VllmIngest:
-    """Add SUB sockets for every rank of ``source`` to a running-to-be Sidecar; returns the ingest."""
-    replay = ReplayClient(sidecar.ctx, source.replay_endpoint, source.replay_timeout_s) \
-        if source.replay_endpoint else None
-    ingest = VllmIngest(sidecar.store, source.instance_id, replay)
-    for rank in range(source.dp_size):
-        url = with_port_offset(source.endpoint, rank)
+class VllmLoop:
+    """The vLLM event streams of one sidecar, in a thread of their own: a replay waits for
+    vLLM's answer (seconds when it is slow), and the LMCache loop, its heartbeat replies and the
+    liveness leases never wait behind it.
 
-        def handler(sock: zmq.Socket, rank: int = rank) -> None:
-            ingest.handle_live(rank, sock.recv_multipart(copy=True))
+    store: the index (this loop keeps its own holder cache). sources: the vLLM instances.
+    sidecar_id: the owner of their instances. grace_s: a rank whose SUB connection dropped and
+    did not come back within this long is recorded as gone (``Store.suspect``; its engine
+    stopped), unless it is not registered.
+    """
 
-        sock = sidecar.add_socket(zmq.SUB, url if source.bind else None, handler,
-                                  connect=None if source.bind else url)
-        sock.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
-    if replay is not None:
-        sidecar.closers.append(replay.close)
-    log.info("vLLM instance %s: %s %s (ranks %d), replay %s", source.instance_id,
-             "bind" if source.bind else "connect", source.endpoint, source.dp_size, source.replay_endpoint)
-    return ingest
+    def __init__(self, store: Store, sources: tuple[VllmSource, ...], *, sidecar_id: str = "",
+                 ctx: zmq.Context | None = None, limits: Limits | None = None, grace_s: float = 5.0):
+        self.store = Store(store.r, instance_ttl_s=store.instance_ttl_ms / 1000,
+                           worker_ttl_s=store.worker_ttl_ms / 1000, purge_grace_s=store.purge_grace_ms / 1000,
+                           records=store.records)
+        self.sockets = SocketSet(ctx or zmq.Context.instance(), limits or Limits())
+        self.grace_s = grace_s
+        self.ingests: dict[str, VllmIngest] = {}
+        self.replays: list[ReplayClient] = []
+        self.down: dict[tuple[str, int], float] = {}  # (instance, rank) -> when to record it gone
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="kvlookup-vllm", daemon=True)
+        for source in sources:
+            self.ingests[source.instance_id] = self._attach(source, sidecar_id)
+
+    def _attach(self, source: VllmSource, sidecar_id: str) -> VllmIngest:
+        replay = ReplayClient(self.sockets.ctx, source.replay_endpoint, source.replay_timeout_s) \
+            if source.replay_endpoint else None
+        if replay is not None:
+            self.replays.append(replay)
+        ingest = VllmIngest(self.store, source.instance_id, replay, owner=sidecar_id)
+        for rank in range(source.dp_size):
+            url = with_port_offset(source.endpoint, rank)
+            key = (source.instance_id, rank)
+
+            def handler(sock: zmq.Socket, rank: int = rank, key=key) -> None:
+                self.down.pop(key, None)
+                ingest.handle_live(rank, sock.recv_multipart(copy=True))
+
+            def on_event(event: int, _fd: int, _endpoint: str, key=key) -> None:
+                if event == zmq.EVENT_DISCONNECTED:
+                    self.down.setdefault(key, time.monotonic() + self.grace_s)
+                elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                    self.down.pop(key, None)
+
+            self.sockets.add(zmq.SUB, handler, bind=url if source.bind else None,
+                             connect=None if source.bind else url, on_event=on_event,
+                             setup=lambda sock: sock.setsockopt(zmq.SUBSCRIBE, source.topic.encode()))
+        log.info("vLLM instance %s: %s %s (ranks %d), replay %s", source.instance_id,
+                 "bind" if source.bind else "connect", source.endpoint, source.dp_size, source.replay_endpoint)
+        return ingest
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def run(self) -> None:
+        """Serve until :meth:`stop`. Redis outages pause the loop; a lost message is a seq gap."""
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                for sock in self.sockets.poll(200):
+                    self.sockets.handlers[sock](sock)
+                self._record_gone()
+                backoff = 0.1
+            except redis.RedisError as exc:
+                log.warning("vLLM loop: redis error (%s); retrying in %.1fs", exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            except Exception:  # the loop never dies; the failure is counted and logged
+                metrics.REJECTED.labels("vllm", "loop_error").inc()
+                log.exception("vLLM loop error")
+                self._stop.wait(0.1)
+        for replay in self.replays:
+            replay.close()
+        self.sockets.close()
+
+    def _record_gone(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, at in self.down.items() if at <= now]:
+            del self.down[key]
+            if self.store.is_registered(*key):
+                log.warning("vLLM %s rank %d: its event stream stayed disconnected %.0fs; recording it gone",
+                            key[0], key[1], self.grace_s)
+                self.store.suspect(*key, int(time.time() * 1000))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.thread.is_alive():
+            self.thread.join(timeout)

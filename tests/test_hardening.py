@@ -53,38 +53,61 @@ def test_redis_errors_keep_ops_pending_then_drop_them(store, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(store, "apply", flaky)
+    ingest.handle_push([frame])
     with pytest.raises(redis.ResponseError):
-        ingest.handle_push([frame])
-    assert len(ingest._pending) == 1  # kept for the next flush
+        ingest.flush()
+    assert ingest.queued_ops == 1  # kept for the next flush
     ingest.flush()
     assert Client(store=store).lookup(SEED_TOKENS)[1] == {"busy": (CPU, 12)}
     failures[0] = MAX_REDIS_FAILURES
-    with pytest.raises(redis.ResponseError):
-        ingest.handle_push([frame])  # failure 1
-    for _ in range(MAX_REDIS_FAILURES - 2):
+    ingest.handle_push([frame])
+    for _ in range(MAX_REDIS_FAILURES - 1):
         with pytest.raises(redis.ResponseError):
-            ingest.flush()  # failures 2..4: still pending
-    assert len(ingest._pending) == 1
+            ingest.flush()  # failures 1..4: still queued
+    assert ingest.queued_ops == 1
     ingest.flush()  # failure 5 drops the batch instead of wedging the sidecar
-    assert ingest._pending == []
+    assert ingest.queued_ops == 0 and not ingest.queue
 
 
-def test_worker_reaped_elsewhere_is_registered_again(store):
-    ingest = LMCacheIngest(store)
+def test_worker_reaped_elsewhere_is_registered_again_by_a_03_admit(store):
+    ingest = LMCacheIngest(store, "sc")
     ingest.handle_push([proto.encode(proto.RegisterMsgV3("old", 0, "127.0.0.1", 8001, "localhost:8200"))])
     store.deregister_worker("old", 0)  # e.g. another sidecar's reaper, while this one stalled
     ingest.handle_push([proto.encode(proto.KVAdmitMsg("old", 0, SEED_HASH, CPU))])
+    ingest.flush()
     assert Client(store=store).lookup(SEED_TOKENS)[1] == {"old": (CPU, 12)}
 
 
-def test_deregistered_instances_are_no_longer_refreshed(store):
-    ingest = LMCacheIngest(store)
-    ingest.pin("mine")
+def test_ops_of_unregistered_workers_are_dropped_and_counted(store, r):
+    """LMCache 0.5 drops batches of unknown workers; so do we (evicts of any era too), and no
+    instance appears for them. Only a 0.3-era admit registers its worker implicitly."""
+    ingest = LMCacheIngest(store, "sc")
+    before = _ops("unregistered")
+    frames = [proto.encode(proto.BatchedKVOperationMsg("ghost", 0, CPU, [proto.OpEvent("admit", 1, 0)])),
+              proto.encode(proto.KVEvictMsg("ghost03", 0, 2, CPU)),
+              proto.encode(proto.FullSyncBatchMsg("ghost", 0, CPU, "s", 0, [3, 4]))]
+    ingest.handle_push(frames)
+    ingest.flush()
+    assert _ops("unregistered") - before == 4
+    assert r.smembers(keys.instances_key()) == set() and r.hgetall(keys.owners_key()) == {}
+
+
+def _ops(outcome: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return sum(REGISTRY.get_sample_value("kvlookup_ingest_ops_total", {"kind": k, "outcome": outcome}) or 0
+               for k in ("admit", "evict"))
+
+
+def test_deregistered_instances_leave_their_sidecar(store, r):
+    ingest = LMCacheIngest(store, "sc")
+    store.own("sc", "mine")
     for inst in ("x", "y"):
         ingest.handle_push([proto.encode(proto.RegisterMsgV3(inst, 0, "127.0.0.1", 8001, "h:1"))])
-    assert ingest.instances == {"mine", "x", "y"}
+    assert store.owned("sc") == {"mine", "x", "y"}
     ingest.handle_push([proto.encode(proto.DeRegisterMsg("x", 0, "127.0.0.1", 8001))])
-    assert ingest.instances == {"mine", "y"}
+    assert store.owned("sc") == {"mine", "y"}
+    assert r.hgetall(keys.owners_key()) == {"mine": "sc", "y": "sc"}
 
 
 def test_deep_nesting_is_a_clear_rejection(redis_settings):

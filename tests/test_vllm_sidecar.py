@@ -34,7 +34,7 @@ class Running:
         time.sleep(0.2)  # let the SUB sockets connect (PUB drops messages sent before)
 
     def ingest(self, instance_id: str):
-        return self.sidecar.vllm[instance_id]
+        return self.sidecar.vllm.ingests[instance_id]
 
     def close(self) -> None:
         self.sidecar.stop()
