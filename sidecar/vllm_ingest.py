@@ -57,8 +57,9 @@ class VllmIngest:
     """Applies one vLLM instance's event streams (one per DP rank) to the index.
 
     store: the index. instance_id: the name lookups report. replay: see :data:`ReplayFn`
-    (None = no replay endpoint). owner: the sidecar id that owns the instance (renews its lease). Counters: ``rejected`` (events/batches per reason),
-    ``skipped`` (other_group, remove_unknown), ``duplicates``, ``resyncs`` (per reason).
+    (None = no replay endpoint). owner: the sidecar id that owns the instance (renews its
+    lease). Counters: ``rejected`` (events/batches per reason), ``skipped`` (other_group,
+    remove_unknown), ``duplicates``, ``resyncs`` (per reason).
     """
 
     def __init__(self, store: Store, instance_id: str, replay: ReplayFn | None = None, owner: str = ""):
