@@ -51,6 +51,8 @@ RESTART_MIN_S, RESTART_MAX_S, STABLE_S = 0.2, 3.0, 10.0
 PORT_WAIT_S = 5.0
 #: How long a starter waits for the start lock, and for a keeper it started to answer.
 START_TIMEOUT_S = 30.0
+#: Variables of the starting controller a keeper must not inherit (it outlives that controller).
+_NOT_INHERITED = ("PROMETHEUS_MULTIPROC_DIR", "KVLOOKUP_STATUS_FILE")
 
 
 class AlreadyServed(RuntimeError):
@@ -309,12 +311,12 @@ class Lease:
     def _start_keeper(self, timeout: float) -> dict:
         log_path = self.data_dir / KEEPER_LOG
         mode = "ab" if not log_path.exists() or log_path.stat().st_size < 1 << 20 else "wb"
-        env = {k: v for k, v in os.environ.items() if k not in ("PROMETHEUS_MULTIPROC_DIR",)}
+        env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
         with open(log_path, mode) as out:
             keeper = subprocess.Popen(
                 [sys.executable, "-P", "-m", "kvlookup", "redis", "--data-dir", str(self.data_dir),
                  "--exit-when-unused"], stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
-                start_new_session=True)
+                cwd=self.data_dir, start_new_session=True)
         self._keeper = keeper
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
