@@ -6,14 +6,18 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
-import subprocess
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlookup import config as kvconfig
-from kvlookup.runtime import GunicornController, ensure_redis, setup_logging
+from kvlookup.redis_server import bind_error
+from kvlookup.runtime import GunicornController, ensure_redis, master_temp_dir, setup_logging
+
+if TYPE_CHECKING:
+    from kvlookup.supervise import Child
 
 log = logging.getLogger("kvlookup")
 
@@ -164,35 +168,81 @@ CONTROLLER_SETTINGS = ("redis_url", "data_dir", "instance_ttl_s", "log_level", "
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
+    from kvlookup.supervise import StartError, Supervisor
+
     settings = kvconfig.load(args.config, overrides=_overrides(args, CONTROLLER_SETTINGS))
     setup_logging(settings.log_level)
-    _multiprocess_metrics_dir()
-    server = ensure_redis(settings)
-    child = None
+    _check_ports_free(settings)
+    # counters of gunicorn workers and the embedded sidecar summed (prometheus multiprocess mode)
+    metrics_dir = master_temp_dir("PROMETHEUS_MULTIPROC_DIR", "kvlookup-metrics-")
+    master, lease, supervisor = os.getpid(), None, None
     try:
-        if settings.pull_port():
-            child = _spawn_embedded_sidecar(settings)
-        GunicornController(settings).run()
+        lease = ensure_redis(settings)
+        children = [_spawn_embedded_sidecar(settings)] if settings.pull_port() else []
+        supervisor = Supervisor(children, _status_file(), extra=lambda: {"redis": lease.status()} if lease else {})
+        supervisor.start()
+        GunicornController(settings, on_stop=supervisor.hold).run()
+    except StartError as exc:
+        print(f"kvlookup controller: error: {exc}", file=sys.stderr)
+        return 1
     finally:
-        if child is not None:
-            child.terminate()
-            child.wait(10)
-        if server is not None:
-            server.stop()
+        if os.getpid() == master:  # gunicorn workers unwind through here too when they exit
+            if supervisor is not None:
+                supervisor.stop()
+            if lease is not None:
+                lease.stop()
+            if metrics_dir:
+                shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
 
 
-def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> subprocess.Popen:
-    """The monitor port(s) of a single-box controller, served by a sidecar child process."""
-    cmd = [sys.executable, "-m", "kvlookup", "sidecar", "--redis-url", settings.redis_url,
+def _check_ports_free(settings: kvconfig.Settings) -> None:
+    """Refuse to start (ValueError naming the setting and port) when a port is taken or repeated."""
+    ports = {"port": settings.port, "monitor pull port": settings.pull_port(),
+             "monitor reply port": settings.reply_port()}
+    seen: dict[int, str] = {}
+    for what, port in ports.items():
+        if not port:
+            continue
+        if port in seen:
+            raise ValueError(f"{what} {port} is also the {seen[port]}")
+        seen[port] = what
+        error = bind_error(port, settings.host)
+        if error:
+            raise ValueError(f"{what} {port} on {settings.host} cannot be bound: {error}")
+
+
+def _status_file() -> str:
+    """A fresh file for the supervisor's component states; gunicorn workers find it through
+    $KVLOOKUP_STATUS_FILE (inherited)."""
+    import tempfile
+
+    from kvlookup.supervise import STATUS_ENV
+
+    fd, path = tempfile.mkstemp(prefix="kvlookup-status-", suffix=".json")
+    os.close(fd)
+    os.environ[STATUS_ENV] = path
+    return path
+
+
+def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> Child:
+    """The monitor port(s) of a single-box controller, served by a supervised sidecar child.
+
+    ``python -P``: the working directory is not put on sys.path, so a ``kvlookup/`` folder there
+    (the checkout, run from the directory above it) cannot shadow the installed package.
+    """
+    from kvlookup.supervise import Child
+
+    cmd = [sys.executable, "-P", "-m", "kvlookup", "sidecar", "--redis-url", settings.redis_url,
            "--pull-url", f"{settings.host}:{settings.pull_port()}", "--log-level", settings.log_level]
+    ports = [(settings.host, settings.pull_port())]
     if settings.reply_port():
         cmd += ["--reply-url", f"{settings.host}:{settings.reply_port()}"]
+        ports.append((settings.host, settings.reply_port()))
     if settings.instance_ttl_s is not None:
         cmd += ["--instance-ttl", str(settings.instance_ttl_s)]
     cmd += ["--worker-ttl", str(settings.worker_ttl_s)]
-    log.info("embedded sidecar: %s", " ".join(cmd[3:]))
-    return subprocess.Popen(cmd)
+    return Child("embedded_sidecar", cmd, ports)
 
 
 SIDECAR_SETTINGS = ("redis_url", "data_dir", "instance_ttl_s", "log_level", "instance_id", "pull_url",

@@ -59,13 +59,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     """True when a TCP listener could bind ``host:port`` now."""
+    return bind_error(port, host) is None
+
+
+def bind_error(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why a TCP listener could not bind ``host:port`` now (e.g. "Address already in use"), or None."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def connect(url: str, *, max_connections: int | None = None, **kwargs) -> redis.Redis:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
+import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
 from kvlookup import embedded, redis_server
 from kvlookup.config import Settings
+from kvlookup.lifetime import set_parent_death_signal
 
 log = logging.getLogger("kvlookup")
 
@@ -43,12 +48,50 @@ def ensure_redis(settings: Settings, *, watch: bool = True) -> embedded.Lease | 
 GEVENT_WORKER = "kvlookup.gevent_worker.GeventWorker"
 
 
-class GunicornController(BaseApplication):
-    """Serves ``app.create_app(settings)`` with gunicorn; the app is built in each worker."""
+def worker_dies_with_master(server, worker) -> None:
+    """gunicorn ``post_fork`` hook: the worker gets SIGTERM when the master dies (kill -9
+    included), so no orphaned worker keeps the HTTP port."""
+    set_parent_death_signal(signal.SIGTERM, parent=server.pid)
 
-    def __init__(self, settings: Settings, extra: dict[str, Any] | None = None):
+
+def before_stop_signals(fn: Callable[[], None]) -> Callable[[Any], None]:
+    """A gunicorn ``when_ready`` hook: the master calls ``fn()`` (from the signal handler, so it
+    must only set a flag) before gunicorn handles SIGTERM, SIGINT or SIGQUIT."""
+    def when_ready(_server) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+            previous = signal.getsignal(sig)
+
+            def handler(signum, frame, previous=previous):
+                fn()
+                if callable(previous):
+                    previous(signum, frame)
+
+            signal.signal(sig, handler)
+
+    return when_ready
+
+
+def master_temp_dir(env: str, prefix: str) -> str | None:
+    """Point ``$env`` at a fresh temporary directory unless it is set; returns the directory
+    created (None if the variable was set). The caller removes it, in the master only: forked
+    gunicorn workers unwind through the master's cleanup and atexit handlers when they exit."""
+    if os.environ.get(env):
+        return None
+    os.environ[env] = tempfile.mkdtemp(prefix=prefix)
+    return os.environ[env]
+
+
+class GunicornController(BaseApplication):
+    """Serves ``app.create_app(settings)`` with gunicorn; the app is built in each worker.
+
+    on_stop: called when the master gets SIGTERM/SIGINT/SIGQUIT, before gunicorn stops (the
+    supervisor stops restarting children then). extra: more gunicorn settings.
+    """
+
+    def __init__(self, settings: Settings, extra: dict[str, Any] | None = None,
+                 on_stop: Callable[[], None] | None = None):
         self.settings = settings
-        self.extra = extra or {}
+        self.extra = {**({"when_ready": before_stop_signals(on_stop)} if on_stop else {}), **(extra or {})}
         super().__init__()
 
     def load_config(self) -> None:
@@ -65,6 +108,7 @@ class GunicornController(BaseApplication):
             "keepalive": 5,
             "preload_app": False,
             "control_socket_disable": True,  # no shared ~/.gunicorn/gunicorn.ctl between controllers
+            "post_fork": worker_dies_with_master,
             **self.extra,
         }
         for key, value in options.items():
