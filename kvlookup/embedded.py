@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvlookup.lifetime import FileLock, LockTimeout
+from kvlookup.lifetime import Backoff, FileLock, LockTimeout
 from kvlookup.redis_server import PORT_FILE, EmbeddedRedis, connect, ping, port_free
 
 log = logging.getLogger("kvlookup.embedded")
@@ -133,6 +133,8 @@ class Keeper:
         self.server: EmbeddedRedis | None = None
         self.restarts = 0
         self.stopped = threading.Event()
+        self._up_since = time.monotonic()
+        self._next_start: float | None = None
 
     def claim(self) -> None:
         """Take ``server.lock`` (1 s grace for probes); raises AlreadyServed naming the holder."""
@@ -171,7 +173,7 @@ class Keeper:
 
     def run(self) -> None:
         """Watch the server (every 0.1 s) and the users (every USER_CHECK_S) until stopped."""
-        backoff, up_since, next_start = RESTART_MIN_S, time.monotonic(), None
+        backoff = Backoff(RESTART_MIN_S, RESTART_MAX_S, STABLE_S)
         next_users = time.monotonic() + USER_CHECK_S
         while not self.stopped.wait(0.1):
             now = time.monotonic()
@@ -179,23 +181,7 @@ class Keeper:
                 next_users = now + USER_CHECK_S
                 if self._stop_if_unused():
                     return
-            if self.server.proc is not None and self.server.proc.poll() is None:
-                continue
-            if next_start is None:
-                backoff = RESTART_MIN_S if now - up_since >= STABLE_S else backoff
-                log.warning("valkey-server of %s exited; restarting in %.1f s", self.data_dir, backoff)
-                next_start = now + backoff
-            elif now >= next_start:
-                try:
-                    self.restarts += 1
-                    self.server.start()  # the same port: clients holding the URL reconnect
-                    self._publish()
-                    log.info("valkey-server of %s restarted at %s", self.data_dir, self.server.url)
-                    up_since, next_start = time.monotonic(), None
-                except (RuntimeError, OSError) as exc:  # TimeoutError is an OSError
-                    backoff = min(backoff * 2, RESTART_MAX_S)
-                    log.error("restart of valkey-server failed (%s); next try in %.1f s", exc, backoff)
-                    next_start = now + backoff
+            self._keep_server(now, backoff)
         start = FileLock(self.data_dir / START_LOCK)
         try:
             start.acquire(5.0)
@@ -205,6 +191,25 @@ class Keeper:
             self.shutdown()
         finally:
             start.release()
+
+    def _keep_server(self, now: float, backoff: Backoff) -> None:
+        """Schedule a restart when the server has exited; restart it when due."""
+        if self.server.proc is not None and self.server.proc.poll() is None:
+            return
+        if self._next_start is None:
+            self._next_start = now + backoff.next(now - self._up_since)
+            log.warning("valkey-server of %s exited; restarting in %.1f s", self.data_dir, self._next_start - now)
+        elif now >= self._next_start:
+            try:
+                self.server.start()  # the same port: clients holding the URL reconnect
+            except (RuntimeError, OSError) as exc:  # TimeoutError is an OSError
+                self._next_start = now + backoff.next()
+                log.error("restart of valkey-server failed (%s); next try in %.1f s", exc, self._next_start - now)
+                return
+            self.restarts += 1
+            self._publish()
+            self._up_since, self._next_start = time.monotonic(), None
+            log.info("valkey-server of %s restarted at %s", self.data_dir, self.server.url)
 
     def _stop_if_unused(self) -> bool:
         start = FileLock(self.data_dir / START_LOCK)

@@ -133,3 +133,20 @@ class FileLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class Backoff:
+    """Restart delays in seconds: ``first``, doubling up to ``cap`` while restarts keep failing,
+    back to ``first`` once the process had stayed up ``stable`` seconds."""
+
+    def __init__(self, first: float, cap: float, stable: float):
+        self.first, self.cap, self.stable = first, cap, stable
+        self.delay = first
+
+    def next(self, up_for: float = 0.0) -> float:
+        """The delay before the next start; ``up_for``: how long the last run lasted (0 = it
+        did not start)."""
+        if up_for >= self.stable:
+            self.delay = self.first
+        delay, self.delay = self.delay, min(self.delay * 2, self.cap)
+        return delay

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvlookup.lifetime import dies_with_parent
+from kvlookup.lifetime import Backoff, dies_with_parent
 from kvlookup.redis_server import bind_error
 
 log = logging.getLogger("kvlookup.supervise")
@@ -68,7 +68,7 @@ class Child:
         self.error: str | None = None
         self.proc: subprocess.Popen | None = None
         self.pidfd: int | None = None
-        self.backoff = BACKOFF_MIN_S
+        self.backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S)
         self.next_start = 0.0
         self.started_at = self.up_since = 0.0
 
@@ -128,12 +128,9 @@ class Child:
     def _failed(self, now: float, error: str) -> None:
         was_up = self.state == "up"
         self._close()
-        if was_up and now - self.up_since >= STABLE_S:
-            self.backoff = BACKOFF_MIN_S
         self.state, self.error = ("restarting" if was_up else "down"), error
-        self.next_start = now + self.backoff
-        log.error("%s %s; restarting in %.1f s", self.name, error, self.backoff)
-        self.backoff = min(self.backoff * 2, BACKOFF_MAX_S)
+        self.next_start = now + self.backoff.next(now - self.up_since if was_up else 0.0)
+        log.error("%s %s; restarting in %.1f s", self.name, error, self.next_start - now)
 
     def _close(self) -> None:
         if self.pidfd is not None:

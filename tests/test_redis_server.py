@@ -190,3 +190,28 @@ def test_redis_command_options_have_help():
     assert set(options) == {"data_dir", "port", "exit_when_unused"} and all(options.values())
     refused = _kvlookup_redis("--port", "70000")
     assert refused.returncode == 2 and "port must be 0..65535, got 70000" in refused.stderr
+
+
+def test_a_new_keeper_shuts_down_an_orphaned_server_of_its_dir_and_takes_its_port(tmp_path):
+    """A server of the dir still answering with no keeper (it missed the parent-death signal)."""
+    orphan = EmbeddedRedis(tmp_path)
+    url = orphan.start()
+    connect(url).set("k", "v")
+    try:
+        lease = ensure_redis(Settings(data_dir=str(tmp_path)))
+        try:
+            assert orphan.proc.wait(5) == 0  # SHUTDOWN: the AOF is written
+            assert lease.url == url and connect(url).get("k") == "v"
+            assert servers_of(tmp_path) == [lease.info["server_pid"]] != [orphan.proc.pid]
+        finally:
+            lease.stop()
+    finally:
+        orphan.stop()
+
+
+def test_backoff_doubles_to_its_cap_and_resets_after_a_stable_run():
+    from kvlookup.lifetime import Backoff
+
+    b = Backoff(0.2, 1.0, 10.0)
+    assert [b.next(), b.next(), b.next(), b.next(), b.next(3.0), b.next(10.0), b.next()] == \
+        [0.2, 0.4, 0.8, 1.0, 1.0, 0.2, 0.4]
