@@ -13,7 +13,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kvlookup import config as kvconfig
-from kvlookup.redis_server import bind_error
 from kvlookup.runtime import GunicornController, ensure_redis, master_temp_dir, setup_logging
 
 if TYPE_CHECKING:
@@ -168,18 +167,19 @@ CONTROLLER_SETTINGS = ("redis_url", "data_dir", "instance_ttl_s", "log_level", "
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from kvlookup.supervise import StartError, Supervisor
+    from kvlookup.supervise import StartError, Supervisor, check_ports, new_status_file
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, CONTROLLER_SETTINGS))
     setup_logging(settings.log_level)
-    _check_ports_free(settings)
+    check_ports(settings.host, {"port": settings.port, "monitor pull port": settings.pull_port(),
+                                "monitor reply port": settings.reply_port()})
     # counters of gunicorn workers and the embedded sidecar summed (prometheus multiprocess mode)
     metrics_dir = master_temp_dir("PROMETHEUS_MULTIPROC_DIR", "kvlookup-metrics-")
     master, lease, supervisor = os.getpid(), None, None
     try:
         lease = ensure_redis(settings)
         children = [_spawn_embedded_sidecar(settings)] if settings.pull_port() else []
-        supervisor = Supervisor(children, _status_file(), extra=lambda: {"redis": lease.status()} if lease else {})
+        supervisor = Supervisor(children, new_status_file(), extra=lambda: {"redis": lease.status()} if lease else {})
         supervisor.start()
         GunicornController(settings, on_stop=supervisor.hold).run()
     except StartError as exc:
@@ -194,35 +194,6 @@ def cmd_controller(args: argparse.Namespace) -> int:
             if metrics_dir:
                 shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
-
-
-def _check_ports_free(settings: kvconfig.Settings) -> None:
-    """Refuse to start (ValueError naming the setting and port) when a port is taken or repeated."""
-    ports = {"port": settings.port, "monitor pull port": settings.pull_port(),
-             "monitor reply port": settings.reply_port()}
-    seen: dict[int, str] = {}
-    for what, port in ports.items():
-        if not port:
-            continue
-        if port in seen:
-            raise ValueError(f"{what} {port} is also the {seen[port]}")
-        seen[port] = what
-        error = bind_error(port, settings.host)
-        if error:
-            raise ValueError(f"{what} {port} on {settings.host} cannot be bound: {error}")
-
-
-def _status_file() -> str:
-    """A fresh file for the supervisor's component states; gunicorn workers find it through
-    $KVLOOKUP_STATUS_FILE (inherited)."""
-    import tempfile
-
-    from kvlookup.supervise import STATUS_ENV
-
-    fd, path = tempfile.mkstemp(prefix="kvlookup-status-", suffix=".json")
-    os.close(fd)
-    os.environ[STATUS_ENV] = path
-    return path
 
 
 def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> Child:

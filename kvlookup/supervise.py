@@ -20,6 +20,7 @@ import select
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,32 @@ TICK_S = 0.1
 
 class StartError(RuntimeError):
     """A component could not start (the message names it and, for a port, the port)."""
+
+
+def check_ports(host: str, ports: dict[str, int | None]) -> None:
+    """Refuse to start: ValueError naming the setting when a port (``{setting: port}``; None =
+    unused) is out of 1..65535, given twice, or cannot be bound on ``host`` now."""
+    seen: dict[int, str] = {}
+    for what, port in ports.items():
+        if port is None:
+            continue
+        if not isinstance(port, int) or not 1 <= port <= 65535:
+            raise ValueError(f"{what} must be an integer 1..65535, got {port!r}")
+        if port in seen:
+            raise ValueError(f"{what} {port} is also the {seen[port]}")
+        seen[port] = what
+        error = bind_error(port, host)
+        if error:
+            raise ValueError(f"{what} {port} on {host} cannot be bound: {error}")
+
+
+def new_status_file() -> str:
+    """A fresh file for the supervisor's component states; sets ``$KVLOOKUP_STATUS_FILE`` so
+    the gunicorn workers forked later find it."""
+    fd, path = tempfile.mkstemp(prefix="kvlookup-status-", suffix=".json")
+    os.close(fd)
+    os.environ[STATUS_ENV] = path
+    return path
 
 
 def listening(host: str, port: int) -> bool:
