@@ -1,22 +1,98 @@
-"""``GET /health``: is Redis reachable from this controller replica?"""
+"""``GET /health``: can this controller replica answer? Component by component.
+
+The answer is built from a list of *checks* per app (``health_checks(app)``; append to it to
+add components). A check is ``check(app) -> iterable of (name, detail, ok)``: ``detail`` is a
+JSON-able dict, ``ok`` says whether the component is up. A name reported by several checks is
+up only if every one says so; their details merge. The defaults: this worker's own Redis PING,
+and the states the controller's supervisor publishes (kvlookup.supervise: the embedded Redis
+keeper, the embedded sidecar) through the file named by ``$KVLOOKUP_STATUS_FILE``.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import redis
-from flask import Blueprint, current_app, jsonify
+from flask import Blueprint, Flask, current_app, jsonify
+
+from kvlookup.supervise import STATUS_ENV
 
 bp = Blueprint("health", __name__)
 
+Component = tuple[str, dict, bool]
+Check = Callable[[Flask], Iterable[Component]]
+#: A status file not rewritten for this long means the supervisor (the master) is gone or stuck.
+STALE_S = 5.0
 
-@bp.get("/health")
-def health():
-    """200 ``{"status": "ok", "redis": "ok", "redis_ms": <round trip>}``; 503 when Redis is down."""
-    client = current_app.extensions["kvlookup"]["redis"]
+
+def redis_check(app: Flask) -> list[Component]:
+    """This worker's PING: ``("redis", {"state": "up", "ms": <round trip>}, True)`` or down with
+    the error."""
+    client = app.extensions["kvlookup"]["redis"]
     start = time.perf_counter()
     try:
         client.ping()
     except redis.RedisError as exc:
-        return jsonify(status="unavailable", redis="unreachable", error=str(exc)), 503
-    return jsonify(status="ok", redis="ok", redis_ms=round((time.perf_counter() - start) * 1000, 3))
+        return [("redis", {"state": "down", "error": str(exc)}, False)]
+    return [("redis", {"state": "up", "ms": round((time.perf_counter() - start) * 1000, 3)}, True)]
+
+
+def supervised_check(_app: Flask) -> list[Component]:
+    """The supervisor's published components (none outside ``kvlookup controller``)."""
+    path = os.environ.get(STATUS_ENV)
+    if not path:
+        return []
+    try:
+        status = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        return [("supervisor", {"state": "down", "error": f"status file unreadable: {exc}"}, False)]
+    age = time.time() - float(status.get("updated", 0))
+    if age > STALE_S:
+        return [("supervisor", {"state": "down", "error": f"no status for {age:.0f} s"}, False)]
+    return [(name, detail, detail.get("state") == "up") for name, detail in status.get("components", {}).items()]
+
+
+DEFAULT_CHECKS: tuple[Check, ...] = (redis_check, supervised_check)
+
+
+def health_checks(app: Flask) -> list[Check]:
+    """The app's list of checks (the defaults until changed); append to add components."""
+    return app.extensions["kvlookup"].setdefault("health_checks", list(DEFAULT_CHECKS))
+
+
+def components(app: Flask) -> tuple[dict[str, dict], bool]:
+    """Run every check: ``({name: detail}, all up)``; each detail carries ``state``."""
+    out: dict[str, dict] = {}
+    up: dict[str, bool] = {}
+    for check in health_checks(app):
+        for name, detail, ok in check(app):
+            merged = dict(out.get(name, {}))
+            merged.update({k: v for k, v in detail.items() if v is not None or k not in merged})
+            if up.get(name, True) and not ok:
+                merged["state"] = detail.get("state") or "down"
+            elif up.get(name, True):
+                merged["state"] = "up"
+            else:
+                merged["state"] = out[name]["state"]
+            out[name], up[name] = merged, up.get(name, True) and ok
+    return out, all(up.values())
+
+
+@bp.get("/health")
+def health():
+    """200 ``{"status": "ok", "redis": "ok", "redis_ms": ..., "components": {...}}``; 503 with
+    ``"status": "unavailable"`` while any component is down (``"redis": "unreachable"`` and
+    ``"error"`` when it is Redis). Each component: ``{"state": "up"|"down"|..., ...}``."""
+    found, ok = components(current_app)
+    redis_detail = found.get("redis", {})
+    body: dict = {"status": "ok" if ok else "unavailable"}
+    if redis_detail.get("state") == "up":
+        body.update(redis="ok", redis_ms=redis_detail.get("ms"))
+    else:
+        body.update(redis="unreachable", error=redis_detail.get("error"))
+    body["components"] = found
+    return jsonify(body), 200 if ok else 503

