@@ -4,8 +4,9 @@ The answer is built from a list of *checks* per app (``health_checks(app)``; app
 add components). A check is ``check(app) -> iterable of (name, detail, ok)``: ``detail`` is a
 JSON-able dict, ``ok`` says whether the component is up. A name reported by several checks is
 up only if every one says so; their details merge. The defaults: this worker's own Redis PING,
-and the states the controller's supervisor publishes (kvlookup.supervise: the embedded Redis
-keeper, the embedded sidecar) through the file named by ``$KVLOOKUP_STATUS_FILE``.
+the states the controller's supervisor publishes (kvlookup.supervise: the embedded Redis
+keeper, the embedded sidecar) through the file named by ``$KVLOOKUP_STATUS_FILE``, and every
+sidecar's lease and status in the registry (standalone sidecars on other hosts included).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import redis
 from flask import Blueprint, Flask, current_app, jsonify
 
+from kvlookup import keys
 from kvlookup.supervise import STATUS_ENV
 
 bp = Blueprint("health", __name__)
@@ -56,7 +58,44 @@ def supervised_check(_app: Flask) -> list[Component]:
     return [(name, detail, detail.get("state") == "up") for name, detail in status.get("components", {}).items()]
 
 
-DEFAULT_CHECKS: tuple[Check, ...] = (redis_check, supervised_check)
+def sidecars_check(app: Flask) -> list[Component]:
+    """Every sidecar that owns instances, from the registry (``keys.sidecars_key`` leases and
+    ``keys.sidecar_status_key``): up while its lease holds; down when the lease ran out and it
+    still owns instances (they are reaped after ``instance_ttl_s``; then it drops from the list).
+    Detail: queued_ops, lag_ms (age of its oldest unwritten op), pid, host, lease_s (left)."""
+    r = app.extensions["kvlookup"]["redis"]
+    try:
+        leases = r.zrange(keys.sidecars_key(), 0, -1, withscores=True)
+        if not leases:
+            return []
+        pipe = r.pipeline(transaction=False)
+        for sid, _exp in leases:
+            pipe.hgetall(keys.sidecar_status_key(sid))
+            pipe.scard(keys.sidecar_instances_key(sid))
+        got = pipe.execute()
+    except redis.RedisError:
+        return []  # redis_check reports it
+    now_ms = time.time() * 1000
+    out = []
+    for (sid, expiry), status, owned in zip(leases, got[0::2], got[1::2], strict=True):
+        up = expiry >= now_ms
+        if not up and not owned:
+            continue  # gone for good, and nothing depends on it any more
+        detail = {"state": "up" if up else "down", "owned_instances": owned,
+                  "lease_s": round((expiry - now_ms) / 1000, 1),
+                  **{k: _number(v) for k, v in status.items() if k in ("queued_ops", "lag_ms", "pid", "host")}}
+        out.append((f"sidecar {sid}", detail, up))
+    return out
+
+
+def _number(v: str):
+    try:
+        return float(v) if "." in v else int(v)
+    except ValueError:
+        return v
+
+
+DEFAULT_CHECKS: tuple[Check, ...] = (redis_check, supervised_check, sidecars_check)
 
 
 def health_checks(app: Flask) -> list[Check]:

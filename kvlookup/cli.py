@@ -83,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pull-url", help="host:port to bind PULL (LMCache controller_pull_url)")
     s.add_argument("--reply-url", help="host:port to bind ROUTER (LMCache controller_reply_url, 0.3.12+)")
     s.add_argument("--advertise-reply", help="host:port workers use for heartbeats (default: reply url)")
-    s.add_argument("--metrics-port", type=int, help="serve this sidecar's Prometheus metrics on this port")
+    s.add_argument("--metrics-port", type=int, help="serve this sidecar's /metrics and /health on this port")
+    s.add_argument("--sidecar-id", help="this sidecar's name in the registry; a restart with the same id resumes "
+                   "its instances (default: <hostname>/<first bound address>)")
+    s.add_argument("--disconnect-grace", type=float, dest="disconnect_grace_s",
+                   help="seconds a worker whose connections closed may stay silent before it is asked (5)")
     s.add_argument("--vllm-endpoint",
                    help="vLLM KV events PUB, tcp://HOST:5557 (rank r: port + r); needs --instance-id")
     s.add_argument("--vllm-replay-endpoint", help="vLLM replay ROUTER, tcp://HOST:5558 (rank r: port + r)")
@@ -222,7 +226,8 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> Child:
 
 
 SIDECAR_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "log_level", "instance_id", "pull_url",
-                    "reply_url", "advertise_reply", "worker_ttl_s", "metrics_port", "vllm_endpoint",
+                    "reply_url", "advertise_reply", "worker_ttl_s", "metrics_port", "sidecar_id", "disconnect_grace_s",
+                    "vllm_endpoint",
                     "vllm_replay_endpoint", "vllm_dp_size", "vllm_bind", "vllm_topic", "vllm_replay_timeout_s")
 
 
@@ -244,16 +249,18 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     server = ensure_redis(settings)
     store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
-    sidecar = Sidecar(store, settings.pull_url, settings.reply_url,
+    sidecar = Sidecar(store, settings.pull_url, settings.reply_url, sidecar_id=settings.sidecar_id,
                       instance_ids=(settings.instance_id,) if settings.instance_id else (),
-                      advertise_reply=settings.advertise_reply, vllm=vllm)
+                      advertise_reply=settings.advertise_reply, vllm=vllm, limits=settings.limits(),
+                      grace_s=settings.disconnect_grace_s, probe_timeout_s=settings.control_timeout_s,
+                      probe_retries=settings.control_retries)
     _stop_on_signals(sidecar.stop)
     if settings.metrics_port:
-        from prometheus_client import start_http_server
+        from sidecar.http import serve
 
-        start_http_server(settings.metrics_port, addr=settings.host)
-    log.info("sidecar: PULL %s, ROUTER %s, vLLM %s, Redis %s", settings.pull_url, settings.reply_url,
-             settings.vllm_endpoint, settings.redis_url)
+        serve(sidecar, settings.host, settings.metrics_port)
+    log.info("sidecar %s: PULL %s, ROUTER %s, vLLM %s, Redis %s", sidecar.sidecar_id, settings.pull_url or "-",
+             settings.reply_url or "-", settings.vllm_endpoint or "-", settings.redis_url)
     try:
         sidecar.run()
     finally:

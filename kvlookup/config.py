@@ -63,6 +63,11 @@ class Settings:
     pull_url: str | None = None
     reply_url: str | None = None
     advertise_reply: str = ""
+    sidecar_id: str | None = None
+    disconnect_grace_s: float = 5.0
+    max_frame_bytes: int = 8 * 1024 * 1024
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_queued_ops: int = 200_000
     metrics_port: int | None = None
     vllm_endpoint: str | None = None
     vllm_replay_endpoint: str | None = None
@@ -80,7 +85,7 @@ class Settings:
             raise ValueError(f"gunicorn_worker_class must be one of {WORKER_CLASSES}, "
                              f"got {self.gunicorn_worker_class!r}")
         for name in ("port", "max_tokens", "max_body_bytes", "gunicorn_workers", "gunicorn_threads",
-                     "redis_max_connections"):
+                     "redis_max_connections", "max_frame_bytes", "max_message_bytes", "max_queued_ops"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.body_timeout_s <= 0:
@@ -89,6 +94,10 @@ class Settings:
             raise ValueError("control_timeout_s must be > 0 and control_retries >= 0")
         if self.instance_ttl_s < 0 or self.worker_ttl_s < 0:
             raise ValueError("instance_ttl_s and worker_ttl_s must be >= 0")
+        if self.disconnect_grace_s < 0:
+            raise ValueError(f"disconnect_grace_s must be >= 0, got {self.disconnect_grace_s!r}")
+        if self.sidecar_id is not None and not (0 < len(self.sidecar_id) <= 256 and self.sidecar_id.isprintable()):
+            raise ValueError(f"sidecar_id must be 1..256 printable characters, got {self.sidecar_id!r}")
         if self.redis_cluster and not self.redis_url:
             raise ValueError("redis_cluster needs redis_url (any one node of the cluster)")
         if self.redis_cluster and self.redis_url and is_sentinel(self.redis_url):
@@ -110,6 +119,13 @@ class Settings:
             data = yaml.safe_load(Path(self.lmcache_config).read_text()) or {}
             return profile_from_lmcache_yaml(data, self.hash)
         return HashProfile.from_settings(self.hash)
+
+    def limits(self):
+        """The sidecar's :class:`sidecar.sockets.Limits` from these settings."""
+        from sidecar.sockets import Limits
+
+        return Limits(max_frame_bytes=int(self.max_frame_bytes), max_message_bytes=int(self.max_message_bytes),
+                      max_queued_ops=int(self.max_queued_ops))
 
     def pull_port(self) -> int | None:
         """The embedded sidecar's PULL port (``monitor_ports.pull`` or ``monitor_port``)."""

@@ -86,6 +86,7 @@ class Sidecar:
                                      left=self.liveness.forget)
         self._stop = threading.Event()
         self.started_at = time.time()
+        self.last_turn = time.monotonic()  # when the loop last turned (sidecar /health)
         self.status: dict = {}
         self.pull = self.router = None
         self.names: dict[zmq.Socket, str] = {}
@@ -214,6 +215,7 @@ class Sidecar:
                     self.sockets.handlers[sock](sock)
                 self.lmcache.flush(self.limits.slice_ops)
                 self._purge(BUSY_PURGE_BUDGET if self.lmcache.queued_ops else PURGE_BUDGET)
+                self.last_turn = time.monotonic()
                 backoff = 0.1
             except redis.RedisError as exc:  # unreachable, BUSY, OOM, READONLY...: back off
                 log.warning("redis error (%s); retrying in %.1fs", exc, backoff)
