@@ -16,6 +16,7 @@ import redis
 from kvlookup import lmcache_protocol as proto
 from kvlookup import metrics
 from kvlookup.store import ADMIT, EVICT, NotRegistered, Store
+from sidecar.admission import InstancePolicy
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +31,12 @@ class LMCacheIngest:
     """Turns decoded LMCache messages into index writes.
 
     store: the index. heartbeat_url: advertised to 0.3.12+ workers in RegisterRetMsg so their
-    heartbeats reach this sidecar ("" = none).
+    heartbeats reach this sidecar ("" = none). policy: which instance ids are accepted (any).
     """
 
-    def __init__(self, store: Store, heartbeat_url: str = ""):
+    def __init__(self, store: Store, heartbeat_url: str = "", policy: InstancePolicy | None = None):
         self.store = store
+        self.policy = policy or InstancePolicy()
         self.heartbeat_url = heartbeat_url
         self.instances: set[str] = set()  # instances whose liveness this sidecar refreshes
         self.pinned: set[str] = set()  # configured instances: refreshed even with no worker seen
@@ -53,6 +55,8 @@ class LMCacheIngest:
             except proto.FrameError as exc:
                 metrics.REJECTED.labels("lmcache", exc.reason).inc()
                 log.warning("rejected frame (%d bytes): %s", len(frame), exc)
+                continue
+            if self.policy.refuse(tag, msg):
                 continue
             metrics.MESSAGES.labels(tag).inc()
             try:
@@ -222,6 +226,8 @@ class LMCacheIngest:
             metrics.REJECTED.labels("lmcache", exc.reason).inc()
             log.warning("rejected request (%d bytes): %s", len(payload), exc)
             return proto.encode(proto.ErrorMsg(error=str(exc)))
+        if refused := self.policy.refuse(tag, msg):
+            return proto.encode(proto.ErrorMsg(error=refused))
         metrics.MESSAGES.labels(tag).inc()
         self.flush()
         try:

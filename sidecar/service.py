@@ -18,8 +18,10 @@ import zmq
 from kvlookup import lmcache_protocol as proto
 from kvlookup import metrics
 from kvlookup.fleet import reap
+from kvlookup.netpolicy import LOOPBACK_NETWORKS, Networks
 from kvlookup.store import Store
 from kvlookup.zmqaddr import endpoint
+from sidecar.admission import InstancePolicy, PeerGate
 from sidecar.lmcache_ingest import LMCacheIngest
 from sidecar.vllm_ingest import VllmIngest
 from sidecar.vllm_zmq import VllmSource, attach
@@ -42,17 +44,23 @@ class Sidecar:
     the start (instances seen in traffic are added). advertise_reply: the address workers
     should use for heartbeats ("" = the reply URL's host:port). vllm: vLLM instances whose KV
     event streams to ingest (see sidecar.vllm_zmq); their ids are vouched for too.
+    peers: addresses that may connect to the bound sockets (``allowed_peers``, loopback by
+    default); allowed_instance_ids: instances whose LMCache messages are accepted (() = any).
+    See sidecar.admission.
     """
 
     def __init__(self, store: Store, pull_url: str | None, reply_url: str | None = None, *,
                  instance_ids: tuple[str, ...] = (), heartbeat_s: float | None = None,
-                 advertise_reply: str = "", vllm: tuple[VllmSource, ...] = ()):
+                 advertise_reply: str = "", vllm: tuple[VllmSource, ...] = (),
+                 peers: Networks = LOOPBACK_NETWORKS, allowed_instance_ids: tuple[str, ...] = ()):
         self.store = store
         self.ctx = zmq.Context()
+        self.gate = PeerGate(self.ctx, peers)
+        self.gate.start()
         self.poller = zmq.Poller()
         self.handlers: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
         hb_url = advertise_reply or (_host_port(reply_url) if reply_url else "")
-        self.lmcache = LMCacheIngest(store, heartbeat_url=hb_url)
+        self.lmcache = LMCacheIngest(store, heartbeat_url=hb_url, policy=InstancePolicy(allowed_instance_ids))
         self.lmcache.pin(*instance_ids)
         self.heartbeat_s = heartbeat_s or max(0.5, store.instance_ttl_ms / 3000)
         self.tasks: list[Callable[[], None]] = [self._touch_instances, self._reap, self._purge]
@@ -77,6 +85,7 @@ class Sidecar:
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if bind:
+            self.gate.guard(sock, bind)
             sock.bind(bind)
         if connect:
             sock.connect(connect)
@@ -164,6 +173,7 @@ class Sidecar:
             closer()
         for sock in list(self.handlers):
             self.remove_socket(sock)
+        self.gate.stop()
         self.ctx.term()
 
 
