@@ -142,13 +142,22 @@ def test_bound_vllm_sub_is_guarded(r):
         pub.setsockopt(zmq.LINGER, 0)
         pub.connect(from_src(src, url))
     assert wait_denied(denied)
-    time.sleep(0.3)  # the allowed PUB learns the subscription
     tokens = {"127.0.0.1": list(range(1000, 1016)), "127.0.0.2": list(range(2000, 2016))}
-    for seq, (src, pub) in enumerate(pubs.items()):
-        pub.send_multipart([b"kv@pod-v", seq.to_bytes(8, "big"), payload(stored([seq + 1], tokens[src]))])
+    block = {"127.0.0.1": 1, "127.0.0.2": 2}
+    seqs = iter(range(1_000_000))
+
+    def publish_both():  # again on every poll: a PUB drops what it sends before the subscription arrives
+        for src, pub in pubs.items():
+            pub.send_multipart([b"kv@pod-v", next(seqs).to_bytes(8, "big"), payload(stored([block[src]], tokens[src]))])
+
     client = Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
-    layout = lambda t: [(m.instance_id, m.matched_prefix_length) for m in client.matches(t)]  # noqa: E731
-    assert wait_for(lambda: layout(tokens["127.0.0.1"]), [("pod-v", 16)]) == [("pod-v", 16)]
+
+    def layout(t):
+        return [(m.instance_id, m.matched_prefix_length) for m in client.matches(t)]
+
+    assert wait_for(lambda: publish_both() or layout(tokens["127.0.0.1"]), [("pod-v", 16)]) == [("pod-v", 16)]
+    publish_both()
+    time.sleep(0.2)
     assert layout(tokens["127.0.0.2"]) == []
     for pub in pubs.values():
         pub.close()
