@@ -49,7 +49,8 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
         "redis": redis_client,
         "client": client,
         "fleet": fleet,
-        "control": ControlClient(settings.control_timeout_s, settings.control_retries),
+        "control": ControlClient(settings.control_timeout_s, settings.control_retries,
+                                 networks=settings.worker_nets()),
         "metrics_registries": metrics_view.build_registries(fleet),
     }
     errors.init_app(app)

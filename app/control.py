@@ -89,9 +89,16 @@ def lmcache_workers(instance_id: str) -> list[WorkerInfo]:
 
 
 def fan_out(event_id: str, workers: list[WorkerInfo], make_msg, retries: int | None = None):
-    """Call every worker; the LMCache answer ``{"event_id", "num_tokens"}`` or an error JSON."""
+    """Call every worker; the LMCache answer ``{"event_id", "num_tokens"}`` or an error JSON.
+
+    403 before any call when a worker's address is outside ``worker_networks``.
+    """
     targets = [ctl.Target(w.worker_id, w.ip, w.port, make_msg(w)) for w in workers]
-    results = _ext()["control"].call(targets, retries)
+    control = _ext()["control"]
+    refused = [f"worker {t.worker_id}: {why}" for t in targets if (why := control.refusal(t))]
+    if refused:
+        raise ApiError(403, "; ".join(refused))
+    results = control.call(targets, retries)
     failed = [r for r in results if r.outcome != ctl.OK]
     if failed:
         status = 504 if any(r.outcome == ctl.TIMEOUT for r in failed) else 502
@@ -211,7 +218,8 @@ def health_fan_out():
     """``{"instance_id"}`` -> ``{"event_id":"health<uuid>","error_codes":{"<wid>":int}}``.
 
     0 = healthy; -1001 worker error, -1002 unexpected reply, -1003 undecodable reply (as
-    LMCache), -1004 no reply within the timeout (kvlookup). Failures add ``errors``
+    LMCache), -1004 no reply within the timeout, -1005 unusable address, -1006 address outside
+    ``worker_networks``, never contacted (kvlookup). Failures add ``errors``
     ``{"<wid>": reason}``. An unknown instance answers ``error_codes: {}`` (as LMCache).
     (``GET /health`` is the controller's own Redis check.)
     """

@@ -35,6 +35,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
 
 
+def _access_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allowed-peers", help="IPs/CIDR networks that may connect to the sidecar's bound ZMQ sockets, "
+                   "comma list or JSON ('*' = any; default 127.0.0.0/8,::1)")
+    p.add_argument("--allowed-instance-ids", help="instance ids whose LMCache messages the sidecar accepts, "
+                   "comma list or JSON (default: any)")
+
+
 def _hash_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lmcache-config", help="the engines' LMCache YAML (chunk_size, save_unfull_chunk)")
     p.add_argument("--chunk-size", type=int, help="tokens per chunk (256)")
@@ -75,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--worker-class", choices=kvconfig.WORKER_CLASSES, dest="gunicorn_worker_class",
                    help="gunicorn worker class (gevent)")
     c.add_argument("--lookup-response", choices=kvconfig.LOOKUP_RESPONSES, help="flat (default) or layout_info")
+    c.add_argument("--worker-networks", help="IPs/CIDR networks of LMCache workers the controller may call, "
+                   "comma list or JSON ('*' = any, hostnames too; default 127.0.0.0/8,::1)")
+    _access_flags(c)  # for the embedded sidecar
     c.set_defaults(func=cmd_controller)
 
     s = sub.add_parser("sidecar", help="ingest LMCache worker traffic and/or vLLM KV events into Redis")
@@ -97,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--vllm-topic", help="topic prefix to subscribe to (default: all)")
     s.add_argument("--vllm-replay-timeout", type=float, dest="vllm_replay_timeout_s",
                    help="seconds to wait for each replay reply (2)")
+    _access_flags(s)
     s.set_defaults(func=cmd_sidecar)
 
     rp = sub.add_parser("reap", help="deregister silent workers and purge retired records (once, or --loop)")
@@ -170,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
 
 CONTROLLER_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "log_level", "lmcache_config",
                        "host", "port", "monitor_port", "monitor_ports", "gunicorn_workers", "gunicorn_threads",
-                       "gunicorn_worker_class", "lookup_response", "worker_ttl_s")
+                       "gunicorn_worker_class", "lookup_response", "worker_ttl_s", "worker_networks",
+                       "allowed_peers", "allowed_instance_ids")
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
@@ -221,14 +233,15 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> Child:
         ports.append((settings.host, settings.reply_port()))
     if settings.instance_ttl_s is not None:
         cmd += ["--instance-ttl", str(settings.instance_ttl_s)]
-    cmd += ["--worker-ttl", str(settings.worker_ttl_s)]
+    cmd += ["--worker-ttl", str(settings.worker_ttl_s), "--allowed-peers", json.dumps(settings.allowed_peers),
+            "--allowed-instance-ids", json.dumps(settings.allowed_instance_ids)]
     return Child("embedded_sidecar", cmd, ports)
 
 
 SIDECAR_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "log_level", "instance_id", "pull_url",
                     "reply_url", "advertise_reply", "worker_ttl_s", "metrics_port", "sidecar_id", "disconnect_grace_s",
-                    "vllm_endpoint",
-                    "vllm_replay_endpoint", "vllm_dp_size", "vllm_bind", "vllm_topic", "vllm_replay_timeout_s")
+                    "vllm_endpoint", "vllm_replay_endpoint", "vllm_dp_size", "vllm_bind", "vllm_topic",
+                    "vllm_replay_timeout_s", "allowed_peers", "allowed_instance_ids")
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
@@ -253,14 +266,17 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
                       instance_ids=(settings.instance_id,) if settings.instance_id else (),
                       advertise_reply=settings.advertise_reply, vllm=vllm, limits=settings.limits(),
                       grace_s=settings.disconnect_grace_s, probe_timeout_s=settings.control_timeout_s,
-                      probe_retries=settings.control_retries)
+                      probe_retries=settings.control_retries, peers=settings.peer_networks(),
+                      allowed_instance_ids=tuple(settings.allowed_instance_ids),
+                      address_allowed=settings.worker_address_allowed)
     _stop_on_signals(sidecar.stop)
     if settings.metrics_port:
         from sidecar.http import serve
 
         serve(sidecar, settings.host, settings.metrics_port)
-    log.info("sidecar %s: PULL %s, ROUTER %s, vLLM %s, Redis %s", sidecar.sidecar_id, settings.pull_url or "-",
-             settings.reply_url or "-", settings.vllm_endpoint or "-", settings.redis_url)
+    log.info("sidecar %s: PULL %s, ROUTER %s, vLLM %s, Redis %s; peers %s, instances %s", sidecar.sidecar_id,
+             settings.pull_url or "-", settings.reply_url or "-", settings.vllm_endpoint or "-", settings.redis_url,
+             settings.peer_networks(), ", ".join(settings.allowed_instance_ids) or "any")
     try:
         sidecar.run()
     finally:

@@ -17,6 +17,7 @@ import yaml
 
 from kvlookup.hashing import HashProfile, profile_from_lmcache_yaml
 from kvlookup.redis_urls import is_sentinel, parse_sentinel
+from kvlookup.netpolicy import LOOPBACK, Networks, address_allowed, parse_networks, split_list
 
 ENV_PREFIX = "KVLOOKUP_"
 LOOKUP_RESPONSES = ("flat", "layout_info")
@@ -76,6 +77,9 @@ class Settings:
     vllm_topic: str = ""
     vllm_replay_timeout_s: float = 2.0
     log_level: str = "INFO"
+    allowed_peers: list[str] = field(default_factory=lambda: list(LOOPBACK))
+    allowed_instance_ids: list[str] = field(default_factory=list)
+    worker_networks: list[str] = field(default_factory=lambda: list(LOOPBACK))
 
     def validate(self) -> Settings:
         """Raise ValueError naming the first bad setting; returns self."""
@@ -111,7 +115,34 @@ class Settings:
         if int(self.vllm_dp_size) < 1 or self.vllm_replay_timeout_s <= 0:
             raise ValueError("vllm_dp_size must be >= 1 and vllm_replay_timeout_s > 0")
         self.profile()
+        self._validate_access()
         return self
+
+    def _validate_access(self) -> None:
+        """Normalize the allow-lists to lists of strings; raise ValueError naming a bad entry."""
+        self.allowed_peers = split_list(self.allowed_peers, "allowed_peers")
+        self.worker_networks = split_list(self.worker_networks, "worker_networks")
+        self.peer_networks()
+        self.worker_nets()
+        self.allowed_instance_ids = split_list(self.allowed_instance_ids, "allowed_instance_ids")
+        for iid in self.allowed_instance_ids:
+            if not (0 < len(iid) <= 256 and iid.isprintable()):
+                raise ValueError(f"allowed_instance_ids: {iid!r} is not 1..256 printable characters")
+        if self.allowed_instance_ids and self.instance_id and self.instance_id not in self.allowed_instance_ids:
+            raise ValueError(f"instance_id {self.instance_id!r} is not in allowed_instance_ids "
+                             f"{self.allowed_instance_ids}: its own traffic would be dropped")
+
+    def peer_networks(self) -> Networks:
+        """``allowed_peers`` parsed: who may connect to the sidecar's bound sockets."""
+        return parse_networks(self.allowed_peers, "allowed_peers")
+
+    def worker_nets(self) -> Networks:
+        """``worker_networks`` parsed: the worker addresses the controller may call."""
+        return parse_networks(self.worker_networks, "worker_networks")
+
+    def worker_address_allowed(self, ip: str) -> bool:
+        """May the controller or a sidecar call a worker at ``ip`` (``worker_networks``)?"""
+        return address_allowed(ip, self.worker_nets())
 
     def profile(self) -> HashProfile:
         """The engines' hash profile: ``hash`` settings, overridden by the LMCache YAML if given."""
@@ -153,7 +184,7 @@ def _coerce(name: str, raw: str) -> Any:
         return float(raw)
     if kind.startswith("dict"):
         return json.loads(raw)
-    return raw
+    return raw  # list settings: a comma list or JSON, split by Settings.validate
 
 
 def load(path: str | None = None, overrides: Mapping[str, Any] | None = None,

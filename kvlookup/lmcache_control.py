@@ -13,6 +13,8 @@ state, so it is discarded), sends to all workers of an instance at once, waits a
 therefore costs at most ``timeout_s * (retries + 1)`` and never wedges a later call.
 Under gevent (the controller's default gunicorn worker) the sockets are pyzmq's green ones, so
 a call that waits on a slow worker yields to the lookups served by the same process.
+A worker whose registered address is outside ``worker_networks`` (loopback by default) is
+never connected to: its result is ``refused`` (health code -1006).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import zmq.green
 from kvlookup import metrics
 from kvlookup.gevent_worker import patched
 from kvlookup.lmcache_protocol import ErrorMsg
+from kvlookup.netpolicy import LOOPBACK_NETWORKS, Networks, address_allowed
 
 log = logging.getLogger(__name__)
 
@@ -139,15 +142,17 @@ _reply_decoder = msgspec.msgpack.Decoder(ControlRet)
 MAX_REPLY_BYTES = 1 << 20
 
 #: Outcomes of one call. LMCache's /health maps them to error codes.
-OK, WORKER_ERROR, UNEXPECTED, UNDECODABLE, TIMEOUT, UNREACHABLE = (
+OK, WORKER_ERROR, UNEXPECTED, UNDECODABLE, TIMEOUT, UNREACHABLE, REFUSED = (
     "ok",
     "worker_error",
     "unexpected",
     "undecodable",
     "timeout",
     "unreachable",
+    "refused",
 )
-HEALTH_CODES = {WORKER_ERROR: -1001, UNEXPECTED: -1002, UNDECODABLE: -1003, TIMEOUT: -1004, UNREACHABLE: -1005}
+HEALTH_CODES = {WORKER_ERROR: -1001, UNEXPECTED: -1002, UNDECODABLE: -1003, TIMEOUT: -1004, UNREACHABLE: -1005,
+                REFUSED: -1006}
 
 
 @dataclass
@@ -162,7 +167,8 @@ class Target:
 
 @dataclass
 class Result:
-    """What one worker answered. outcome: ok, worker_error, unexpected, undecodable, timeout.
+    """What one worker answered. outcome: ok, worker_error, unexpected, undecodable, timeout,
+    unreachable, refused (address outside worker_networks, never contacted).
 
     reply: the decoded reply struct (ok); error: a human-readable reason otherwise;
     attempts: sends made.
@@ -188,22 +194,35 @@ class ControlClient:
     """Bounded, concurrent REQ calls to LMCache workers' REP ports.
 
     timeout_s: wait per attempt (send and reply); retries: further attempts for workers that
-    did not answer (0 for non-idempotent calls); ctx: a zmq Context (default: a private one).
+    did not answer (0 for non-idempotent calls); ctx: a zmq Context (default: a private one);
+    networks: ``worker_networks``, the worker addresses it may connect to (default loopback).
     """
 
-    def __init__(self, timeout_s: float = 2.0, retries: int = 1, ctx: zmq.Context | None = None):
+    def __init__(self, timeout_s: float = 2.0, retries: int = 1, ctx: zmq.Context | None = None,
+                 networks: Networks = LOOPBACK_NETWORKS):
+        self.networks = networks
         self.timeout_ms = max(1, int(timeout_s * 1000))
         self.retries = max(0, int(retries))
         self.zmq = zmq.green if patched() else zmq  # pyzmq's gevent-cooperative sockets under gevent
         self.ctx = ctx or self.zmq.Context()
 
+    def refusal(self, target: Target) -> str:
+        """Why ``target`` may not be contacted ("" when its address is in ``worker_networks``)."""
+        if address_allowed(_host(target.ip), self.networks):
+            return ""
+        return f"worker address {target.ip}:{target.port} is not in worker_networks ({self.networks}); not contacted"
+
     def call(self, targets: list[Target], retries: int | None = None) -> list[Result]:
         """Send each target its message and collect replies, in target order.
 
-        Returns one :class:`Result` per target; never raises for worker failures.
+        Returns one :class:`Result` per target; never raises for worker failures. Targets
+        with a :meth:`refusal` get outcome ``refused`` and no connection.
         """
         results = {i: Result(t.worker_id, TIMEOUT) for i, t in enumerate(targets)}
-        pending = list(range(len(targets)))
+        refused = {i: Result(t.worker_id, REFUSED, error=why)
+                   for i, t in enumerate(targets) if (why := self.refusal(t))}
+        results.update(refused)
+        pending = [i for i in range(len(targets)) if i not in refused]
         tries = 1 + (self.retries if retries is None else max(0, retries))
         for _ in range(tries):
             if not pending:

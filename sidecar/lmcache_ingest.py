@@ -30,6 +30,8 @@ import redis
 from kvlookup import lmcache_protocol as proto
 from kvlookup import metrics
 from kvlookup.store import ADMIT, EVICT, NotRegistered, Store
+from sidecar.admission import InstancePolicy
+from sidecar.admission import InstancePolicy
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +65,14 @@ class LMCacheIngest:
     heartbeat_url: advertised to 0.3.12+ workers in RegisterRetMsg so their heartbeats reach
     this sidecar ("" = none). seen: called with (connection, instance_id, worker_id) for every
     message that names a worker; left: with (instance_id, worker_id) when one deregisters.
+    policy: which instance ids are accepted (default: any).
     """
 
     def __init__(self, store: Store, sidecar_id: str = "", heartbeat_url: str = "", seen: Seen | None = None,
-                 left: Callable[[str, int], None] | None = None):
+                 left: Callable[[str, int], None] | None = None, policy: InstancePolicy | None = None):
         self.store = store
         self.sidecar_id = sidecar_id
+        self.policy = policy or InstancePolicy()
         self.heartbeat_url = heartbeat_url
         self.seen = seen or (lambda _conn, _inst, _wid: None)
         self.left = left or (lambda _inst, _wid: None)
@@ -90,6 +94,8 @@ class LMCacheIngest:
             except proto.FrameError as exc:
                 metrics.REJECTED.labels("lmcache", exc.reason).inc()
                 log.warning("rejected frame (%d bytes): %s", len(frame), exc)
+                continue
+            if self.policy.refuse(tag, msg):
                 continue
             metrics.MESSAGES.labels(tag).inc()
             try:
@@ -296,6 +302,8 @@ class LMCacheIngest:
             metrics.REJECTED.labels("lmcache", exc.reason).inc()
             log.warning("rejected request (%d bytes): %s", len(payload), exc)
             return proto.encode(proto.ErrorMsg(error=str(exc)))
+        if refused := self.policy.refuse(tag, msg):
+            return proto.encode(proto.ErrorMsg(error=refused))
         metrics.MESSAGES.labels(tag).inc()
         try:
             self.seen(conn, msg.instance_id, msg.worker_id)

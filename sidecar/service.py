@@ -25,8 +25,10 @@ import zmq
 from kvlookup import lmcache_protocol as proto
 from kvlookup import metrics
 from kvlookup.fleet import reap
+from kvlookup.netpolicy import LOOPBACK_NETWORKS, Networks
 from kvlookup.store import Store
 from kvlookup.zmqaddr import endpoint
+from sidecar.admission import InstancePolicy, PeerGate
 from sidecar.liveness import Liveness
 from sidecar.lmcache_ingest import LMCacheIngest
 from sidecar.sockets import Limits, SocketSet, source_fd
@@ -65,25 +67,31 @@ class Sidecar:
     heartbeats ("" = the reply URL's host:port). vllm: vLLM instances whose KV event streams to
     ingest (sidecar.vllm_zmq). limits: bounds on frames, messages and queued ops.
     grace_s, probe_timeout_s, probe_retries, address_allowed: liveness evidence (sidecar.liveness).
+    peers: addresses that may connect to the bound sockets (``allowed_peers``, loopback by
+    default); allowed_instance_ids: instances whose LMCache messages are accepted (() = any).
+    See sidecar.admission.
     """
 
     def __init__(self, store: Store, pull_url: str | None, reply_url: str | None = None, *,
                  sidecar_id: str | None = None, instance_ids: tuple[str, ...] = (), heartbeat_s: float | None = None,
                  advertise_reply: str = "", vllm: tuple[VllmSource, ...] = (), limits: Limits | None = None,
                  grace_s: float = 5.0, probe_timeout_s: float = 2.0, probe_retries: int = 1,
-                 address_allowed: Callable[[str], bool] = lambda _ip: True):
+                 address_allowed: Callable[[str], bool] = lambda _ip: True,
+                 peers: Networks = LOOPBACK_NETWORKS, allowed_instance_ids: tuple[str, ...] = ()):
         self.store = store
         self.sidecar_id = sidecar_id or default_sidecar_id(pull_url, reply_url, *(v.endpoint for v in vllm))
         self.limits = limits or Limits()
         self.ctx = zmq.Context()
-        self.sockets = SocketSet(self.ctx, self.limits)
+        self.gate = PeerGate(self.ctx, peers)  # one ZAP handler per context: every bound socket asks it
+        self.gate.start()
+        self.sockets = SocketSet(self.ctx, self.limits, guard=self.gate.guard)
         self.pinned = tuple(instance_ids) + tuple(v.instance_id for v in vllm)
         self.heartbeat_s = heartbeat_s or 1.0
         self.liveness = Liveness(store, self.sidecar_id, grace_s=grace_s, timeout_s=probe_timeout_s,
                                  retries=probe_retries, address_allowed=address_allowed)
         hb_url = advertise_reply or (_host_port(reply_url) if reply_url else "")
         self.lmcache = LMCacheIngest(store, self.sidecar_id, heartbeat_url=hb_url, seen=self.liveness.seen,
-                                     left=self.liveness.forget)
+                                     left=self.liveness.forget, policy=InstancePolicy(allowed_instance_ids))
         self._stop = threading.Event()
         self.started_at = time.time()
         self.last_turn = time.monotonic()  # when the loop last turned (sidecar /health)
@@ -94,8 +102,8 @@ class Sidecar:
             self.pull = self._bind(zmq.PULL, pull_url, self._on_pull, "pull")
         if reply_url:
             self.router = self._bind(zmq.ROUTER, reply_url, self._on_router, "reply")
-        self.vllm = VllmLoop(store, vllm, sidecar_id=self.sidecar_id, ctx=self.ctx, limits=self.limits,
-                             grace_s=grace_s) if vllm else None
+        self.vllm = VllmLoop(store, vllm, sidecar_id=self.sidecar_id, sockets=SocketSet(
+            self.ctx, self.limits, guard=self.gate.guard), grace_s=grace_s) if vllm else None
 
     def _bind(self, kind: int, url: str, handler, name: str) -> zmq.Socket:
         def on_event(event: int, fd: int, _endpoint: str) -> None:
@@ -238,6 +246,7 @@ class Sidecar:
             self.vllm.join(5)
         self.liveness.close()
         self.sockets.close()
+        self.gate.stop()
         self.ctx.term()
 
 

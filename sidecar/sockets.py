@@ -41,11 +41,14 @@ EventHandler = Callable[[int, int, str], None]
 
 
 class SocketSet:
-    """Sockets polled by one loop. ``add`` binds or connects; ``poll`` returns ready sockets."""
+    """Sockets polled by one loop. ``add`` binds or connects; ``poll`` returns ready sockets.
+    guard: called with (socket, address) before every bind (the peer allow-list)."""
 
-    def __init__(self, ctx: zmq.Context, limits: Limits):
+    def __init__(self, ctx: zmq.Context, limits: Limits,
+                 guard: Callable[[zmq.Socket, str], None] | None = None):
         self.ctx = ctx
         self.limits = limits
+        self.guard = guard  # called before every bind (sidecar.admission.PeerGate.guard)
         self.poller = zmq.Poller()
         self.handlers: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
         self.monitors: dict[zmq.Socket, zmq.Socket] = {}  # monitor PAIR -> its socket
@@ -68,6 +71,8 @@ class SocketSet:
             self.poller.register(mon, zmq.POLLIN)
             self.handlers[mon] = lambda m, cb=on_event: _drain_events(m, cb)
         if bind:
+            if self.guard is not None:
+                self.guard(sock, bind)
             sock.bind(bind)
         if connect:
             sock.connect(connect)

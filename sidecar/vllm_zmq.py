@@ -116,17 +116,18 @@ class VllmLoop:
     liveness leases never wait behind it.
 
     store: the index (this loop keeps its own holder cache). sources: the vLLM instances.
-    sidecar_id: the owner of their instances. grace_s: a rank whose SUB connection dropped and
+    sidecar_id: the owner of their instances. sockets: where to create the SUB sockets (the
+    sidecar's context, limits and peer guard). grace_s: a rank whose SUB connection dropped and
     did not come back within this long is recorded as gone (``Store.suspect``; its engine
     stopped), unless it is not registered.
     """
 
     def __init__(self, store: Store, sources: tuple[VllmSource, ...], *, sidecar_id: str = "",
-                 ctx: zmq.Context | None = None, limits: Limits | None = None, grace_s: float = 5.0):
+                 sockets: SocketSet | None = None, grace_s: float = 5.0):
         self.store = Store(store.r, instance_ttl_s=store.instance_ttl_ms / 1000,
                            worker_ttl_s=store.worker_ttl_ms / 1000, purge_grace_s=store.purge_grace_ms / 1000,
                            records=store.records)
-        self.sockets = SocketSet(ctx or zmq.Context.instance(), limits or Limits())
+        self.sockets = sockets or SocketSet(zmq.Context.instance(), Limits())
         self.grace_s = grace_s
         self.ingests: dict[str, VllmIngest] = {}
         self.replays: list[ReplayClient] = []

@@ -136,7 +136,8 @@ def test_registrations_with_unusable_fields_are_rejected(fields, message):
 
 def test_unusable_worker_address_is_an_error_code_not_a_500(redis_settings, store):
     store.register_worker("p2", 0, "bad host!", 8001)
-    app = create_app({**redis_settings, "control_timeout_s": 0.2, "control_retries": 0})
+    # '*': let it reach the connect (the default worker_networks refuses it first: -1006)
+    app = create_app({**redis_settings, "control_timeout_s": 0.2, "control_retries": 0, "worker_networks": "*"})
     resp = app.test_client().post("/health", json={"instance_id": "p2"})
     assert resp.status_code == 200
     assert resp.get_json()["error_codes"] == {"0": -1005}
