@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 
 from kvlookup.hashing import HashProfile, profile_from_lmcache_yaml
-from kvlookup.redis_urls import is_sentinel, parse_sentinel
 from kvlookup.netpolicy import LOOPBACK, Networks, address_allowed, parse_networks, split_list
+from kvlookup.redis_urls import is_sentinel, parse_sentinel
 
 ENV_PREFIX = "KVLOOKUP_"
 LOOKUP_RESPONSES = ("flat", "layout_info")

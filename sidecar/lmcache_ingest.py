@@ -31,7 +31,6 @@ from kvlookup import lmcache_protocol as proto
 from kvlookup import metrics
 from kvlookup.store import ADMIT, EVICT, NotRegistered, Store
 from sidecar.admission import InstancePolicy
-from sidecar.admission import InstancePolicy
 
 log = logging.getLogger(__name__)
 

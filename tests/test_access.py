@@ -22,7 +22,7 @@ import zmq
 from prometheus_client import REGISTRY
 
 from app import create_app
-from kvlookup import cli
+from kvlookup import cli, keys
 from kvlookup import lmcache_control as ctl
 from kvlookup import lmcache_protocol as proto
 from kvlookup.cli import main
@@ -54,7 +54,9 @@ def redis_state(r) -> dict:
     """Every key with its type and exact content (the whole index, for before/after checks)."""
     read = {"string": r.get, "hash": r.hgetall, "set": r.smembers, "list": lambda k: r.lrange(k, 0, -1),
             "zset": lambda k: r.zrange(k, 0, -1, withscores=True)}
-    return {k: (t, read[t](k)) for k in sorted(r.scan_iter(count=1000)) for t in [r.type(k)]}
+    own = keys.REGISTRY + "sidecar"  # the sidecar's own lease and status, not the index
+    return {k: (t, read[t](k)) for k in sorted(r.scan_iter(count=1000)) if not k.startswith(own)
+            for t in [r.type(k)]}
 
 
 def seeded(r, instance_id: str = "victim") -> dict:
@@ -216,15 +218,15 @@ def accepts(sock: socket.socket, wait_s: float = 0.3) -> int:
         return n
 
 
-def _app(redis_url, **settings):
-    return create_app({"redis_url": redis_url, "control_timeout_s": 0.3, "control_retries": 0, **settings})
+def _app(redis_settings, **settings):
+    return create_app({**redis_settings, "control_timeout_s": 0.3, "control_retries": 0, **settings})
 
 
-def test_health_outside_worker_networks_is_refused_without_connecting(redis_url, store, listener):
+def test_health_outside_worker_networks_is_refused_without_connecting(redis_settings, store, listener):
     port = listener.getsockname()[1]
     store.register_worker("far", 0, "10.1.2.3", 8001)
     store.register_worker("near", 0, "127.0.0.3", port)
-    app = _app(redis_url, worker_networks="127.0.0.1/32")
+    app = _app(redis_settings, worker_networks="127.0.0.1/32")
     http = app.test_client()
     far = http.post("/health", json={"instance_id": "far"}).get_json()
     assert far["error_codes"] == {"0": -1006}
@@ -239,16 +241,16 @@ def test_health_outside_worker_networks_is_refused_without_connecting(redis_url,
     assert accepts(listener) == 0
     app.extensions["kvlookup"]["control"].close()
     # the probe works: with 127.0.0.0/8 allowed, the same call does connect (and times out)
-    app = _app(redis_url, worker_networks=["127.0.0.0/8"])
+    app = _app(redis_settings, worker_networks=["127.0.0.0/8"])
     assert app.test_client().post("/health", json={"instance_id": "near"}).get_json()["error_codes"] == {"0": -1004}
     assert accepts(listener) == 1
     app.extensions["kvlookup"]["control"].close()
 
 
-def test_default_worker_networks_refuse_remote_workers(redis_url, store):
+def test_default_worker_networks_refuse_remote_workers(redis_settings, store):
     store.register_worker("far", 0, "10.1.2.3", 8001)
     store.register_worker("named", 0, "pod-a.internal", 8001)
-    app = _app(redis_url)
+    app = _app(redis_settings)
     http = app.test_client()
     assert http.post("/clear", json={"instance_id": "far", "location": "x"}).status_code == 403
     assert http.post("/health", json={"instance_id": "named"}).get_json()["error_codes"] == {"0": -1006}
@@ -308,13 +310,11 @@ def test_cli_refuses_bad_values_before_starting(capsys):
     assert "worker_networks: 'nope' is not an IP address or network" in capsys.readouterr().err
 
 
-def test_embedded_sidecar_gets_the_controllers_allow_lists(monkeypatch):
-    spawned = []
-    monkeypatch.setattr(cli.subprocess, "Popen", lambda cmd: spawned.append(cmd))
+def test_embedded_sidecar_gets_the_controllers_allow_lists():
     settings = load(None, overrides={"redis_url": "redis://x", "monitor_port": 9001, "allowed_peers": "10.0.0.0/8",
                                      "allowed_instance_ids": "pod-a"}, env={})
-    cli._spawn_embedded_sidecar(settings)
-    args = cli.build_parser().parse_args(spawned[0][3:])
+    child = cli._spawn_embedded_sidecar(settings)  # the supervised child's command line, not started
+    args = cli.build_parser().parse_args(child.argv[child.argv.index("kvlookup") + 1:])
     child = load(None, overrides=cli._overrides(args, cli.SIDECAR_SETTINGS), env={})
     assert (child.allowed_peers, child.allowed_instance_ids, child.pull_url) == (
         ["10.0.0.0/8"], ["pod-a"], "127.0.0.1:9001")
