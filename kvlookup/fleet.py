@@ -32,6 +32,7 @@ class WorkerInfo:
     last_heartbeat_time: float = 0.0
     heartbeats: int = 0
     epoch: int = 0
+    probed_at: float = 0.0  # last answer to a sidecar's health call (0: never)
     holders: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -47,6 +48,7 @@ class WorkerInfo:
             last_heartbeat_time=float(h.get("last_heartbeat") or 0),
             heartbeats=int(h.get("heartbeats") or 0),
             epoch=int(h.get("epoch") or 0),
+            probed_at=float(h.get("probed_at") or 0),
             holders={
                 f[len(keys.LOCATION_FIELD_PREFIX) :]: v
                 for f, v in h.items()

@@ -177,6 +177,14 @@ redis.call('ZREM', KEYS[3], ARGV[1])
 return 1
 """
 
+#: Remember that a registered worker answered a health call. KEYS[1] worker hash
+#: ARGV[1] now (unix s, text). Returns 1, or 0 when the worker is not registered.
+MARK_PROBED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'probed_at', ARGV[1])
+return 1
+"""
+
 #: Take (or keep) ownership of an instance for a sidecar and renew its lease.
 #: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] the previous owner's set the
 #: caller saw (KEYS[2] when none or the same), KEYS[4] alive

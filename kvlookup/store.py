@@ -74,7 +74,7 @@ class Store:
         self.purge_grace_ms = int(grace * 1000)
         self.records = records or make_records(client)
         s = {name: client.register_script(getattr(scripts, name)) for name in (
-            "REGISTER", "DEREGISTER", "REAP_WORKER", "RETIRE_LOCATION", "HOLDER", "HEARTBEAT", "OWN",
+            "REGISTER", "DEREGISTER", "REAP_WORKER", "RETIRE_LOCATION", "HOLDER", "HEARTBEAT", "MARK_PROBED", "OWN",
             "TOUCH", "FORGET_HOLDER")}
         self._scripts = s
         # (instance_id, worker_id) -> {(location, space): holder id}: a cache of HOLDER results
@@ -171,6 +171,11 @@ class Store:
         """Record evidence that a worker is gone: it is reaped at ``deadline_ms`` (unix ms)
         unless it speaks first (:meth:`clear_suspect`). An earlier deadline is kept."""
         self.r.zadd(keys.suspects_key(), {keys.worker_member(instance_id, worker_id): deadline_ms}, nx=True)
+
+    def mark_probed(self, instance_id: str, worker_id: int | str) -> None:
+        """The worker answered a health call (its control port works); recorded in its hash
+        (``probed_at``, unix s) while it is registered."""
+        self._scripts["MARK_PROBED"](keys=[keys.worker_key(instance_id, str(worker_id))], args=[repr(time.time())])
 
     def clear_suspect(self, instance_id: str, worker_id: int | str) -> None:
         """The worker spoke: drop the evidence against it."""

@@ -11,10 +11,14 @@ frame's source descriptor), and:
 - when a connection that carried no identified message closes (a quiet worker may have died),
   asks every worker that has no live connection.
 
-Any reply is proof of life; no reply within ``timeout_s x (retries + 1)`` is evidence: the
-worker is recorded as gone (``Store.suspect``) and the reapers deregister it. A worker with no
-usable control address, or one outside ``worker_networks``, cannot be asked: its closed
-connection alone is the evidence, after the grace period.
+Any reply is proof of life, and is remembered in the registry (``probed_at`` in the worker
+hash: its control port is known to work; a newly registered worker is asked once for this).
+No reply within ``timeout_s x (retries + 1)`` is evidence when the worker's connections closed,
+or when its control port answered before: the worker is recorded as gone (``Store.suspect``)
+and the reapers deregister it. A control port that never answered proves nothing on its own (a
+firewall, a wrong ``lmcache_worker_ports``). A worker with no usable control address, or one
+outside ``worker_networks``, cannot be asked: its closed connection alone is the evidence,
+after the grace period.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+
+import zmq
 
 from kvlookup import lmcache_control as ctl
 from kvlookup import metrics
@@ -64,14 +70,19 @@ class Prober:
     def _run(self) -> None:
         while (w := self.requests.get()) is not None:
             msg = ctl.HealthWorkerMsg(worker_event_id=f"HealthWorker{w.worker_id}probe")
-            res = self.client.call([ctl.Target(w.worker_id, w.ip, w.port, msg)])[0]
-            alive = res.outcome not in (ctl.TIMEOUT, ctl.UNREACHABLE)  # any answer is life
+            try:
+                res = self.client.call([ctl.Target(w.worker_id, w.ip, w.port, msg)])[0]
+            except zmq.ContextTerminated:
+                return  # closing
+            alive = res.outcome not in (ctl.TIMEOUT, ctl.UNREACHABLE, ctl.REFUSED)  # any answer is life
             self.results.put((w, alive, res.error or res.outcome))
 
     def close(self) -> None:
+        """Stop after the call in progress (a dead worker's call ends within its timeout)."""
         self.requests.put(None)
-        self.thread.join(5)
-        self.client.close()
+        self.thread.join(self.client.timeout_ms * (self.client.retries + 1) / 1000 + 1)
+        if not self.thread.is_alive():
+            self.client.close()
 
 
 class Liveness:
@@ -96,7 +107,7 @@ class Liveness:
         self.conns: dict[Conn, set[Worker]] = {}
         self.worker_conns: dict[Worker, set[Conn]] = {}
         self.timers: dict[Worker, float] = {}  # worker -> when to ask it (monotonic)
-        self.asking: set[Worker] = set()
+        self.asking: dict[Worker, bool] = {}  # being asked -> whether its connections closed
         self.suspected: set[Worker] = set()  # recorded gone by this process (cleared if it speaks)
         self.sweep_at: float | None = clock() + grace_s  # ask quiet workers once after start
 
@@ -112,6 +123,10 @@ class Liveness:
         if w in self.suspected:
             self.suspected.discard(w)
             self.store.clear_suspect(*w)
+
+    def registered(self, instance_id: str, worker_id: int | str) -> None:
+        """A worker (re)registered: ask it once, so its control port is known to work."""
+        self._ask({(instance_id, str(worker_id))}, set())
 
     def accepted(self, conn: Conn) -> None:
         """A peer connected (a reused descriptor starts with nobody on it)."""
@@ -162,22 +177,34 @@ class Liveness:
 
     def _ask(self, workers: set[Worker], closed: set[Worker]) -> None:
         infos = {(w.instance_id, str(w.worker_id)): w for w in self.fleet.workers(sorted({i for i, _ in workers}))}
-        for w in sorted(workers - self.asking):
+        for w in sorted(workers):
+            if w in self.asking:
+                self.asking[w] = self.asking[w] or w in closed
+                continue
             info = infos.get(w)
             if info is None or self.fleet.instance_kind(w[0]) == "vllm":
                 continue  # gone from the registry meanwhile; vLLM ranks have their stream's evidence
             if info.port > 0 and self.address_allowed(info.ip or "127.0.0.1"):
-                self.asking.add(w)
+                self.asking[w] = w in closed
                 self.prober.ask(info)
             elif w in closed:  # nothing to ask: the closed connection is the evidence
-                self._verdict(info, False, "its connection closed and it has no control address to ask")
+                self._gone(w, "its connection closed and it has no control address to ask")
 
     def _verdict(self, info: WorkerInfo, alive: bool, why: str) -> None:
         w = (info.instance_id, str(info.worker_id))
-        self.asking.discard(w)
-        metrics.PROBES.labels("alive" if alive else "gone").inc()
-        if alive or self.worker_conns.get(w):  # it answered, or spoke again meanwhile
-            return
+        closed = self.asking.pop(w, False)
+        metrics.PROBES.labels("alive" if alive else "no_answer").inc()
+        if alive:
+            self.store.mark_probed(*w)
+        elif self.worker_conns.get(w):
+            pass  # it spoke again meanwhile
+        elif closed or info.probed_at:
+            self._gone(w, f"no answer from its control port {info.ip}:{info.port}: {why}")
+        else:
+            log.info("worker %s/%s: its control port %s:%s never answered (%s); not evidence on its own",
+                     *w, info.ip, info.port, why)
+
+    def _gone(self, w: Worker, why: str) -> None:
         log.warning("worker %s/%s is gone (%s): recording it for the reaper", *w, why)
         self.suspected.add(w)
         self.store.suspect(*w, int(time.time() * 1000))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,9 +51,18 @@ class Batch:
     queued_at: float = field(default_factory=time.monotonic)
 
 
-#: Hooks the sidecar gives the ingest: ``seen(conn, instance_id, worker_id)`` (liveness evidence)
-#: and ``allowed(instance_id) -> bool`` (which instances this sidecar accepts).
-Seen = Callable[[Any, str, int], None]
+class Observer:
+    """What the ingest tells about workers (sidecar.liveness.Liveness implements it): a message
+    of a worker arrived on a connection; a worker registered; a worker left the registry."""
+
+    def seen(self, conn: Any, instance_id: str, worker_id: int) -> None:
+        pass
+
+    def registered(self, instance_id: str, worker_id: int) -> None:
+        pass
+
+    def forget(self, instance_id: str, worker_id: int) -> None:
+        pass
 
 
 class LMCacheIngest:
@@ -62,19 +70,18 @@ class LMCacheIngest:
 
     store: the index. sidecar_id: the owner this sidecar registers its instances under.
     heartbeat_url: advertised to 0.3.12+ workers in RegisterRetMsg so their heartbeats reach
-    this sidecar ("" = none). seen: called with (connection, instance_id, worker_id) for every
-    message that names a worker; left: with (instance_id, worker_id) when one deregisters.
-    policy: which instance ids are accepted (default: any).
+    this sidecar ("" = none). observer: told of every message naming a worker (with its
+    connection), of registrations and of departures (:class:`Observer`). policy: which instance
+    ids are accepted (default: any).
     """
 
-    def __init__(self, store: Store, sidecar_id: str = "", heartbeat_url: str = "", seen: Seen | None = None,
-                 left: Callable[[str, int], None] | None = None, policy: InstancePolicy | None = None):
+    def __init__(self, store: Store, sidecar_id: str = "", heartbeat_url: str = "",
+                 observer: Observer | None = None, policy: InstancePolicy | None = None):
         self.store = store
         self.sidecar_id = sidecar_id
         self.policy = policy or InstancePolicy()
         self.heartbeat_url = heartbeat_url
-        self.seen = seen or (lambda _conn, _inst, _wid: None)
-        self.left = left or (lambda _inst, _wid: None)
+        self.observer = observer or Observer()
         self.queue: deque[Batch] = deque()
         self.queued_ops = 0
         self._registered: set[tuple[str, int]] = set()  # known registered (cache; NotRegistered resets)
@@ -98,7 +105,7 @@ class LMCacheIngest:
                 continue
             metrics.MESSAGES.labels(tag).inc()
             try:
-                self.seen(conn, msg.instance_id, msg.worker_id)
+                self.observer.seen(conn, msg.instance_id, msg.worker_id)
                 self._on_push(tag, msg)
             except (redis.ConnectionError, redis.TimeoutError):
                 raise  # the loop backs off; what is queued stays queued
@@ -253,6 +260,7 @@ class LMCacheIngest:
         self._registered.add(key)
         self._synced.add(key)
         self._reset_seq(instance_id, worker_id)
+        self.observer.registered(instance_id, worker_id)
         log.info("registered %s worker %d (%s:%d), epoch %d", instance_id, worker_id, ip, port, epoch)
         return epoch
 
@@ -260,7 +268,7 @@ class LMCacheIngest:
         self.drop_queued(instance_id, worker_id)
         known = self.store.deregister_worker(instance_id, worker_id)
         self.forget(instance_id, worker_id)
-        self.left(instance_id, worker_id)
+        self.observer.forget(instance_id, worker_id)
         log.info("deregistered %s worker %d%s", instance_id, worker_id, "" if known else " (was unknown)")
 
     def forget(self, instance_id: str, worker_id: int | str) -> None:
@@ -305,7 +313,7 @@ class LMCacheIngest:
             return proto.encode(proto.ErrorMsg(error=refused))
         metrics.MESSAGES.labels(tag).inc()
         try:
-            self.seen(conn, msg.instance_id, msg.worker_id)
+            self.observer.seen(conn, msg.instance_id, msg.worker_id)
             return proto.encode(self._on_request(tag, msg))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             return proto.encode(proto.ErrorMsg(error=f"index unavailable: {exc}"))

@@ -63,7 +63,7 @@ class Sidecar:
     None. sidecar_id: this sidecar's name in the registry (default :func:`default_sidecar_id`);
     a restarted sidecar with the same id resumes renewing the leases of the instances it owned.
     instance_ids: instances this sidecar vouches for from the start. heartbeat_s: seconds
-    between lease renewals (default 1). advertise_reply: the address workers should use for
+    between lease renewals (default a third of ``instance_ttl_s``, at most 1). advertise_reply: the address workers should use for
     heartbeats ("" = the reply URL's host:port). vllm: vLLM instances whose KV event streams to
     ingest (sidecar.vllm_zmq). limits: bounds on frames, messages and queued ops.
     grace_s, probe_timeout_s, probe_retries, address_allowed: liveness evidence (sidecar.liveness).
@@ -86,12 +86,13 @@ class Sidecar:
         self.gate.start()
         self.sockets = SocketSet(self.ctx, self.limits, guard=self.gate.guard)
         self.pinned = tuple(instance_ids) + tuple(v.instance_id for v in vllm)
-        self.heartbeat_s = heartbeat_s or 1.0
+        ttl_s = store.instance_ttl_ms / 1000
+        self.heartbeat_s = heartbeat_s or (min(1.0, max(0.1, ttl_s / 3)) if ttl_s > 0 else 1.0)
         self.liveness = Liveness(store, self.sidecar_id, grace_s=grace_s, timeout_s=probe_timeout_s,
                                  retries=probe_retries, address_allowed=address_allowed)
         hb_url = advertise_reply or (_host_port(reply_url) if reply_url else "")
-        self.lmcache = LMCacheIngest(store, self.sidecar_id, heartbeat_url=hb_url, seen=self.liveness.seen,
-                                     left=self.liveness.forget, policy=InstancePolicy(allowed_instance_ids))
+        self.lmcache = LMCacheIngest(store, self.sidecar_id, heartbeat_url=hb_url, observer=self.liveness,
+                                     policy=InstancePolicy(allowed_instance_ids))
         self._stop = threading.Event()
         self.started_at = time.time()
         self.last_turn = time.monotonic()  # when the loop last turned (sidecar /health)
