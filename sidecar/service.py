@@ -63,9 +63,9 @@ class Sidecar:
     None. sidecar_id: this sidecar's name in the registry (default :func:`default_sidecar_id`);
     a restarted sidecar with the same id resumes renewing the leases of the instances it owned.
     instance_ids: instances this sidecar vouches for from the start. heartbeat_s: seconds
-    between lease renewals (default a third of ``instance_ttl_s``, at most 1). advertise_reply: the address workers should use for
-    heartbeats ("" = the reply URL's host:port). vllm: vLLM instances whose KV event streams to
-    ingest (sidecar.vllm_zmq). limits: bounds on frames, messages and queued ops.
+    between lease renewals (default a third of ``instance_ttl_s``, at most 1). advertise_reply:
+    the address workers should use for heartbeats ("" = the reply URL's host:port). vllm: vLLM
+    instances whose KV event streams to ingest (sidecar.vllm_zmq). limits: bounds on frames, messages and queued ops.
     grace_s, probe_timeout_s, probe_retries, address_allowed: liveness evidence (sidecar.liveness).
     peers: addresses that may connect to the bound sockets (``allowed_peers``, loopback by
     default); allowed_instance_ids: instances whose LMCache messages are accepted (() = any).
