@@ -131,3 +131,94 @@ class WorkerSim:
         self.push.close()
         if self.dealer is not None:
             self.dealer.close()
+
+
+class SimEngine:
+    """A simulated LMCache engine: what it holds (its true state, per location), one
+    :class:`WorkerSim` per TP rank reporting it, and a control port answering health calls.
+
+    A heartbeat whose reply carries a ``full_sync`` command is obeyed as LMCache's
+    FullSyncSender would (the LocalCPUBackend keys, in batches), so tests can assert that the
+    index converges to :attr:`held` exactly. era, pull_url, reply_url: as WorkerSim; tp: ranks.
+    """
+
+    def __init__(self, instance_id: str, *, era: str = "0.5", pull_url: str, reply_url: str | None = None,
+                 tp: int = 1, ctx: zmq.Context | None = None):
+        import threading
+
+        self.instance_id = instance_id
+        self.ctx = ctx or zmq.Context.instance()
+        self.held: dict[str, set[int]] = {}
+        self.reps = []
+        self.workers = []
+        for rank in range(tp):
+            rep = self.ctx.socket(zmq.REP)
+            rep.setsockopt(zmq.LINGER, 0)
+            port = rep.bind_to_random_port("tcp://127.0.0.1")
+            self.reps.append(rep)
+            self.workers.append(WorkerSim(instance_id, rank, era=era, pull_url=pull_url, reply_url=reply_url,
+                                          port=port, ctx=self.ctx))
+        self.health_calls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._answer, daemon=True)
+        self._thread.start()
+
+    def _answer(self) -> None:
+        from kvlookup.lmcache_control import HealthWorkerRetMsg, encode
+
+        poller = zmq.Poller()
+        for rep in self.reps:
+            poller.register(rep, zmq.POLLIN)
+        while not self._stop.is_set():
+            for rep, _ev in poller.poll(100):
+                rep.recv()
+                self.health_calls += 1
+                rep.send(encode(HealthWorkerRetMsg(error_code=0)))
+
+    def register(self) -> None:
+        for w in self.workers:
+            w.register()
+
+    def store(self, hashes: Sequence[int], location: str = "LocalCPUBackend") -> None:
+        self.held.setdefault(location, set()).update(hashes)
+        for w in self.workers:
+            w.admit(list(hashes), location)
+
+    def evict(self, hashes: Sequence[int], location: str = "LocalCPUBackend") -> None:
+        self.held.setdefault(location, set()).difference_update(hashes)
+        for w in self.workers:
+            w.evict(list(hashes), location)
+
+    def lose(self, stored: Sequence[int] = (), evicted: Sequence[int] = (),
+             location: str = "LocalCPUBackend") -> None:
+        """Change what the engine holds without telling anyone: the messages were lost (sent
+        while nothing listened, or in flight when a sidecar died)."""
+        held = self.held.setdefault(location, set())
+        held.update(stored)
+        held.difference_update(evicted)
+
+    def heartbeat(self) -> list[str]:
+        """Heartbeat every rank; returns the full-sync reasons the controller gave (and syncs)."""
+        reasons = []
+        for w in self.workers:
+            reply = w.heartbeat() or {}
+            for cmd in reply.get("commands", []):
+                if cmd.get("command_type") == "full_sync":
+                    reasons.append(cmd.get("reason"))
+                    w.full_sync(sorted(self.held.get("LocalCPUBackend", set())))
+        return reasons
+
+    def truth(self) -> dict[str, set[int]]:
+        """Location -> chunk hashes this engine holds (every rank holds the same)."""
+        return {loc: set(h) for loc, h in self.held.items() if h}
+
+    def close(self, deregister: bool = True) -> None:
+        if deregister:
+            for w in self.workers:
+                w.deregister()
+        for w in self.workers:
+            w.close()
+        self._stop.set()
+        self._thread.join(2)
+        for rep in self.reps:
+            rep.close(0)

@@ -38,3 +38,24 @@ class SidecarThread:
     def __exit__(self, *exc) -> None:
         self.sidecar.stop()
         self.thread.join(5)
+
+
+def index_view(r, hashes) -> dict[tuple[str, str], set[int]]:
+    """What the index says each live holder holds among ``hashes``: (instance, location) ->
+    chunk hashes, read straight from the chunk sorted sets (retired holders left out)."""
+    from kvlookup import keys
+
+    hashes = list(hashes)
+    pipe = r.pipeline(transaction=False)
+    for h in hashes:
+        pipe.zrange(keys.chunk_key(h), 0, -1)
+    members = pipe.execute()
+    dead = set(r.zrange(keys.dead_holders_key(), 0, -1))
+    desc = r.hgetall(keys.holders_key())
+    out: dict[tuple[str, str], set[int]] = {}
+    for h, hids in zip(hashes, members, strict=True):
+        for hid in hids:
+            if hid in desc and hid not in dead:
+                inst, _wid, loc, _space = keys.parse_holder(desc[hid])
+                out.setdefault((inst, loc), set()).add(h)
+    return out

@@ -102,3 +102,48 @@ class RealLMCacheWorker:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
+
+
+class SidecarProc:
+    """``python -m kvlookup sidecar ...`` as a subprocess with its /health on ``metrics_port``.
+
+    The same arguments (ports, sidecar id) every start, so a restart is the same sidecar."""
+
+    def __init__(self, *args: str, pull_url: str | None = None, reply_url: str | None = None,
+                 env: dict | None = None):
+        self.metrics_port = free_port()
+        self.pull_url, self.reply_url = pull_url, reply_url
+        self.cmd = [sys.executable, "-m", "kvlookup", "sidecar", "--log-level", "WARNING",
+                    "--metrics-port", str(self.metrics_port), *args]
+        if pull_url:
+            self.cmd += ["--pull-url", pull_url]
+        if reply_url:
+            self.cmd += ["--reply-url", reply_url]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> SidecarProc:
+        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=ROOT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited with {self.proc.returncode}")
+            try:
+                if requests.get(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError("sidecar did not answer /health")
+
+    def health(self) -> dict:
+        return requests.get(f"http://127.0.0.1:{self.metrics_port}/health", timeout=2).json()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the sidecar (kill -9 by default) and wait for it to exit."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(15)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
