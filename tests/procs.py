@@ -139,6 +139,10 @@ class SidecarProc:
     def health(self) -> dict:
         return requests.get(f"http://127.0.0.1:{self.metrics_port}/health", timeout=2).json()
 
+    def metrics(self) -> str:
+        """Its Prometheus text (this process's counters)."""
+        return requests.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2).text
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the sidecar (kill -9 by default) and wait for it to exit."""
         if self.proc is not None and self.proc.poll() is None:

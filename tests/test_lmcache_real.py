@@ -28,11 +28,11 @@ S1000 = S600[:512] + [3000 + i for i in range(488)]
 S800 = [5000 + i for i in range(800)]
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+@pytest.fixture()
+def fleet(redis_args):
+    """A controller with its embedded sidecar on this test's Redis (one server, or the cluster)."""
     pull, reply = free_port(), free_port()
-    ctrl = ControllerProc("--monitor-ports", json.dumps({"pull": pull, "reply": reply}),
-                          env={"KVLOOKUP_DATA_DIR": str(tmp_path_factory.mktemp("redis"))}).wait_ready()
+    ctrl = ControllerProc(*redis_args, "--monitor-ports", json.dumps({"pull": pull, "reply": reply})).wait_ready()
     workers: list[RealLMCacheWorker] = []
 
     def worker(instance_id: str, *args: str) -> RealLMCacheWorker:
