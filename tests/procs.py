@@ -73,6 +73,8 @@ class RealLMCacheWorker:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True, cwd=ROOT)
         self.ready = self._read()
+        while self.ready.get("event") not in ("ready", None):  # warnings may come first
+            self.ready = self._read()
 
     def _read(self) -> dict:
         while True:

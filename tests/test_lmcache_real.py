@@ -35,9 +35,10 @@ def fleet(redis_args):
     ctrl = ControllerProc(*redis_args, "--monitor-ports", json.dumps({"pull": pull, "reply": reply})).wait_ready()
     workers: list[RealLMCacheWorker] = []
 
-    def worker(instance_id: str, *args: str) -> RealLMCacheWorker:
+    def worker(instance_id: str, *args: str, tp: int = 1) -> RealLMCacheWorker:
+        ports = ",".join(str(free_port()) for _ in range(tp))  # each rank its own free REP port
         w = RealLMCacheWorker(PYTHON, instance_id, f"127.0.0.1:{pull}", f"127.0.0.1:{reply}",
-                              "--worker-ports", str(free_port()), *args)
+                              "--worker-ports", ports, "--tp", str(tp), *args)
         workers.append(w)
         return w
 
@@ -89,7 +90,7 @@ def test_real_overlapping_instances(fleet):
 
 def test_real_tensor_parallel_ranks(fleet):
     ctrl, worker = fleet
-    tp = worker("inst-tp", "--tp", "2")
+    tp = worker("inst-tp", tp=2)
     assert tp.ready["registered"] == [0, 1]
     tp.op(op="store", tokens=S600)
     assert settle(ctrl, S600, {"inst-tp": [CPU, 600]}) == {"inst-tp": [CPU, 600]}
