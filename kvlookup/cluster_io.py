@@ -69,8 +69,11 @@ class ClusterIO:
         self._scripts: dict[str, str] = {}  # sha -> source, for masters that lack a script
 
     def register(self, script: str) -> str:
-        """Load a Lua script on the masters; returns its sha, for ``("EVALSHA", sha, ...)``."""
-        sha = self.rc.script_load(script)
+        """A Lua script's sha, for ``("EVALSHA", sha, ...)``; a master that answers NOSCRIPT gets
+        it loaded (so nothing connects until the first call)."""
+        import hashlib
+
+        sha = hashlib.sha1(script.encode()).hexdigest()
         self._scripts[sha] = script
         return sha
 

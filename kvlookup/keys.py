@@ -17,6 +17,8 @@ Lua scripts never build key names: callers pass every key through KEYS.
 
 from __future__ import annotations
 
+import functools
+
 SCHEMA_VERSION = 2
 PREFIX = f"kvl:v{SCHEMA_VERSION}:"
 #: Every registry key starts with this; ``{r}`` is its Redis Cluster hash tag (one slot).
@@ -60,10 +62,20 @@ def chunk_key(chunk_hash: int | str, space: str = "") -> str:
 HOLDER_CHUNK_BUCKETS = 2048
 
 
+def _bucket_of(tail: bytes) -> int:
+    tail = tail[-4:].rjust(4, b"\0")
+    return (tail[0] * 1000003 + tail[1] * 1009 + tail[2] * 31 + tail[3]) % HOLDER_CHUNK_BUCKETS
+
+
+#: The bucket of every 4-digit decimal tail: the hot path (admits and evicts) looks it up.
+DECIMAL_TAILS = {f"{i:04d}": _bucket_of(f"{i:04d}".encode()) for i in range(10_000)}
+
+
 def chunk_bucket(chunk_hash: int | str) -> int:
     """Reverse-index bucket of a chunk hash, from the last 4 bytes of its decimal (or hex) text."""
-    tail = str(chunk_hash).encode()[-4:].rjust(4, b"\0")
-    return (tail[0] * 1000003 + tail[1] * 1009 + tail[2] * 31 + tail[3]) % HOLDER_CHUNK_BUCKETS
+    text = chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)
+    found = DECIMAL_TAILS.get(text[-4:])
+    return found if found is not None else _bucket_of(text.encode())
 
 
 def holder_chunks_key(holder_id: int | str, bucket: int) -> str:
@@ -73,6 +85,12 @@ def holder_chunks_key(holder_id: int | str, bucket: int) -> str:
     before the record on admit and cleaned after it on evict), so purge finds every record.
     """
     return f"{PREFIX}holder:{holder_id}:chunks:{bucket}"
+
+
+@functools.lru_cache(maxsize=256)
+def holder_bucket_keys(holder_id: int | str) -> tuple[str, ...]:
+    """Every reverse-index bucket key of a holder, by bucket (``holder_chunks_key`` for each)."""
+    return tuple(holder_chunks_key(holder_id, b) for b in range(HOLDER_CHUNK_BUCKETS))
 
 
 # -- holders (registry) ----------------------------------------------------------------------

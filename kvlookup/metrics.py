@@ -30,11 +30,13 @@ CONTROL_CALLS = Counter("kvlookup_control_calls_total", "Controller -> worker co
 # scrape time: see kvlookup.fleet_metrics (kvlookup_live, kvlookup_records).
 
 
-def count_ops(ops: list, outcome: str) -> None:
-    """Count a batch of (op, chunk hash) pairs in ``kvlookup_ingest_ops_total`` by kind."""
+def count_ops(ops, outcome: str) -> None:
+    """Count a batch of ops in ``kvlookup_ingest_ops_total`` by kind: (op, chunk hash) pairs,
+    or a folded {chunk hash text: op} mapping."""
     from kvlookup.store import ADMIT
 
-    admits = sum(1 for op, _ in ops if op == ADMIT)
+    admits = sum(1 for op in ops.values() if op == ADMIT) if isinstance(ops, dict) else \
+        sum(1 for op, _ in ops if op == ADMIT)
     if admits:
         INGEST_OPS.labels("admit", outcome).inc(admits)
     if len(ops) - admits:

@@ -11,11 +11,14 @@ its keys share one hash slot (kvlookup.keys) and kvlookup.store runs its scripts
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import hiredis
 import redis
+from redis.exceptions import NoScriptError, ResponseError
 
 from kvlookup import keys, scripts
 
@@ -130,30 +133,97 @@ def parse_matches(flat: list) -> list[Match]:
     return out
 
 
+class SingleIO:
+    """Commands to one Redis (or a Sentinel's current master) in one pipelined round trip,
+    packed by hiredis: redis-py encodes each argument in Python (~1 µs; an APPLY_OPS call of
+    5,000 ops has 15,000 arguments). Scripts registered here are loaded again on a server that
+    lost them (a restart without persistence of its script cache, a Sentinel failover)."""
+
+    def __init__(self, client: redis.Redis):
+        self.r = client
+        self._scripts: dict[str, str] = {}
+
+    def register(self, script: str) -> str:
+        """A Lua script's sha, for ``("EVALSHA", sha, numkeys, ...)``; it is loaded the first time
+        a server says NOSCRIPT (so nothing connects until the first call)."""
+        sha = script_sha(script)
+        self._scripts[sha] = script
+        return sha
+
+    def execute(self, commands: Sequence[tuple]) -> list:
+        """Results in order; a command error is returned as its ResponseError. Raises
+        redis.ConnectionError / TimeoutError when the server is unreachable."""
+        out = self._once(commands)
+        lost = [i for i, res in enumerate(out) if isinstance(res, NoScriptError) and commands[i][1] in self._scripts]
+        if lost:
+            for sha in {commands[i][1] for i in lost}:
+                self.r.script_load(self._scripts[sha])
+            for i, res in zip(lost, self._once([commands[i] for i in lost]), strict=True):
+                out[i] = res
+        return out
+
+    def _once(self, commands: Sequence[tuple]) -> list:
+        if not commands:
+            return []
+        pool = self.r.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([b"".join(hiredis.pack_command(c) for c in commands)], check_health=False)
+            out: list = []
+            for _ in commands:
+                try:
+                    out.append(conn.read_response())
+                except ResponseError as exc:
+                    out.append(exc)
+            return out
+        except BaseException:
+            conn.disconnect()  # replies may be left unread: never reuse this connection
+            raise
+        finally:
+            pool.release(conn)
+
+
+def script_sha(script: str) -> str:
+    """The SHA1 hex digest Redis names a script by (``SCRIPT LOAD``'s answer)."""
+    return hashlib.sha1(script.encode()).hexdigest()
+
+
+def raise_errors(results: list) -> list:
+    """``results`` unchanged, or the first command error raised."""
+    for res in results:
+        if isinstance(res, Exception):
+            raise res
+    return results
+
+
 class SingleNodeRecords:
     """Records on one Redis server: APPLY_OPS and LOOKUP scripts, one round trip each."""
 
     def __init__(self, client: redis.Redis):
         self.r = client
-        self._apply = client.register_script(scripts.APPLY_OPS)
-        self._lookup = client.register_script(scripts.LOOKUP)
+        self.io = SingleIO(client)
+        self._apply = self.io.register(scripts.APPLY_OPS)
+        self._lookup = self.io.register(scripts.LOOKUP)
 
     def apply(self, writes: Sequence[HolderWrite], score: int) -> list[bool]:
-        pipe = self.r.pipeline(transaction=False)
+        cmds: list[tuple] = []
         calls = []
-        head = [keys.holders_key(), keys.dead_holders_key(), keys.records_key()]
+        head = (keys.holders_key(), keys.dead_holders_key(), keys.records_key())
         for w in writes:
             prefix = keys.chunk_prefix(w.space)
+            buckets = keys.holder_bucket_keys(w.holder_id)
+            bucket, tails = keys.chunk_bucket, keys.DECIMAL_TAILS
             n = 0
             ops = [*w.admits, *w.evicts]
             for i in range(0, max(len(ops), 1), MAX_OPS_PER_CALL):
                 part = ops[i:i + MAX_OPS_PER_CALL]
                 n_admits = max(0, min(len(w.admits) - i, len(part)))
-                self._apply(keys=[*head, *(prefix + h for h in part), *bucket_keys(w.holder_id, part)],
-                            args=[w.holder_id, score, n_admits, *part], client=pipe)
+                cmds.append(("EVALSHA", self._apply, 3 + 2 * len(part), *head, *[prefix + h for h in part],
+                             *[buckets[b if (b := tails.get(h[-4:])) is not None else bucket(h)] for h in part],
+                             w.holder_id, score, n_admits, *part))
                 n += 1
             calls.append(n)
-        results = iter(pipe.execute())
+        results = iter(raise_errors(self.io.execute(cmds)))
         return [min(int(next(results)) for _ in range(n)) >= 0 for n in calls]
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> list[Match]:
@@ -162,16 +232,12 @@ class SingleNodeRecords:
         for chain in chains:
             chunk_keys += chain.chunk_keys()
             args += [len(chain.hashes), chain.chunk_size, chain.n_tokens]
-        return parse_matches(self._lookup(keys=walk_registry_keys() + chunk_keys, args=args))
+        registry = walk_registry_keys()
+        cmd = ("EVALSHA", self._lookup, len(registry) + len(chunk_keys), *registry, *chunk_keys, *args)
+        return parse_matches(raise_errors(self.io.execute([cmd]))[0])
 
     def purge_step(self, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
-        return purge_step(self._run, holder_id, space, bucket, budget)
-
-    def _run(self, commands: Sequence[tuple]) -> list:
-        pipe = self.r.pipeline(transaction=False)
-        for cmd in commands:
-            pipe.execute_command(*cmd)
-        return pipe.execute(raise_on_error=False) if commands else []
+        return purge_step(self.io.execute, holder_id, space, bucket, budget)
 
 
 def purge_step(run, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:

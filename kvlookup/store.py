@@ -273,18 +273,27 @@ class Store:
         """Apply admit/evict ops, order kept per holder: the batches of one holder are joined in
         order and folded to every chunk's last op, which leaves the same final state.
 
-        batches: (instance_id, worker_id, location, [(ADMIT|EVICT, chunk_hash), ...]).
-        Returns ops applied. Raises NotRegistered for an unknown worker (then nothing is written).
+        batches: (instance_id, worker_id, location, ops): ops a list [(ADMIT|EVICT, chunk_hash),
+        ...] or an already folded {chunk hash text: ADMIT|EVICT}. Returns the folded ops applied
+        (one per chunk and holder). Raises NotRegistered for an unknown worker (then nothing is
+        written).
         """
         score = int(time.time() * 1000) if now_ms is None else now_ms
-        merged: dict[tuple[str, str, str], list] = {}  # one write per holder: backends may reorder writes
+        merged: dict[tuple[str, str, str], dict[str, str]] = {}  # one write per holder: backends reorder
         for inst, wid, loc, ops in batches:
             if ops:
-                merged.setdefault((inst, str(wid), loc), []).extend(ops)
+                last = merged.setdefault((inst, str(wid), loc), {})
+                if isinstance(ops, dict):
+                    last.update(ops)
+                else:
+                    for op, chunk_hash in ops:
+                        last[chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)] = op  # chunk_text
         todo = [(*k, ops) for k, ops in merged.items()]
         applied = 0
         for _attempt in range(3):
-            writes = [HolderWrite(self.holder_id(inst, wid, loc, space), space, *fold_ops(ops))
+            writes = [HolderWrite(self.holder_id(inst, wid, loc, space), space,
+                                  [h for h, op in ops.items() if op == ADMIT],
+                                  [h for h, op in ops.items() if op != ADMIT])
                       for inst, wid, loc, ops in todo]
             ok = self.records.apply(writes, score)
             applied += sum(len(b[3]) for b, good in zip(todo, ok, strict=True) if good)
@@ -355,7 +364,7 @@ def fold_ops(ops: Sequence[tuple[str, int | str]]) -> tuple[list[str], list[str]
     """
     last: dict[str, str] = {}
     for op, chunk_hash in ops:
-        last[chunk_text(chunk_hash)] = op
+        last[chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)] = op  # chunk_text, inlined
     admits = [h for h, op in last.items() if op == ADMIT]
     evicts = [h for h, op in last.items() if op != ADMIT]
     return admits, evicts

@@ -18,6 +18,7 @@ A frame that fails to decode or apply is counted and logged; the rest of the bat
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -28,8 +29,10 @@ import redis
 
 from kvlookup import lmcache_protocol as proto
 from kvlookup import metrics
-from kvlookup.store import ADMIT, EVICT, NotRegistered, Store
+from kvlookup.store import ADMIT, EVICT, NotRegistered, Store, chunk_text
 from sidecar.admission import InstancePolicy
+
+text = chunk_text
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +43,14 @@ MAX_REDIS_FAILURES = 5
 
 @dataclass
 class Batch:
-    """Queued ops of one (instance, worker, location); ``implicit``: 0.3-era admits, which
+    """Queued ops of one (instance, worker, location), already folded: chunk hash text ->
+    its last op (ADMIT or EVICT), in first-seen order. ``implicit``: 0.3-era admits, which
     register their worker when the registry does not know it."""
 
     instance_id: str
     worker_id: int
     location: str
-    ops: list[tuple[str, Any]]
+    ops: dict[str, str]
     implicit: bool = False
     queued_at: float = field(default_factory=time.monotonic)
 
@@ -83,7 +87,7 @@ class LMCacheIngest:
         self.heartbeat_url = heartbeat_url
         self.observer = observer or Observer()
         self.queue: deque[Batch] = deque()
-        self.queued_ops = 0
+        self.queued_ops = 0  # chunk operations queued, not written yet (folded per chunk and holder)
         self._registered: set[tuple[str, int]] = set()  # known registered (cache; NotRegistered resets)
         self._synced: set[tuple[str, int]] = set()  # registered or full-synced by this process
         self._gaps: set[tuple[str, int]] = set()  # skipped a seq: its next heartbeat asks a full sync
@@ -116,13 +120,14 @@ class LMCacheIngest:
     def _on_push(self, tag: str, msg: Any) -> None:
         if tag == "KVAdmitMsg" or tag == "KVEvictMsg":
             admit = tag == "KVAdmitMsg"
-            self._queue(msg.instance_id, msg.worker_id, msg.location, [(ADMIT if admit else EVICT, msg.key)], admit)
+            self._add(msg.instance_id, msg.worker_id, msg.location, ((text(msg.key), ADMIT if admit else EVICT),),
+                      implicit=admit)
         elif tag == "BatchedKVOperationMsg":
             self._check_seq(msg)
-            ops = [(ADMIT if op.op_type == "admit" else EVICT, op.key) for op in msg.operations]
-            self._queue(msg.instance_id, msg.worker_id, msg.location, ops)
+            self._add(msg.instance_id, msg.worker_id, msg.location,
+                      ((text(op.key), ADMIT if op.op_type == "admit" else EVICT) for op in msg.operations))
         elif tag == "FullSyncBatchMsg":
-            self._queue(msg.instance_id, msg.worker_id, msg.location, [(ADMIT, k) for k in msg.keys])
+            self._add(msg.instance_id, msg.worker_id, msg.location, dict.fromkeys(map(text, msg.keys), ADMIT))
         elif tag == "RegisterMsg":
             self._register(msg)
         elif tag == "HeartbeatMsg":  # 0.3.5-0.3.9 heartbeats come on PUSH: nothing to answer
@@ -137,14 +142,17 @@ class LMCacheIngest:
             metrics.REJECTED.labels("lmcache", "wrong_channel").inc()
             log.warning("%s is a request; it belongs on the reply socket", tag)
 
-    def _queue(self, instance_id: str, worker_id: int, location: str, ops: list, implicit: bool = False) -> None:
+    def _add(self, instance_id: str, worker_id: int, location: str, ops, implicit: bool = False) -> None:
+        """Queue (chunk text, op) pairs: into the last batch when it is the same holder's, else
+        a new one (so ops keep their order per holder), each chunk folded to its last op."""
         tail = self.queue[-1] if self.queue else None
-        if tail and (tail.instance_id, tail.worker_id, tail.location, tail.implicit) == (
-                instance_id, worker_id, location, implicit):
-            tail.ops.extend(ops)
-        else:
-            self.queue.append(Batch(instance_id, worker_id, location, list(ops), implicit))
-        self.queued_ops += len(ops)
+        if not (tail and (tail.instance_id, tail.worker_id, tail.location, tail.implicit) == (
+                instance_id, worker_id, location, implicit)):
+            tail = Batch(instance_id, worker_id, location, {}, implicit)
+            self.queue.append(tail)
+        before = len(tail.ops)
+        tail.ops.update(ops)
+        self.queued_ops += len(tail.ops) - before
 
     def drop_queued(self, instance_id: str, worker_id: int, location: str | None = None) -> int:
         """Drop the queued ops of a worker (of one location, when given): its holder is being
@@ -156,7 +164,8 @@ class LMCacheIngest:
                 metrics.count_ops(b.ops, "superseded")
             else:
                 keep.append(b)
-        self.queue, self.queued_ops = keep, self.queued_ops - gone
+        self.queue = keep
+        self.queued_ops -= gone
         return gone
 
     def lag_s(self) -> float:
@@ -200,9 +209,11 @@ class LMCacheIngest:
             room = len(b.ops) if budget is None else budget - n
             if len(b.ops) <= room:
                 taken.append(self.queue.popleft())
-            else:  # split: the rest stays at the head, in order
-                taken.append(Batch(b.instance_id, b.worker_id, b.location, b.ops[:room], b.implicit, b.queued_at))
-                del b.ops[:room]
+            else:  # split: the rest stays at the head, in order (distinct chunks: any split is exact)
+                part = dict(itertools.islice(b.ops.items(), room))
+                for k in part:
+                    del b.ops[k]
+                taken.append(Batch(b.instance_id, b.worker_id, b.location, part, b.implicit, b.queued_at))
             n += len(taken[-1].ops)
         self.queued_ops -= n
         return taken

@@ -30,8 +30,13 @@ CPU = "LocalCPUBackend"
 def test_huge_batches_run_in_bounded_slices(store, r, monkeypatch):
     monkeypatch.setattr(records_mod, "MAX_OPS_PER_CALL", 1000)
     calls = []
-    real = store.records._apply
-    monkeypatch.setattr(store.records, "_apply", lambda **kw: calls.append(len(kw["args"]) - 3) or real(**kw))
+    real = store.records.io.execute
+
+    def spy(commands):
+        calls.extend((len(c) - 9) // 3 for c in commands)  # EVALSHA sha n, 3 keys, 3 args, then 3 per op
+        return real(commands)
+
+    monkeypatch.setattr(store.records.io, "execute", spy)
     store.register_worker("a", 0)
     hashes = HashProfile(chunk_size=1).chunk_hashes(list(range(4500)))
     assert store.apply([("a", 0, CPU, [(ADMIT, h) for h in hashes])]) == 4500

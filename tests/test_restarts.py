@@ -68,6 +68,7 @@ def test_quiet_instances_survive_a_sidecar_restart(r, redis_url, redis_args, clu
         engine.register()
         engine.store(hashes)
         assert wait_for(lambda: _everything_there(r, client, hashes, QUIET), True, timeout=60)
+        assert wait_for(lambda: _records(r), (QUIET + 1) * CHUNKS) == (QUIET + 1) * CHUNKS
         records = _records(r)
         sc.kill(how)
         start = time.monotonic()
