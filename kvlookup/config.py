@@ -66,8 +66,8 @@ class Settings:
     advertise_reply: str = ""
     sidecar_id: str | None = None
     disconnect_grace_s: float = 5.0
-    max_frame_bytes: int = 8 * 1024 * 1024
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_frame_bytes: int = 4 * 1024 * 1024
+    max_message_bytes: int = 8 * 1024 * 1024
     max_queued_ops: int = 200_000
     metrics_port: int | None = None
     vllm_endpoint: str | None = None

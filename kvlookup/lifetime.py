@@ -150,3 +150,16 @@ class Backoff:
             self.delay = self.first
         delay, self.delay = self.delay, min(self.delay * 2, self.cap)
         return delay
+
+
+def release_memory() -> bool:
+    """Give freed heap memory back to the OS (a collection, then glibc's ``malloc_trim``), e.g.
+    after a burst of ingest drained: Python and malloc keep freed pages otherwise. True when
+    malloc_trim ran (glibc only)."""
+    import gc
+
+    gc.collect()
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -25,6 +25,7 @@ import zmq
 from kvlookup import lmcache_protocol as proto
 from kvlookup import metrics
 from kvlookup.fleet import reap
+from kvlookup.lifetime import release_memory
 from kvlookup.netpolicy import LOOPBACK_NETWORKS, Networks
 from kvlookup.store import Store
 from kvlookup.zmqaddr import endpoint
@@ -42,9 +43,11 @@ PURGE_BUDGET = 20_000
 BUSY_PURGE_BUDGET = 2_000
 #: Requests and PUSH messages read per turn (then the turn writes a slice and comes back).
 MAX_REQUESTS_PER_TURN = 200
-MAX_PUSHES_PER_TURN = 200
+MAX_PUSHES_PER_TURN = 50
 #: Seconds between reaper passes of this sidecar.
 REAP_EVERY_S = 5.0
+#: After this many ops written, the sidecar gives memory back to the OS when its queue is empty.
+RELEASE_AFTER_OPS = 200_000
 #: How long a sidecar's own lease lasts (its status in /health goes "down" after this).
 SIDECAR_LEASE_S = 5.0
 
@@ -96,6 +99,7 @@ class Sidecar:
         self._stop = threading.Event()
         self.started_at = time.time()
         self.last_turn = time.monotonic()  # when the loop last turned (sidecar /health)
+        self._written = 0  # ops written since memory was last released
         self.status: dict = {}
         self.pull = self.router = None
         self.names: dict[zmq.Socket, str] = {}
@@ -193,6 +197,13 @@ class Sidecar:
         if removed:
             log.debug("purged %d retired records", removed)
 
+    def _after_burst(self) -> None:
+        """Once a burst of ingest is over (nothing queued, much written since the last time),
+        return the memory it used to the OS."""
+        if self._written >= RELEASE_AFTER_OPS and not self.lmcache.queued_ops:
+            self._written = 0
+            release_memory()
+
     def _publish_status(self) -> None:
         self.status = {"sidecar_id": self.sidecar_id, "pid": os.getpid(), "host": socket.gethostname(),
                        "started_at": round(self.started_at, 3), "queued_ops": self.lmcache.queued_ops,
@@ -222,8 +233,9 @@ class Sidecar:
                 wait_ms = 0 if busy else int(max(0.0, min(next_tick - time.monotonic(), 0.2)) * 1000)
                 for sock in self.sockets.poll(wait_ms):
                     self.sockets.handlers[sock](sock)
-                self.lmcache.flush(self.limits.slice_ops)
+                self._written += self.lmcache.flush(self.limits.slice_ops)
                 self._purge(BUSY_PURGE_BUDGET if self.lmcache.queued_ops else PURGE_BUDGET)
+                self._after_burst()
                 self.last_turn = time.monotonic()
                 backoff = 0.1
             except redis.RedisError as exc:  # unreachable, BUSY, OOM, READONLY...: back off

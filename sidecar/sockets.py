@@ -26,11 +26,11 @@ class Limits:
     written per loop turn, so heartbeats and liveness are served between slices.
     """
 
-    max_frame_bytes: int = 8 * 1024 * 1024
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_frame_bytes: int = 4 * 1024 * 1024
+    max_message_bytes: int = 8 * 1024 * 1024
     rcvhwm: int = 1000
     max_queued_ops: int = 200_000
-    slice_ops: int = 20_000
+    slice_ops: int = 5_000
 
 
 #: Socket monitor events a loop listens to.
