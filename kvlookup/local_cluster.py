@@ -1,9 +1,9 @@
 """A real Redis Cluster on loopback, from the same server binary as the embedded Redis.
 
-For the tests, the benchmarks and ``kvlookup redis --cluster`` (trying the cluster backend on
-one machine): N masters with R replicas each, created with ``valkey-cli --cluster create``
-exactly as an operator would, plus the operations the fault tests need (kill a node, restart
-it, add a master and rebalance slots while traffic runs).
+For the tests and the benchmarks (trying the cluster backend on one machine): N masters with
+R replicas each, created with ``valkey-cli --cluster create`` exactly as an operator would, plus
+the operations the fault tests need (kill a node, stop it for a while, restart it, add a master
+and rebalance slots while traffic runs).
 """
 
 from __future__ import annotations
@@ -51,6 +51,47 @@ class Node:
         return redis.Redis(port=self.port, decode_responses=True, socket_timeout=2)
 
 
+def spawn(node: Node, args: list[str], timeout: float = 10.0, *, sentinel_conf: Path | None = None) -> Node:
+    """Start ``valkey-server`` for ``node`` on loopback, with its own dir and log file, and
+    extra ``args``; returns once it answers PING. A data node takes no RDB snapshots and lets
+    replicas sync at once; with ``sentinel_conf`` the process is a Sentinel using that file.
+    Raises RuntimeError when it exits or does not answer within ``timeout`` seconds."""
+    node.dir.mkdir(parents=True, exist_ok=True)
+    common = ["--port", str(node.port), "--bind", "127.0.0.1", "--dir", str(node.dir),
+              "--logfile", str(node.dir / "log"), "--daemonize", "no"]
+    if sentinel_conf is not None:
+        cmd = [find_server_binary(), str(sentinel_conf), "--sentinel", *common, *args]
+    else:
+        cmd = [find_server_binary(), *args, *common, "--save", "", "--set-max-intset-entries", "4096",
+               "--repl-diskless-sync-delay", "0"]
+    node.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if node.client().ping():
+                return node
+        except redis.RedisError:
+            if time.monotonic() > deadline or node.proc.poll() is not None:
+                raise RuntimeError(f"valkey-server on port {node.port} did not start; see {node.dir}/log") from None
+            time.sleep(0.05)
+
+
+def stop_all(nodes: list[Node]) -> None:
+    """SIGTERM every node still running (SIGCONT first, for a frozen one), then wait; SIGKILL
+    a node that does not exit within 10 s."""
+    for n in nodes:
+        if n.proc is not None and n.proc.poll() is None:
+            n.proc.send_signal(signal.SIGCONT)
+            n.proc.terminate()
+    for n in nodes:
+        if n.proc is not None:
+            try:
+                n.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                n.proc.kill()
+                n.proc.wait(5)
+
+
 class LocalCluster:
     """``masters`` masters with ``replicas`` replicas each, on free loopback ports.
 
@@ -73,33 +114,21 @@ class LocalCluster:
         return f"redis://127.0.0.1:{self.nodes[0].port}/0"
 
     def start(self, timeout: float = 30.0) -> str:
-        """Start every node, create the cluster, wait until every node sees it whole."""
+        """Start every node, create the cluster, wait until every node sees it whole and every
+        replica has its master's data (a replica that never synced cannot take over)."""
         for _ in range(self.n_masters * (1 + self.n_replicas)):
             self.nodes.append(self._spawn(Node(free_port(), self.dir / f"node-{len(self.nodes)}")))
         self._cli("--cluster", "create", *(n.addr for n in self.nodes),
                   "--cluster-replicas", str(self.n_replicas), "--cluster-yes")
         self.wait_ok(timeout)
+        self.wait_replicas(timeout)
         return self.url
 
     def _spawn(self, node: Node) -> Node:
-        node.dir.mkdir(parents=True, exist_ok=True)
         node.bus_port = node.bus_port or free_port()
-        cmd = [find_server_binary(), "--port", str(node.port), "--bind", "127.0.0.1", "--dir", str(node.dir),
-               "--cluster-enabled", "yes", "--cluster-port", str(node.bus_port), "--cluster-config-file", "nodes.conf",
-               "--cluster-node-timeout", str(self.node_timeout_ms), "--save", "",
-               "--appendonly", "yes" if self.appendonly else "no", "--logfile", str(node.dir / "log"),
-               "--set-max-intset-entries", "4096", "--daemonize", "no"]
-        node.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if node.client().ping():
-                    return node
-            except redis.RedisError:
-                if time.monotonic() > deadline or node.proc.poll() is not None:
-                    raise RuntimeError(f"cluster node on port {node.port} did not start") from None
-                time.sleep(0.05)
+        return spawn(node, ["--cluster-enabled", "yes", "--cluster-port", str(node.bus_port),
+                            "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
+                            "--appendonly", "yes" if self.appendonly else "no"])
 
     def _cli(self, *args: str, timeout: float = 120) -> str:
         out = subprocess.run([find_cli_binary(), *args], capture_output=True, text=True, timeout=timeout)
@@ -125,6 +154,42 @@ class LocalCluster:
                 raise TimeoutError("cluster did not become ok")
             time.sleep(0.1)
 
+    def wait_replicas(self, timeout: float = 30.0) -> None:
+        """Until every live replica's link to its master is up and its initial sync is done."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                infos = [n.client().info("replication") for n in self.live_nodes()]
+                if all(i.get("master_link_status") == "up" and not i.get("master_sync_in_progress")
+                       for i in infos if i.get("role") == "slave"):
+                    return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("cluster replicas did not sync")
+            time.sleep(0.1)
+
+    def node_of(self, key: str) -> Node:
+        """The live node that is the master of ``key``'s slot now."""
+        slot = _slot(key)
+        for n in self.masters():
+            for start, end in _own_slots(n):
+                if start <= slot <= end:
+                    return n
+        raise LookupError(f"no live master serves slot {slot}")
+
+    def replicas_of(self, master: Node) -> list[Node]:
+        """The live nodes replicating ``master``."""
+        out = []
+        for n in self.live_nodes():
+            try:
+                info = n.client().info("replication")
+            except redis.RedisError:
+                continue
+            if info.get("role") == "slave" and int(info.get("master_port", 0)) == master.port:
+                out.append(n)
+        return out
+
     def masters(self) -> list[Node]:
         """Live nodes that are masters now (after failovers too)."""
         out = []
@@ -142,9 +207,23 @@ class LocalCluster:
             node.proc.send_signal(sig)
             node.proc.wait(10)
 
-    def restart(self, node: Node) -> None:
-        """Start a killed node again on its port and data dir (it rejoins as a replica)."""
+    def freeze(self, node: Node) -> None:
+        """SIGSTOP a node: it neither serves nor replicates until :meth:`thaw` (a replica
+        stopped for less than cluster-node-timeout stays a healthy replica, only lagging)."""
+        if node.proc is not None and node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self, node: Node) -> None:
+        """SIGCONT a node stopped by :meth:`freeze`."""
+        if node.proc is not None and node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGCONT)
+
+    def restart(self, node: Node, timeout: float = 30.0) -> None:
+        """Start a killed node again on its port and data dir (a master that was failed over
+        rejoins as a replica of its successor); waits until the cluster is ok and synced."""
         self._spawn(node)
+        self.wait_ok(timeout)
+        self.wait_replicas(timeout)
 
     def add_master(self, rebalance: bool = True) -> Node:
         """Start a new empty node, join it as a master, and move slots onto it (live)."""
@@ -170,6 +249,10 @@ class LocalCluster:
             time.sleep(0.1)
         raise TimeoutError("new node not known to every node")
 
+    def slot_counts(self) -> dict[int, int]:
+        """Slots owned per live master (port -> count)."""
+        return {n.port: sum(end - start + 1 for start, end in _own_slots(n)) for n in self.masters()}
+
     def flushall(self) -> None:
         """Empty every master."""
         for n in self.masters():
@@ -177,13 +260,24 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop every node."""
-        for n in self.nodes:
-            if n.proc is not None and n.proc.poll() is None:
-                n.proc.terminate()
-        for n in self.nodes:
-            if n.proc is not None:
-                try:
-                    n.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    n.proc.kill()
-                    n.proc.wait(5)
+        stop_all(self.nodes)
+
+def _slot(key: str) -> int:
+    from kvlookup.cluster_io import slot_of
+
+    return slot_of(key)
+
+
+def _own_slots(node: Node) -> list[tuple[int, int]]:
+    """The slot ranges a master serves, from its own ``CLUSTER NODES`` line (``myself``)."""
+    for line in node.client().execute_command("CLUSTER", "NODES").splitlines():
+        fields = line.split()
+        if "myself" in fields[2].split(","):
+            ranges = []
+            for part in fields[8:]:
+                if part.startswith("["):  # a slot being migrated or imported
+                    continue
+                start, _, end = part.partition("-")
+                ranges.append((int(start), int(end or start)))
+            return ranges
+    return []
