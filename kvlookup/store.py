@@ -37,6 +37,9 @@ RULE_ANY = "any"
 
 #: How many times a registry script is retried when the state it was given changed meanwhile.
 MAX_RETRIES = 8
+#: Holder ids a new Redis master skips before its first allocation (scripts.HOLDER): more
+#: than could have been handed out within any replication lag.
+HOLDER_ID_GAP = 1 << 16
 
 
 class NotRegistered(LookupError):
@@ -75,7 +78,7 @@ class Store:
         self.records = records or make_records(client)
         s = {name: client.register_script(getattr(scripts, name)) for name in (
             "REGISTER", "DEREGISTER", "REAP_WORKER", "RETIRE_LOCATION", "HOLDER", "HEARTBEAT", "OWN",
-            "TOUCH", "FORGET_HOLDER")}
+            "TOUCH", "FORGET_HOLDER", "RETIRE_UNKNOWN")}
         self._scripts = s
         # (instance_id, worker_id) -> {(location, space): holder id}: a cache of HOLDER results
         self._holders: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
@@ -248,8 +251,10 @@ class Store:
         hid = cached.get((location, space))
         if hid is None:
             hid = self._scripts["HOLDER"](
-                keys=[keys.worker_key(instance_id, wid), keys.holder_seq_key(), keys.holders_key()],
-                args=[keys.location_field(location), keys.holder_value(instance_id, wid, location, space)],
+                keys=[keys.worker_key(instance_id, wid), keys.holder_seq_key(), keys.holders_key(),
+                      keys.holder_gen_key()],
+                args=[keys.location_field(location), keys.holder_value(instance_id, wid, location, space),
+                      HOLDER_ID_GAP],
             )
             if hid is None:
                 if not cached:
@@ -287,7 +292,11 @@ class Store:
             if not retry:
                 return applied
             for inst, wid, loc, _ops in retry:
-                self._holders.get((inst, wid), {}).pop((loc, space), None)
+                hid = self._holders.get((inst, wid), {}).pop((loc, space), None)
+                if hid is not None:  # retired; or unknown, and then its records would be left behind
+                    self._scripts["RETIRE_UNKNOWN"](
+                        keys=[keys.holders_key(), keys.dead_holders_key()],
+                        args=[hid, keys.holder_value(inst, wid, loc, space), score])
             todo = retry
         raise RuntimeError(f"holders kept being retired while applying {len(todo)} batches")
 
