@@ -232,9 +232,34 @@ class LocalCluster:
         seed = self.masters()[0]
         self._cli("--cluster", "add-node", node.addr, seed.addr)
         self.wait_known(node)
+        self.wait_ok()  # until the new node sees every slot served, it answers MIGRATE with CLUSTERDOWN
         if rebalance:
             self._cli("--cluster", "rebalance", seed.addr, "--cluster-use-empty-masters", timeout=600)
         return node
+
+    def migrate(self, slot: int, src: Node, dst: Node, key_names: list[str] | None = None) -> None:
+        """Start moving ``slot`` from ``src`` to ``dst`` by hand, as ``--cluster rebalance`` does
+        slot by slot: mark it importing on dst and migrating on src, then MIGRATE ``key_names``
+        (every key of the slot when None). Until :meth:`finish_migration`, src answers ASK for
+        keys it no longer has and TRYAGAIN for multi-key commands it holds only some keys of."""
+        src_id, dst_id = src.client().cluster("myid"), dst.client().cluster("myid")
+        dst.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        self._move_keys(slot, src, dst, key_names)
+
+    def finish_migration(self, slot: int, src: Node, dst: Node) -> None:
+        """Move the slot's remaining keys and give the slot to ``dst`` on every master."""
+        self._move_keys(slot, src, dst, None)
+        dst_id = dst.client().cluster("myid")
+        for n in [dst, src, *(m for m in self.masters() if m is not dst and m is not src)]:
+            n.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+    @staticmethod
+    def _move_keys(slot: int, src: Node, dst: Node, key_names: list[str] | None) -> None:
+        names = key_names if key_names is not None else src.client().execute_command(
+            "CLUSTER", "GETKEYSINSLOT", slot, 10_000)
+        if names:
+            src.client().execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *names)
 
     def wait_known(self, node: Node, timeout: float = 30.0) -> None:
         """Until every live node knows ``node``."""
