@@ -335,10 +335,15 @@ class Fleet:
         got = {m.instance_id: m.matched_prefix_length for m in self.client.matches(tokens)}
         return got.get("static") == expected_layout([self.static], tokens)["static"][1]
 
-    def static_wrong(self) -> list:
+    def static_answer(self, prompt: int) -> tuple | None:
+        """What every lookup of prompt ``prompt`` must answer for the static engine."""
+        return expected_layout([self.static], self.prompts[prompt]).get("static")
+
+    def static_wrong(self, lookups: Lookups | None = None) -> list:
         """Answers that were given and are wrong for the static engine (its chunks never change)."""
-        want = {i: expected_layout([self.static], p).get("static") for i, p in enumerate(self.prompts)}
-        return [a for a in self.lookups.answers if a.got is not None and a.got.get("static") != want[a.prompt]]
+        answers = (lookups or self.lookups).answers
+        return [a for a in answers if a.got is not None and tuple(a.got.get("static") or ()) !=
+                tuple(self.static_answer(a.prompt) or ())]
 
     def state(self) -> IndexState:
         return index_state(self.rc, self._masters, [e.instance_id for e in self.all])
