@@ -227,6 +227,24 @@ class Lookups(threading.Thread):
         }
 
 
+@dataclass
+class HttpMatch:
+    instance_id: str
+    location: str
+    matched_prefix_length: int
+
+
+class HttpClient:
+    """``matches()`` through a controller process's POST /lookup (tests.procs.ControllerProc),
+    so :class:`Lookups` and :func:`layouts_match` can drive the HTTP path too."""
+
+    def __init__(self, controller):
+        self.controller = controller
+
+    def matches(self, tokens: list[int]) -> list[HttpMatch]:
+        return [HttpMatch(inst, loc, n) for inst, (loc, n) in self.controller.layout(tokens).items()]
+
+
 def expected_layout(engines: Sequence[Engine], tokens: list[int]) -> dict:
     """What a lookup of ``tokens`` must answer for ``engines``' true state (one worker each,
     LocalCPUBackend): instance -> (location, tokens of its longest run of chunks from 0)."""

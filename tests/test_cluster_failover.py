@@ -16,7 +16,19 @@ from kvlookup.local_cluster import LocalCluster
 from kvlookup.redis_server import connect
 from kvlookup.store import ADMIT, Store
 from tests.conftest import BACKENDS
-from tests.ha_fleet import CPU, PROFILE, Fleet, layouts_match, make_prompts, report, true_records, wait_until
+from tests.ha_fleet import (
+    CPU,
+    PROFILE,
+    Fleet,
+    HttpClient,
+    Lookups,
+    layouts_match,
+    make_prompts,
+    report,
+    true_records,
+    wait_until,
+)
+from tests.procs import ControllerProc
 
 pytestmark = pytest.mark.skipif("cluster" not in BACKENDS, reason="KVLOOKUP_TEST_BACKENDS excludes the cluster")
 
@@ -40,10 +52,19 @@ def fleet(six, tmp_path):
     rc.close()
 
 
-def test_master_kill9_mid_ingest_fails_over_and_converges_exactly(six, fleet):
+@pytest.fixture()
+def controller(six):
+    c = ControllerProc("--redis-url", six.url, "--redis-cluster", "--workers", "1").wait_ready()
+    yield c
+    c.stop()
+
+
+def test_master_kill9_mid_ingest_fails_over_and_converges_exactly(six, fleet, controller):
     cluster, f = six, fleet
+    http = Lookups(HttpClient(controller), f.prompts, seed=8, pace_s=0.02)
     f.hold_private()
     f.lookups.start()
+    http.start()
     time.sleep(3)  # steady ingest and lookups
     victim = cluster.node_of(keys.holders_key())  # the registry's master: the worst one to lose
     (replica,) = cluster.replicas_of(victim)
@@ -64,16 +85,23 @@ def test_master_kill9_mid_ingest_fails_over_and_converges_exactly(six, fleet):
     time.sleep(4)  # ingest goes on after the failover
     stopped, converged = f.converge()
     f.lookups.stop()
-    out = f.lookups.outage(killed)
+    http.stop()
+    out, out_http = f.lookups.outage(killed), http.outage(killed)
     assert converged is not None, f"index did not converge: {f.why_not()}"
-    report("cluster failover", lost_replication_bytes=lost_bytes, promoted_after_s=promoted, **out,
+    report("cluster failover", lost_replication_bytes=lost_bytes, promoted_after_s=promoted,
            converged_after_stop_s=converged, converged_after_kill_s=stopped + converged - killed,
            records=len(f.state().records), ops=sum(e.ops for e in f.all),
            full_syncs=sum(len(e.syncs) for e in f.all), io_stats=f.client.store.records.io.stats)
+    report("cluster failover, Client", **out)
+    report("cluster failover, controller HTTP", **out_http)
     assert lost_bytes > 0  # writes were acknowledged that the promoted replica never saw
-    assert out["first_answer_after_s"] is not None and out["first_answer_after_s"] < 10
-    assert out["longest_without_answer_s"] < 10
+    for o in (out, out_http):
+        assert o["first_answer_after_s"] is not None and o["first_answer_after_s"] < 10
+        assert o["failing_to_succeeding_s"] is None or o["failing_to_succeeding_s"] < 10
+        assert o["longest_without_answer_s"] < 10
     f.check_healed(killed)
+    assert not f.static_wrong(http)
+    assert layouts_match(HttpClient(controller), f.all, f.prompts) == []
     # the killed master comes back as a replica of its successor, and nothing changes
     cluster.restart(victim)
     assert victim.client().info("replication")["role"] == "slave"

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 import redis
@@ -17,7 +16,7 @@ from kvlookup.client import Client
 from kvlookup.local_sentinel import LocalSentinel
 from kvlookup.redis_server import connect
 from kvlookup.redis_urls import BlockingSentinelConnectionPool, SentinelURL, parse_sentinel
-from tests.ha_fleet import ROOT, Fleet, Lookups, layouts_match, report
+from tests.ha_fleet import ROOT, Fleet, HttpClient, Lookups, layouts_match, report
 from tests.procs import ControllerProc
 
 
@@ -52,30 +51,12 @@ def test_bounded_pool_waits_for_a_free_connection(sentinel):
     assert time.monotonic() - t0 >= 0.25
 
 
-@dataclass
-class _Match:
-    instance_id: str
-    location: str
-    matched_prefix_length: int
-
-
-class _HttpClient:
-    """``matches()`` through a controller's POST /lookup, for ha_fleet.Lookups."""
-
-    def __init__(self, controller: ControllerProc):
-        self.controller = controller
-
-    def matches(self, tokens):
-        body = self.controller.layout(tokens)
-        return [_Match(inst, loc, n) for inst, (loc, n) in body.items()]
-
-
 def test_master_kill9_during_ingest_fails_over_and_converges_exactly(sentinel, tmp_path):
     registry = connect(sentinel.url, socket_timeout=5)
     controller = ControllerProc("--redis-url", sentinel.url, "--workers", "1").wait_ready()
     f = Fleet(["--redis-url", sentinel.url], Client(sentinel.url), registry,
               lambda: [sentinel.master().client()], tmp_path, seed=21)
-    http = Lookups(_HttpClient(controller), f.prompts, seed=8, pace_s=0.02)
+    http = Lookups(HttpClient(controller), f.prompts, seed=8, pace_s=0.02)
     try:
         f.hold_private()
         f.lookups.start()
@@ -113,7 +94,7 @@ def test_master_kill9_during_ingest_fails_over_and_converges_exactly(sentinel, t
             assert o["longest_without_answer_s"] < 10
         f.check_healed(killed)
         assert not f.static_wrong(http)
-        assert layouts_match(_HttpClient(controller), f.all, f.prompts) == []
+        assert layouts_match(HttpClient(controller), f.all, f.prompts) == []
         reap = subprocess.run([sys.executable, "-m", "kvlookup", "reap", "--redis-url", sentinel.url],
                               capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert reap.returncode == 0, reap.stderr
