@@ -18,6 +18,7 @@ from pathlib import Path
 
 import redis
 
+from kvlookup.cluster_io import slot_of
 from kvlookup.redis_server import find_server_binary, free_port
 
 
@@ -65,15 +66,63 @@ def spawn(node: Node, args: list[str], timeout: float = 10.0, *, sentinel_conf: 
         cmd = [find_server_binary(), *args, *common, "--save", "", "--set-max-intset-entries", "4096",
                "--repl-diskless-sync-delay", "0"]
     node.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def up() -> bool:
+        if node.proc.poll() is not None:
+            raise RuntimeError(f"valkey-server on port {node.port} exited; see {node.dir}/log")
+        return node.client().ping()
+
+    wait(up, timeout, f"valkey-server on port {node.port} did not answer; see {node.dir}/log", every=0.05)
+    return node
+
+
+def wait(ready, timeout: float, what: str, every: float = 0.1):
+    """Poll ``ready()`` until it returns something true (a Redis error counts as not yet) and
+    return that; raises TimeoutError naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if node.client().ping():
-                return node
+            got = ready()
+            if got:
+                return got
         except redis.RedisError:
-            if time.monotonic() > deadline or node.proc.poll() is not None:
-                raise RuntimeError(f"valkey-server on port {node.port} did not start; see {node.dir}/log") from None
-            time.sleep(0.05)
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} (after {timeout:.0f} s)")
+        time.sleep(every)
+
+
+def replicas_synced(nodes: list[Node]) -> bool:
+    """True when every replica among ``nodes`` has its link up and no sync in progress."""
+    infos = [n.client().info("replication") for n in nodes]
+    return all(i.get("master_link_status") == "up" and not i.get("master_sync_in_progress")
+               for i in infos if i.get("role") == "slave")
+
+
+class Processes:
+    """Signals for the server processes of a local deployment."""
+
+    @staticmethod
+    def live(nodes: list[Node]) -> list[Node]:
+        """The nodes whose process runs."""
+        return [n for n in nodes if n.proc is not None and n.proc.poll() is None]
+
+    def kill(self, node: Node, sig: int = signal.SIGKILL) -> None:
+        """Kill one process (kill -9 by default) and wait for it to exit."""
+        if node.proc is not None and node.proc.poll() is None:
+            node.proc.send_signal(sig)
+            node.proc.wait(10)
+
+    def freeze(self, node: Node) -> None:
+        """SIGSTOP a node: it neither serves nor replicates until :meth:`thaw` (stopped for less
+        than the failure detection time, it stays a healthy node, only lagging)."""
+        if node.proc is not None and node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self, node: Node) -> None:
+        """SIGCONT a node stopped by :meth:`freeze`."""
+        if node.proc is not None and node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGCONT)
 
 
 def stop_all(nodes: list[Node]) -> None:
@@ -92,7 +141,7 @@ def stop_all(nodes: list[Node]) -> None:
                 n.proc.wait(5)
 
 
-class LocalCluster:
+class LocalCluster(Processes):
     """``masters`` masters with ``replicas`` replicas each, on free loopback ports.
 
     data_dir: one folder per node (nodes.conf, AOF when ``appendonly``). node_timeout_ms:
@@ -137,41 +186,23 @@ class LocalCluster:
         return out.stdout
 
     def live_nodes(self) -> list[Node]:
-        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        return self.live(self.nodes)
 
     def wait_ok(self, timeout: float = 30.0) -> None:
         """Until every live node reports cluster_state:ok and all slots covered."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                infos = [n.client().cluster("info") for n in self.live_nodes()]
-                if all(i.get("cluster_state") == "ok" and int(i.get("cluster_slots_ok", 0)) == 16384
-                       for i in infos):
-                    return
-            except redis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("cluster did not become ok")
-            time.sleep(0.1)
+        def ok() -> bool:
+            infos = [n.client().cluster("info") for n in self.live_nodes()]
+            return all(i.get("cluster_state") == "ok" and int(i.get("cluster_slots_ok", 0)) == 16384 for i in infos)
+
+        wait(ok, timeout, "cluster did not become ok")
 
     def wait_replicas(self, timeout: float = 30.0) -> None:
         """Until every live replica's link to its master is up and its initial sync is done."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                infos = [n.client().info("replication") for n in self.live_nodes()]
-                if all(i.get("master_link_status") == "up" and not i.get("master_sync_in_progress")
-                       for i in infos if i.get("role") == "slave"):
-                    return
-            except redis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("cluster replicas did not sync")
-            time.sleep(0.1)
+        wait(lambda: replicas_synced(self.live_nodes()), timeout, "cluster replicas did not sync")
 
     def node_of(self, key: str) -> Node:
         """The live node that is the master of ``key``'s slot now."""
-        slot = _slot(key)
+        slot = slot_of(key)
         for n in self.masters():
             for start, end in _own_slots(n):
                 if start <= slot <= end:
@@ -200,23 +231,6 @@ class LocalCluster:
             except redis.RedisError:
                 pass
         return out
-
-    def kill(self, node: Node, sig: int = signal.SIGKILL) -> None:
-        """Kill one node (kill -9 by default) and wait for it to exit."""
-        if node.proc is not None and node.proc.poll() is None:
-            node.proc.send_signal(sig)
-            node.proc.wait(10)
-
-    def freeze(self, node: Node) -> None:
-        """SIGSTOP a node: it neither serves nor replicates until :meth:`thaw` (a replica
-        stopped for less than cluster-node-timeout stays a healthy replica, only lagging)."""
-        if node.proc is not None and node.proc.poll() is None:
-            node.proc.send_signal(signal.SIGSTOP)
-
-    def thaw(self, node: Node) -> None:
-        """SIGCONT a node stopped by :meth:`freeze`."""
-        if node.proc is not None and node.proc.poll() is None:
-            node.proc.send_signal(signal.SIGCONT)
 
     def restart(self, node: Node, timeout: float = 30.0) -> None:
         """Start a killed node again on its port and data dir (a master that was failed over
@@ -263,16 +277,9 @@ class LocalCluster:
 
     def wait_known(self, node: Node, timeout: float = 30.0) -> None:
         """Until every live node knows ``node``."""
-        deadline = time.monotonic() + timeout
         my_id = node.client().cluster("myid")
-        while time.monotonic() < deadline:
-            try:
-                if all(my_id in n.client().execute_command("CLUSTER", "NODES") for n in self.live_nodes()):
-                    return
-            except redis.RedisError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("new node not known to every node")
+        wait(lambda: all(my_id in n.client().execute_command("CLUSTER", "NODES") for n in self.live_nodes()),
+             timeout, "new node not known to every node")
 
     def slot_counts(self) -> dict[int, int]:
         """Slots owned per live master (port -> count)."""
@@ -286,11 +293,6 @@ class LocalCluster:
     def stop(self) -> None:
         """Stop every node."""
         stop_all(self.nodes)
-
-def _slot(key: str) -> int:
-    from kvlookup.cluster_io import slot_of
-
-    return slot_of(key)
 
 
 def _own_slots(node: Node) -> list[tuple[int, int]]:

@@ -9,17 +9,15 @@ then turn the old master into a replica of the new one when it comes back.
 from __future__ import annotations
 
 import os
-import signal
-import time
 from pathlib import Path
 
 import redis
 
-from kvlookup.local_cluster import Node, spawn, stop_all
+from kvlookup.local_cluster import Node, Processes, replicas_synced, spawn, stop_all, wait
 from kvlookup.redis_server import free_port
 
 
-class LocalSentinel:
+class LocalSentinel(Processes):
     """A master with ``replicas`` replicas and ``sentinels`` Sentinels (quorum: a majority).
 
     data_dir: one folder per process (its log, the Sentinels' rewritten sentinel.conf).
@@ -68,39 +66,22 @@ class LocalSentinel:
 
     def wait_replicas(self, timeout: float = 30.0) -> None:
         """Until every live replica's link to its master is up and its sync is done."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                infos = [n.client().info("replication") for n in self.live(self.data)]
-                if all(i.get("master_link_status") == "up" and not i.get("master_sync_in_progress")
-                       for i in infos if i.get("role") == "slave"):
-                    return
-            except redis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("replicas did not sync")
-            time.sleep(0.1)
+        wait(lambda: replicas_synced(self.live(self.data)), timeout, "replicas did not sync")
 
     def wait_watching(self, timeout: float = 30.0) -> None:
         """Until every live Sentinel knows the master, its replicas and the other Sentinels
         (a Sentinel that has not met the others cannot take part in a failover)."""
-        deadline = time.monotonic() + timeout
-        replicas = len(self.live(self.data)) - 1
-        while True:
-            try:
-                ok = True
-                for s in self.live(self.sentinels):
-                    info = s.client().execute_command("SENTINEL", "MASTER", self.master_name)
-                    fields = dict(zip(info[::2], info[1::2], strict=True)) if isinstance(info, list) else info
-                    ok = ok and int(fields["num-slaves"]) >= replicas and \
-                        int(fields["num-other-sentinels"]) >= len(self.live(self.sentinels)) - 1
-                if ok:
-                    return
-            except (redis.RedisError, KeyError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("sentinels did not discover each other and the replicas")
-            time.sleep(0.1)
+        replicas, sentinels = len(self.live(self.data)) - 1, self.live(self.sentinels)
+
+        def watching() -> bool:
+            for s in sentinels:
+                info = s.client().execute_command("SENTINEL", "MASTER", self.master_name)
+                fields = dict(zip(info[::2], info[1::2], strict=True)) if isinstance(info, list) else info
+                if int(fields["num-slaves"]) < replicas or int(fields["num-other-sentinels"]) < len(sentinels) - 1:
+                    return False
+            return True
+
+        wait(watching, timeout, "sentinels did not discover each other and the replicas")
 
     def master(self) -> Node:
         """The data node the Sentinels name as master now (raises LookupError if unknown)."""
@@ -118,55 +99,22 @@ class LocalSentinel:
 
     def wait_new_master(self, old: Node, timeout: float = 30.0) -> Node:
         """Until the Sentinels name another master than ``old`` and it serves as one; returns it."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def promoted() -> Node | None:
             try:
                 new = self.master()
-                if new is not old and new.client().info("replication").get("role") == "master":
-                    return new
-            except (LookupError, redis.RedisError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the Sentinels did not promote a replica")
-            time.sleep(0.05)
+            except LookupError:
+                return None
+            return new if new is not old and new.client().info("replication").get("role") == "master" else None
 
-    @staticmethod
-    def live(nodes: list[Node]) -> list[Node]:
-        return [n for n in nodes if n.proc is not None and n.proc.poll() is None]
-
-    def kill(self, node: Node, sig: int = signal.SIGKILL) -> None:
-        """Kill one process (kill -9 by default) and wait for it to exit."""
-        if node.proc is not None and node.proc.poll() is None:
-            node.proc.send_signal(sig)
-            node.proc.wait(10)
-
-    def freeze(self, node: Node) -> None:
-        """SIGSTOP a node: it neither serves nor replicates until :meth:`thaw`."""
-        if node.proc is not None and node.proc.poll() is None:
-            node.proc.send_signal(signal.SIGSTOP)
-
-    def thaw(self, node: Node) -> None:
-        """SIGCONT a node stopped by :meth:`freeze`."""
-        if node.proc is not None and node.proc.poll() is None:
-            node.proc.send_signal(signal.SIGCONT)
+        return wait(promoted, timeout, "the Sentinels did not promote a replica", every=0.05)
 
     def restart(self, node: Node, timeout: float = 30.0) -> None:
         """Start a killed data node again on its port, empty and as a master, as a supervisor
         would; the Sentinels see it back and make it a replica of the current master. Waits
         until it is one and synced."""
         spawn(node, [])
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                info = node.client().info("replication")
-                if info.get("role") == "slave" and info.get("master_link_status") == "up" \
-                        and not info.get("master_sync_in_progress"):
-                    return
-            except redis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the Sentinels did not make the restarted node a replica")
-            time.sleep(0.1)
+        wait(lambda: node.client().info("replication").get("role") == "slave" and replicas_synced([node]),
+             timeout, "the Sentinels did not make the restarted node a replica")
 
     def stop(self) -> None:
         """Stop every process (Sentinels first, so none fails over a stopping master)."""

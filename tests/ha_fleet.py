@@ -435,7 +435,7 @@ class Fleet:
                 f"{len(layouts_match(self.client, self.all, self.prompts))} prompts answered wrong; "
                 f"sidecar: {self.sidecar.lines('failover')}")
 
-    def check_healed(self, killed: float) -> None:
+    def check_healed(self, killed: float, http: Lookups) -> None:
         """After a failover at ``killed``: the sidecar rewrote its journal, every 0.5-era engine
         full-synced after the kill, no engine saw an error, no answer was wrong."""
         assert self.sidecar.lines("failover: wrote the ops"), "the sidecar did not see the master replaced"
@@ -443,10 +443,52 @@ class Fleet:
             assert not e.errors, e.errors
             if e.era == "0.5":
                 assert any(t > killed for t in e.syncs), f"{e.instance_id} was not asked for a full sync"
-        assert not self.static_wrong()  # lookups failed or waited, never answered wrong
+        assert not self.static_wrong() and not self.static_wrong(http)  # lookups failed or waited, never lied
         assert self.state().records == true_records(self.all)
         assert layouts_match(self.client, self.all, self.prompts) == []
+        assert layouts_match(http.client, self.all, self.prompts) == []
 
+    def fail_over(self, name: str, deployment, victim, replica, promoted: Callable[[], bool],
+                  http: Lookups) -> None:
+        """The failover both tests run, with lookups in-process and through ``http``: the
+        replica is stopped and its link cut, so what the master acknowledges next (the
+        :meth:`lag_window` traffic) reaches only the master; then kill -9 of the master, the
+        replica thawed, ``promoted()`` awaited, 4 s more ingest, and the index must converge
+        exactly. Asserts the lookups were answered again within 10 s and :meth:`check_healed`;
+        prints the measured numbers under ``name``. deployment: LocalCluster or LocalSentinel."""
+        self.hold_private()
+        self.lookups.start()
+        http.start()
+        time.sleep(3)  # steady ingest and lookups
+        deployment.freeze(replica)
+        victim.client().execute_command("CLIENT", "KILL", "TYPE", "replica")
+        offset = victim.client().info("replication")["master_repl_offset"]
+        late3 = self.lag_window()
+        time.sleep(0.5)
+        lost_bytes = victim.client().info("replication")["master_repl_offset"] - offset
+        killed = time.monotonic()
+        deployment.kill(victim)
+        deployment.thaw(replica)
+        took = wait_until(promoted, 20, every=0.05)
+        assert took is not None, "the replica was not promoted"
+        late3.start()
+        time.sleep(4)  # ingest goes on after the failover
+        stopped, converged = self.converge()
+        self.lookups.stop()
+        http.stop()
+        out, out_http = self.lookups.outage(killed), http.outage(killed)
+        assert converged is not None, f"index did not converge: {self.why_not()}"
+        report(name, lost_replication_bytes=lost_bytes, promoted_after_s=took, converged_after_stop_s=converged,
+               converged_after_kill_s=stopped + converged - killed, records=len(self.state().records),
+               ops=sum(e.ops for e in self.all), full_syncs=sum(len(e.syncs) for e in self.all))
+        report(f"{name}, Client", **out)
+        report(f"{name}, controller HTTP", **out_http)
+        assert lost_bytes > 0  # writes were acknowledged that the promoted replica never saw
+        for o in (out, out_http):
+            assert o["first_answer_after_s"] is not None and o["first_answer_after_s"] < 10
+            assert o["failing_to_succeeding_s"] is None or o["failing_to_succeeding_s"] < 10
+            assert o["longest_without_answer_s"] < 10
+        self.check_healed(killed, http)
 
 def report(name: str, **numbers) -> None:
     """Print measured numbers on one line (pytest -s shows them)."""

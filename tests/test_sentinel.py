@@ -16,7 +16,7 @@ from kvlookup.client import Client
 from kvlookup.local_sentinel import LocalSentinel
 from kvlookup.redis_server import connect
 from kvlookup.redis_urls import BlockingSentinelConnectionPool, SentinelURL, parse_sentinel
-from tests.ha_fleet import ROOT, Fleet, HttpClient, Lookups, layouts_match, report
+from tests.ha_fleet import ROOT, Fleet, HttpClient, Lookups
 from tests.procs import ControllerProc
 
 
@@ -58,43 +58,9 @@ def test_master_kill9_during_ingest_fails_over_and_converges_exactly(sentinel, t
               lambda: [sentinel.master().client()], tmp_path, seed=21)
     http = Lookups(HttpClient(controller), f.prompts, seed=8, pace_s=0.02)
     try:
-        f.hold_private()
-        f.lookups.start()
-        http.start()
-        time.sleep(3)
         victim = sentinel.master()
         (replica,) = [n for n in sentinel.data if n is not victim]
-        sentinel.freeze(replica)  # lags, and its link is cut: what the master acknowledges now is lost
-        victim.client().execute_command("CLIENT", "KILL", "TYPE", "replica")
-        offset = victim.client().info("replication")["master_repl_offset"]
-        late3 = f.lag_window()
-        time.sleep(0.5)
-        lost_bytes = victim.client().info("replication")["master_repl_offset"] - offset
-        killed = time.monotonic()
-        sentinel.kill(victim)
-        sentinel.thaw(replica)
-        assert sentinel.wait_new_master(victim, timeout=20) is replica
-        promoted = time.monotonic() - killed
-        late3.start()
-        time.sleep(4)
-        stopped, converged = f.converge()
-        f.lookups.stop()
-        http.stop()
-        out, out_http = f.lookups.outage(killed), http.outage(killed)
-        assert converged is not None, f"index did not converge: {f.why_not()}"
-        report("sentinel failover", lost_replication_bytes=lost_bytes, promoted_after_s=promoted,
-               converged_after_stop_s=converged, converged_after_kill_s=stopped + converged - killed,
-               records=len(f.state().records), full_syncs=sum(len(e.syncs) for e in f.all))
-        report("sentinel failover, Client", **out)
-        report("sentinel failover, controller HTTP", **out_http)
-        assert lost_bytes > 0
-        for o in (out, out_http):
-            assert o["first_answer_after_s"] is not None and o["first_answer_after_s"] < 10
-            assert o["failing_to_succeeding_s"] is None or o["failing_to_succeeding_s"] < 10
-            assert o["longest_without_answer_s"] < 10
-        f.check_healed(killed)
-        assert not f.static_wrong(http)
-        assert layouts_match(HttpClient(controller), f.all, f.prompts) == []
+        f.fail_over("sentinel failover", sentinel, victim, replica, lambda: sentinel.master() is replica, http)
         reap = subprocess.run([sys.executable, "-m", "kvlookup", "reap", "--redis-url", sentinel.url],
                               capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert reap.returncode == 0, reap.stderr
