@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import hiredis
-from redis.cluster import RedisCluster
+from redis.cluster import PRIMARY, ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
@@ -60,11 +60,17 @@ class ClusterIO:
     rc: the cluster client (its slot map and connection pools are used).
     retry_s: how long a batch keeps retrying commands whose node is gone (failover, a node
     restarting) before the last error is raised.
+
+    ``stats`` counts, per kind, the commands that had to be sent again: ``moved`` and ``ask``
+    (redirections followed: resharding, failover), ``tryagain`` (a multi-key command on a slot
+    being migrated), ``clusterdown`` (a failover in progress), ``node_lost`` (a node that did
+    not answer), ``noscript`` (a master without the script yet).
     """
 
     def __init__(self, rc: RedisCluster, retry_s: float = 10.0):
         self.rc = rc
         self.retry_s = retry_s
+        self.stats = dict.fromkeys(("moved", "ask", "tryagain", "clusterdown", "node_lost", "noscript"), 0)
         self._slots: list[tuple[str, int]] | None = None  # slot -> its master (host, port)
         self._scripts: dict[str, str] = {}  # sha -> source, for masters that lack a script
 
@@ -129,24 +135,31 @@ class ClusterIO:
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 retry.extend(idx)
                 error = exc
+                self.stats["node_lost"] += len(idx)
         for addr, idx, pool, conn in sent:
             r, e, missing = self._read(conn, commands, idx, asking, results)
             pool.release(conn)
             for sha in missing:
-                self._node(addr).redis_connection.script_load(self._scripts[sha])
+                self._client(addr).script_load(self._scripts[sha])
             retry.extend(r)
             error = e or error
         return retry, error
 
-    def _node(self, addr: tuple[str, int]):
-        node = self.rc.get_node(addr[0], addr[1])
-        if node is None or node.redis_connection is None:
+    def _client(self, addr: tuple[str, int]):
+        """The redis-py client of one master. A node named by an ASK before this client's slot
+        map lists it (a new, still empty master receiving its first slot) is added to the map's
+        nodes, as redis-py adds the node of a MOVED."""
+        if not addr[0]:  # a slot no master serves (yet)
             self._refresh()
-            raise RedisConnectionError(f"no connection to cluster node {addr[0]}:{addr[1]}")
-        return node
+            raise RedisConnectionError("a slot is not served by any cluster node")
+        node = self.rc.get_node(addr[0], addr[1])
+        if node is None:
+            new = ClusterNode(addr[0], addr[1], PRIMARY)
+            node = self.rc.nodes_manager.nodes_cache.setdefault(new.name, new)
+        return self.rc.get_redis_connection(node)
 
     def _send(self, addr: tuple[str, int], cmds: list[Command], ask: list[bool]):
-        pool = self._node(addr).redis_connection.connection_pool
+        pool = self._client(addr).connection_pool
         conn = pool.get_connection()
         try:
             packed = [hiredis.pack_command(("ASKING",)) + hiredis.pack_command(cmd) if asked
@@ -172,21 +185,26 @@ class ClusterIO:
                 self.rc.nodes_manager.move_slot(exc)
                 self._slots = None
                 retry.append(i)
+                self.stats["moved"] += 1
             except AskError as exc:
                 asking[i] = exc.node_addr
                 retry.append(i)
+                self.stats["ask"] += 1
             except (TryAgainError, ClusterDownError) as exc:  # the slot is moving or failing over
                 retry.append(i)
                 error = exc
+                self.stats["tryagain" if isinstance(exc, TryAgainError) else "clusterdown"] += 1
             except NoScriptError as exc:  # a master that never saw the script (a promoted replica)
                 if commands[i][1] in self._scripts:
                     missing.add(commands[i][1])
                     retry.append(i)
+                    self.stats["noscript"] += 1
                 else:
                     results[i] = exc
             except ResponseError as exc:
                 results[i] = exc
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 conn.disconnect()
+                self.stats["node_lost"] += len(idx) - n
                 return retry + idx[n:], exc, missing  # the node is gone: nothing more to read from it
         return retry, error, missing

@@ -106,6 +106,13 @@ def holder_seq_key() -> str:
     return REGISTRY + "holders:seq"
 
 
+def holder_gen_key() -> str:
+    """String: the ``run_id`` of the Redis master that last allocated a holder id. A different
+    master (failed over, restarted) first moves the counter on by a gap, so an id that a lost
+    write had handed out is never handed out again (scripts.HOLDER)."""
+    return REGISTRY + "holders:gen"
+
+
 def records_key() -> str:
     """Hash holder id -> number of records the holder has (its reverse-index size)."""
     return REGISTRY + "records"

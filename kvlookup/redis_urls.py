@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
+import redis
+from redis.sentinel import SentinelConnectionPool
+
 SCHEMES = ("redis+sentinel", "rediss+sentinel")
 
 
@@ -54,14 +57,30 @@ def parse_sentinel(url: str) -> SentinelURL:
                        parts.scheme == "rediss+sentinel" or query.get("ssl", ["false"])[0] == "true")
 
 
-def connect_sentinel(url: str, **kwargs):
+class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """redis-py's Sentinel pool (connections go to the master the Sentinels name) with the
+    waiting of its ``BlockingConnectionPool``: a caller finding every connection busy waits
+    for one (``timeout`` seconds) instead of getting an error at once."""
+
+
+def connect_sentinel(url: str, max_connections: int | None = None, **kwargs):
     """A client of the master a Sentinel URL names (redis-py ``Sentinel.master_for``): it asks
-    the Sentinels where the master is and follows failovers. kwargs: connection options."""
+    the Sentinels where the master is and follows failovers (a connection to a master that
+    died or was demoted is dropped; the next one goes where the Sentinels point).
+
+    max_connections: bound the pool; a caller finding every connection busy waits up to 5 s
+    for one, then gets ``redis.ConnectionError`` (as ``connect`` does for one server). None:
+    redis-py's default pool. kwargs: connection options (socket_timeout, ...), also used for
+    the connections to the Sentinels. Raises ValueError for a malformed URL.
+    """
     from redis.sentinel import Sentinel
 
     u = parse_sentinel(url)
     timeouts = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout") if k in kwargs}
     sentinel = Sentinel(list(u.sentinels), sentinel_kwargs={"password": u.sentinel_password, **timeouts},
                         **timeouts)
+    pool = {} if max_connections is None else {"connection_pool_class": BlockingSentinelConnectionPool,
+                                               "max_connections": max_connections, "timeout": 5}
     return sentinel.master_for(u.master, db=u.db, username=u.username, password=u.password, ssl=u.ssl,
-                               decode_responses=True, **kwargs)
+                               decode_responses=True, **pool, **kwargs)
+

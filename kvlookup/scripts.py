@@ -152,13 +152,26 @@ return retire(KEYS[1], KEYS[2], ARGV[2], ARGV[1])
 """
 
 #: Current holder id of (instance, worker, location), created on first use.
-#: KEYS[1] worker hash, KEYS[2] holder id counter, KEYS[3] holders
-#: ARGV[1] location field, ARGV[2] holder description (kvlookup.keys.holder_value)
+#: KEYS[1] worker hash, KEYS[2] holder id counter, KEYS[3] holders, KEYS[4] the run_id of the
+#: master that last allocated an id
+#: ARGV[1] location field, ARGV[2] holder description (kvlookup.keys.holder_value), ARGV[3] the
+#: gap a new master skips first.
 #: Returns the holder id, or false when the worker is not registered.
+#: Replication is asynchronous: ids a master handed out just before it died can be missing
+#: from the replica that takes over, while records under those ids survive on other shards. So
+#: the first allocation on a master other than the last allocating one (its run_id differs:
+#: a promoted replica, a restarted server) moves the counter on by the gap, and a lost id is
+#: never handed to another holder. (A counter lost whole, created within the lag before its
+#: master died, looks like a new index: ids start at 1 again.)
 HOLDER = """
 local hid = redis.call('HGET', KEYS[1], ARGV[1])
 if hid then return hid end
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+if redis.call('GET', KEYS[4]) ~= run then
+  if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('INCRBY', KEYS[2], ARGV[3]) end
+  redis.call('SET', KEYS[4], run)
+end
 hid = redis.call('INCR', KEYS[2])
 redis.call('HSET', KEYS[3], hid, ARGV[2])
 redis.call('HSET', KEYS[1], ARGV[1], hid)
@@ -217,6 +230,19 @@ for _, inst in ipairs(redis.call('SMEMBERS', KEYS[2])) do
 end
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
 return n
+"""
+
+#: Retire a holder id the registry does not describe: a write for it was refused because it is
+#: unknown (its allocation was lost with a master that failed over, or it was purged and
+#: forgotten meanwhile), yet records under it may exist (bucket and record were written on
+#: other shards). Describe it and mark it dead, so purge finds and deletes them.
+#: KEYS[1] holders, KEYS[2] dead; ARGV[1] holder id, ARGV[2] holder description, ARGV[3] now
+#: (unix ms). Returns 1 when retired here, 0 when the registry knows the holder.
+RETIRE_UNKNOWN = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+return 1
 """
 
 #: Forget a purged holder. KEYS[1] holders, KEYS[2] dead, KEYS[3] records, KEYS[4] purge

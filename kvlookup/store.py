@@ -22,6 +22,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from kvlookup import keys, scripts
+from kvlookup.failover import Journal
 from kvlookup.records import Chain, HolderWrite, Liveness, Match, Records, SingleNodeRecords
 
 __all__ = ["ADMIT", "EVICT", "Chain", "Match", "NotRegistered", "Store", "fold_ops"]
@@ -37,6 +38,9 @@ RULE_ANY = "any"
 
 #: How many times a registry script is retried when the state it was given changed meanwhile.
 MAX_RETRIES = 8
+#: Holder ids a new Redis master skips before its first allocation (scripts.HOLDER): more
+#: than could have been handed out within any replication lag.
+HOLDER_ID_GAP = 1 << 16
 
 
 class NotRegistered(LookupError):
@@ -75,10 +79,11 @@ class Store:
         self.records = records or make_records(client)
         s = {name: client.register_script(getattr(scripts, name)) for name in (
             "REGISTER", "DEREGISTER", "REAP_WORKER", "RETIRE_LOCATION", "HOLDER", "HEARTBEAT", "MARK_PROBED", "OWN",
-            "TOUCH", "FORGET_HOLDER")}
+            "TOUCH", "FORGET_HOLDER", "RETIRE_UNKNOWN")}
         self._scripts = s
         # (instance_id, worker_id) -> {(location, space): holder id}: a cache of HOLDER results
         self._holders: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
+        self.journal: Journal | None = None
 
     # -- registry -------------------------------------------------------------------------
 
@@ -253,8 +258,10 @@ class Store:
         hid = cached.get((location, space))
         if hid is None:
             hid = self._scripts["HOLDER"](
-                keys=[keys.worker_key(instance_id, wid), keys.holder_seq_key(), keys.holders_key()],
-                args=[keys.location_field(location), keys.holder_value(instance_id, wid, location, space)],
+                keys=[keys.worker_key(instance_id, wid), keys.holder_seq_key(), keys.holders_key(),
+                      keys.holder_gen_key()],
+                args=[keys.location_field(location), keys.holder_value(instance_id, wid, location, space),
+                      HOLDER_ID_GAP],
             )
             if hid is None:
                 if not cached:
@@ -297,13 +304,72 @@ class Store:
                       for inst, wid, loc, ops in todo]
             ok = self.records.apply(writes, score)
             applied += sum(len(b[3]) for b, good in zip(todo, ok, strict=True) if good)
+            if self.journal is not None:
+                self._journal(score, todo, writes, ok)
             retry = [b for b, good in zip(todo, ok, strict=True) if not good]
             if not retry:
                 return applied
             for inst, wid, loc, _ops in retry:
-                self._holders.get((inst, wid), {}).pop((loc, space), None)
+                hid = self._holders.get((inst, wid), {}).pop((loc, space), None)
+                if hid is not None:  # retired; or unknown, and then its records would be left behind
+                    self._scripts["RETIRE_UNKNOWN"](
+                        keys=[keys.holders_key(), keys.dead_holders_key()],
+                        args=[hid, keys.holder_value(inst, wid, loc, space), score])
             todo = retry
         raise RuntimeError(f"holders kept being retired while applying {len(todo)} batches")
+
+    # -- after a failover -----------------------------------------------------------------
+
+    def keep_journal(self, journal: Journal | None = None) -> None:
+        """Keep the record writes of the last minute (kvlookup.failover.Journal), so that
+        :meth:`rewrite_journal` can write them again after a failover."""
+        self.journal = journal or Journal()
+
+    def _journal(self, score: int, todo: list, writes: list[HolderWrite], ok: list[bool]) -> None:
+        done = [(keys.holder_value(inst, wid, loc, w.space), w)
+                for (inst, wid, loc, _ops), w, good in zip(todo, writes, ok, strict=True) if good]
+        if done:
+            self.journal.add((score, done), sum(len(w.admits) + len(w.evicts) for _d, w in done))
+
+    def rewrite_journal(self, max_ops_per_call: int = 20_000) -> tuple[int, float]:
+        """Write the journal's record writes again, each to the holder it was written for (a
+        write for a holder retired since counts for nothing, as before), after a failover that
+        may have lost some (kvlookup.failover). A holder the registry no longer describes (its
+        allocation was lost too) is retired first, so purge deletes its records. The writes are
+        folded per holder in order; re-admitted records take the newest write's time.
+
+        Returns (operations written, seconds back the journal reached); (0, 0.0) without one.
+        Raises RedisError when Redis fails meanwhile (the journal is kept: call again).
+        """
+        if self.journal is None:
+            return 0, 0.0
+        entries, span = self.journal.items()
+        last: dict[tuple[str, str], dict[str, str]] = {}  # (holder id, space) -> chunk -> last op
+        described: dict[str, str] = {}
+        for _score, done in entries:
+            for desc, w in done:
+                ops = last.setdefault((w.holder_id, w.space), {})
+                ops.update(dict.fromkeys(w.admits, ADMIT))
+                ops.update(dict.fromkeys(w.evicts, EVICT))
+                described[w.holder_id] = desc
+        now_ms = int(time.time() * 1000)
+        for hid, desc in described.items():
+            self._scripts["RETIRE_UNKNOWN"](keys=[keys.holders_key(), keys.dead_holders_key()],
+                                            args=[hid, desc, now_ms])
+        writes, n, total = [], 0, 0
+        for (hid, space), ops in last.items():
+            items = list(ops.items())
+            for i in range(0, len(items), max_ops_per_call):
+                part = items[i:i + max_ops_per_call]
+                writes.append(HolderWrite(hid, space, [h for h, op in part if op == ADMIT],
+                                          [h for h, op in part if op != ADMIT]))
+                n += len(part)
+                if n >= max_ops_per_call:
+                    self.records.apply(writes, entries[-1][0])
+                    writes, total, n = [], total + n, 0
+        if writes:
+            self.records.apply(writes, entries[-1][0])
+        return total + n, span
 
     def purge(self, budget: int = 10_000, now_ms: int | None = None) -> int:
         """Delete up to about ``budget`` records of retired holders (retired more than

@@ -86,11 +86,15 @@ class WorkerSim:
                   sync_id: str | None = None, batch_size: int = 2000) -> tuple[dict, dict]:
         """Era 0.5: what LMCache's FullSyncSender does on a full_sync command: FullSyncStartMsg
         (DEALER), FullSyncBatchMsg... + FullSyncEndMsg (PUSH, one multipart), FullSyncStatusMsg
-        (DEALER). Returns the decoded start and status replies."""
+        (DEALER). Returns the decoded start and status replies; a start that is not accepted
+        (or answered with an error) sends nothing more and returns ``(start, {})``, as
+        LMCache's sender then retries the start later."""
         sync_id = sync_id or f"{self.instance_id}_{self.worker_id}_00000000"
         batches = [list(keys[i:i + batch_size]) for i in range(0, len(keys), batch_size)] or [[]]
         start = self.request(proto.FullSyncStartMsg(self.instance_id, self.worker_id, location, sync_id,
                                                     len(keys), len(batches)))
+        if not start.get("accepted"):
+            return start, {}
         frames = [proto.encode(proto.FullSyncBatchMsg(self.instance_id, self.worker_id, location, sync_id, i,
                                                       [int(k) for k in b])) for i, b in enumerate(batches)]
         frames.append(proto.encode(proto.FullSyncEndMsg(self.instance_id, self.worker_id, location, sync_id,

@@ -14,6 +14,11 @@ After a (re)start the sidecar does not know what it missed: the first heartbeat 
 worker gets a ``full_sync`` command (``controller_restart``; ``worker_re_registered`` for a
 worker the registry lost) whatever arrived before it, as LMCache's own controller asks.
 A frame that fails to decode or apply is counted and logged; the rest of the batch goes on.
+
+After a failover (a Redis master that served the index was replaced, kvlookup.failover), writes
+it had not replicated may be lost: the sidecar writes its recent record writes again (the
+store's journal of the last minute) and asks every 0.5-era worker for a full sync at its next
+heartbeat.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import redis
 
 from kvlookup import lmcache_protocol as proto
 from kvlookup import metrics
+from kvlookup.failover import MasterWatch
 from kvlookup.store import ADMIT, EVICT, NotRegistered, Store, chunk_text
 from sidecar.admission import InstancePolicy
 
@@ -93,6 +99,9 @@ class LMCacheIngest:
         self._gaps: set[tuple[str, int]] = set()  # skipped a seq: its next heartbeat asks a full sync
         self._redis_failures = 0
         self._next_seq: dict[tuple[str, int, str], int] = {}
+        self.masters = MasterWatch(store.r)  # failover: rewrite the journal, ask for full syncs
+        self._failed_over = False
+        store.keep_journal()
 
     # -- push channel ----------------------------------------------------------------------
 
@@ -180,8 +189,11 @@ class LMCacheIngest:
         On a Redis error the ops stay queued and the error propagates; the service loop backs
         off and calls flush again. Connection errors are retried until Redis is back; other
         errors (BUSY, OOM, READONLY...) up to ``MAX_REDIS_FAILURES`` times, then the ops are
-        dropped and counted.
+        dropped and counted. First, if a master was replaced since the last look, the journal
+        is written again (:meth:`after_failover`).
         """
+        if self.masters.replaced() or self._failed_over:
+            self.after_failover()
         taken = self._take(budget)
         if not taken:
             return 0
@@ -255,6 +267,18 @@ class LMCacheIngest:
         metrics.count_ops(b.ops, "unregistered")
         log.info("dropped %d ops of unregistered worker %s/%s", len(b.ops), *key)
         return False
+
+    def after_failover(self) -> None:
+        """A master replaced: what it acknowledged but had not replicated is lost. Write the
+        record writes of the last minute again (Store.rewrite_journal) and ask every worker
+        for a full sync at its next heartbeat (0.3.12+ workers). On a Redis error it is tried
+        again at the next flush."""
+        self._failed_over = True
+        self._synced.clear()
+        ops, span = self.store.rewrite_journal()
+        self._failed_over = False
+        log.warning("failover: wrote the ops of the last %.0f s again (%d); full sync of every worker at its "
+                    "next heartbeat", span, ops)
 
     # -- registry --------------------------------------------------------------------------
 

@@ -50,5 +50,30 @@ def test_monitor_ports():
 
 def test_compose_file_is_valid_yaml_with_three_services():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    assert set(compose["services"]) == {"redis", "controller", "sidecar"}
+    default = {name for name, s in compose["services"].items() if "profiles" not in s}
+    assert default == {"redis", "controller", "sidecar"}
     assert compose["services"]["controller"]["command"][0] == "controller"
+
+
+def test_compose_cluster_profile_is_consistent():
+    """`docker compose config` needs a Docker engine; check by hand what it would."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    cluster = {name for name, s in services.items() if s.get("profiles") == ["cluster"]}
+    nodes = {f"valkey-{i}" for i in range(1, 7)}
+    assert cluster == nodes | {"cluster-init", "cluster-controller", "cluster-sidecar"}
+    for name in nodes:
+        assert "--cluster-enabled" in services[name]["command"] and services[name]["volumes"] == [f"{name}:/data"]
+    init = services["cluster-init"]
+    hosts = init["command"][0].split("for h in ", 1)[1].split(";", 1)[0].split()
+    assert set(init["depends_on"]) == nodes == set(hosts)
+    assert "--cluster-replicas 1" in init["command"][0]
+    for name in ("cluster-controller", "cluster-sidecar"):
+        cmd = services[name]["command"]
+        assert "--redis-cluster" in cmd and cmd[cmd.index("--redis-url") + 1] == "redis://valkey-1:6379/0"
+        assert services[name]["depends_on"] == {"cluster-init": {"condition": "service_completed_successfully"}}
+    ports = [p for s in services.values() for p in s.get("ports", [])]
+    assert len(ports) == len(set(ports))  # both stacks can run side by side
+    for s in services.values():
+        assert {v.split(":")[0] for v in s.get("volumes", [])} <= set(compose["volumes"])
+        assert set(s.get("depends_on") or {}) <= set(services)
