@@ -249,3 +249,15 @@ def test_any_sequence_of_ops_leaves_exactly_the_last_state(r, calls):
             members |= r.smembers(keys.holder_chunks_key(hid[holder], b))
         assert members == {str(h) for h in chunks}
         assert int(r.hget(keys.records_key(), hid[holder]) or 0) == len(chunks)
+
+
+def test_a_chunk_key_has_one_identity_whatever_its_wire_type(store, r, client):
+    """0.3.0-0.3.2 keys are hex text, later ones ints: an int admit and a str evict with the same
+    digits in one batch are one chunk, applied in order (they used to alias: the admit was lost
+    or the evict ignored)."""
+    store.register_worker("a", 0)
+    store.apply([("a", 0, CPU, [(ADMIT, 123), (EVICT, "123"), (ADMIT, SEED_HASH)])])
+    assert r.zrange(keys.chunk_key(123), 0, -1) == []
+    store.apply([("a", 0, CPU, [(EVICT, str(SEED_HASH)), (ADMIT, SEED_HASH)])])
+    assert layout(client, SEED_TOKENS) == {"a": (CPU, 12)}
+    assert r.hgetall(keys.records_key()) == {"1": "1"}

@@ -234,3 +234,20 @@ def test_key_strings():
     assert keys.chunk_key(5, keys.vllm_space(16)) == "kvl:v2:chunk:v16:5"
     assert keys.block_sizes_key() == "kvl:v2:{r}:block_sizes"
     assert keys.rank_field("seq", 0) == "seq:0"
+
+
+def test_block_sizes_of_gone_ranks_leave_the_walk(store, r):
+    """One instance with block_size 1 must not make every lookup hash a 1M-token chain for
+    good: the walk covers the block sizes of registered ranks with a live lease only."""
+    chains = VllmChains(r, refresh_s=0)
+    odd, usual = VllmIngest(store, "odd"), VllmIngest(store, "usual")
+    Stream().send(odd, stored([H1], A[:1], bs=1))
+    Stream().send(usual, stored([H1, H2], A))
+    assert chains.block_sizes() == [1, 16]
+    r.zadd(keys.alive_key(), {"odd": 0})  # its sidecar stopped renewing the lease
+    assert chains.block_sizes() == [16]
+    store.touch_instance("odd")
+    assert chains.block_sizes() == [1, 16]
+    store.deregister_worker("odd", 0)
+    assert chains.block_sizes() == [16]
+    assert r.hgetall(keys.block_sizes_key()) == {"0\tusual": "16"}
