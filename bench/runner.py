@@ -29,6 +29,8 @@ QUICK = {
     "sweeps": dict(lengths=(1024, 32768, 131072), instance_counts=(1, 8, 64), index_sizes=(10_000, 100_000),
                    seconds=0.5),
     "stages": dict(lengths=(1024, 32768), seconds=1.0),
+    "cluster": dict(lengths=(1024, 32768), seconds=0.5, sidecar_counts=(1, 2), ops_per_sidecar=20_000,
+                    trace_requests=300),
 }
 FULL = {
     "compare": dict(requests=12031, instances=8, cpu_chunks=8192, disk_chunks=24576, agree_sample=1500,
@@ -39,8 +41,10 @@ FULL = {
     "sweeps": dict(lengths=(1024, 4096, 16384, 32768, 65536, 131072), instance_counts=(1, 4, 8, 16, 64),
                    index_sizes=(10_000, 100_000, 1_000_000, 10_000_000), seconds=2.0),
     "stages": dict(lengths=(1024, 11264, 32768), seconds=3.0),
+    "cluster": dict(lengths=(1024, 32768, 131072), seconds=3.0, sidecar_counts=(1, 2, 4), ops_per_sidecar=200_000,
+                    trace_requests=4000),
 }
-PARTS = ("compare", "ingest", "memory", "sweeps", "stages")
+PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "cluster")
 
 
 def machine() -> dict:
@@ -83,6 +87,10 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
             progress.note(f"  {c['holders_per_chunk']} holder(s)/chunk: {c['bytes_per_record']} B/record")
     elif name == "sweeps":
         from bench.sweeps import run
+
+        res = run(**params)
+    elif name == "cluster":
+        from bench.cluster import run
 
         res = run(**params)
     else:

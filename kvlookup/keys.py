@@ -113,6 +113,13 @@ def holder_gen_key() -> str:
     return REGISTRY + "holders:gen"
 
 
+def registry_version_key() -> str:
+    """String ``<run_id>:<n>``, moved by every registry change that can change whether a holder
+    counts in a lookup (a retirement, a registration, a deregistration); lookups that keep
+    holder answers (the cluster backend) start over when it moves."""
+    return REGISTRY + "version"
+
+
 def records_key() -> str:
     """Hash holder id -> number of records the holder has (its reverse-index size)."""
     return REGISTRY + "records"

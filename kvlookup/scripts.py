@@ -29,7 +29,10 @@ RETRY = -2
 LIVE = -3
 
 # Retire a worker's holders (all locations, or one field): marked dead at once (lookups skip
-# them, scored by retire time) and purged later in bounded steps.
+# them, scored by retire time) and purged later in bounded steps. bump() moves the registry
+# version (keys.registry_version_key) to ``<run_id of this master>:<n + 1>``: values never repeat,
+# even across a failover that lost the last bumps, so a reader that kept answers for one
+# version can trust them while it reads the same value.
 _RETIRE = """
 local function retire(worker_key, dead_key, now, only_field)
   local fields = redis.call('HGETALL', worker_key)
@@ -44,6 +47,11 @@ local function retire(worker_key, dead_key, now, only_field)
   end
   return n
 end
+local function bump(version_key)
+  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+  local n = tonumber(string.match(redis.call('GET', version_key) or '', ':(%d+)$') or '0') + 1
+  redis.call('SET', version_key, run .. ':' .. n)
+end
 local function rule_of(rules_key, inst)
   local v = redis.call('HGET', rules_key, inst)
   return v and string.match(v, '^([^\\t]*)') or 'all'
@@ -54,7 +62,7 @@ end
 #: KEYS[1] worker hash, KEYS[2] instance workers set, KEYS[3] instances set, KEYS[4] dead
 #: holders, KEYS[5] instance hash, KEYS[6] ip index set of the new ip, KEYS[7] ip index set of
 #: the ip the caller saw registered (KEYS[6] when none), KEYS[8] rules, KEYS[9] heartbeats,
-#: KEYS[10] vLLM block sizes, KEYS[11] suspects
+#: KEYS[10] vLLM block sizes, KEYS[11] suspects, KEYS[12] registry version
 #: ARGV[1] worker_id, ARGV[2] instance_id, ARGV[3] worker member, ARGV[4] ip the caller saw
 #: ('' when none), ARGV[5] new ip index member ("<port>:<instance_id>"), ARGV[6] kind,
 #: ARGV[7] worker_rule, ARGV[8] now (unix ms), ARGV[9..] worker hash field/value pairs.
@@ -75,6 +83,7 @@ redis.call('HSET', KEYS[8], ARGV[2], ARGV[7] .. '\\t' .. redis.call('SCARD', KEY
 redis.call('ZREM', KEYS[9], ARGV[3])
 redis.call('HDEL', KEYS[10], ARGV[3])
 redis.call('ZREM', KEYS[11], ARGV[3])
+bump(KEYS[#KEYS])
 return epoch
 """
 
@@ -82,7 +91,8 @@ return epoch
 # KEYS[1] worker hash, KEYS[2] workers set, KEYS[3] instances set, KEYS[4] dead holders,
 # KEYS[5] instance hash, KEYS[6] ip index set of the ip the caller saw, KEYS[7] rules,
 # KEYS[8] heartbeats, KEYS[9] block sizes, KEYS[10] suspects, KEYS[11] owners, KEYS[12] the
-# set of the owner the caller saw (any registry key when none), KEYS[13] alive
+# set of the owner the caller saw (any registry key when none), KEYS[13] alive, KEYS[14] registry
+# version
 # ARGV[1] worker_id, ARGV[2] instance_id, ARGV[3] worker member, ARGV[4] ip the caller saw,
 # ARGV[5] owner the caller saw ('' when none), ARGV[6] now (unix ms)
 _DEREGISTER_BODY = """
@@ -109,6 +119,7 @@ if left == 0 then
 else
   redis.call('HSET', KEYS[7], ARGV[2], rule .. '\\t' .. left)
 end
+bump(KEYS[#KEYS])
 return n
 """
 
@@ -145,10 +156,12 @@ if not silent then return -3 end
 """ + _DEREGISTER_BODY
 
 #: Retire the holder of one (worker, location): its records stop counting (full sync start,
-#: location cleared). KEYS[1] worker hash, KEYS[2] dead holders
+#: location cleared). KEYS[1] worker hash, KEYS[2] dead holders, KEYS[3] registry version
 #: ARGV[1] location field, ARGV[2] now (unix ms). Returns holders retired (0 or 1).
 RETIRE_LOCATION = _RETIRE + """
-return retire(KEYS[1], KEYS[2], ARGV[2], ARGV[1])
+local n = retire(KEYS[1], KEYS[2], ARGV[2], ARGV[1])
+if n > 0 then bump(KEYS[3]) end
+return n
 """
 
 #: Current holder id of (instance, worker, location), created on first use.
@@ -236,12 +249,14 @@ return n
 #: unknown (its allocation was lost with a master that failed over, or it was purged and
 #: forgotten meanwhile), yet records under it may exist (bucket and record were written on
 #: other shards). Describe it and mark it dead, so purge finds and deletes them.
-#: KEYS[1] holders, KEYS[2] dead; ARGV[1] holder id, ARGV[2] holder description, ARGV[3] now
-#: (unix ms). Returns 1 when retired here, 0 when the registry knows the holder.
-RETIRE_UNKNOWN = """
+#: KEYS[1] holders, KEYS[2] dead, KEYS[3] registry version; ARGV[1] holder id, ARGV[2] holder
+#: description, ARGV[3] now (unix ms). Returns 1 when retired here, 0 when the registry knows
+#: the holder.
+RETIRE_UNKNOWN = _RETIRE + """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+bump(KEYS[3])
 return 1
 """
 
@@ -313,15 +328,37 @@ local function holder(hid)
 end
 """
 
-#: Which of a lookup's holders count, and how (the cluster backend walks in Python).
-#: KEYS[1..5] and ARGV[1..3] as _RESOLVER; ARGV[4..] holder ids.
-#: Returns one string per holder id: '' when it does not count, else
-#: ``<instance_id>\\t<worker_id or ''>\\t<rank>\\t<location>\\t<need>``.
+#: How a lookup's holders count, and until when (the cluster backend walks in Python and
+#: keeps these answers while the registry version stays the same).
+#: KEYS[1..5] as _RESOLVER, KEYS[6] registry version; ARGV[1..3] as _RESOLVER; ARGV[4..] holder ids.
+#: Returns the registry version, then one string per holder id: '' when it does not count
+#: while the version stays (retired, unknown, its instance has no workers), else
+#: ``<instance_id>\\t<worker_id or ''>\\t<rank>\\t<location>\\t<need>\\t<until>``: it counts
+#: until ``until`` (unix ms; its lease's expiry, or its last heartbeat + the worker TTL, the
+#: earlier; ``inf`` when neither applies), which may be past already.
 RESOLVE = _RESOLVER + """
-local out = {}
+local function until_ms(inst, member)
+  local t = math.huge
+  if check_alive then t = tonumber(redis.call('ZSCORE', KEYS[4], inst) or '-1') end
+  if wttl > 0 then
+    local hb = redis.call('ZSCORE', KEYS[5], member)
+    if hb then t = math.min(t, tonumber(hb) + wttl) end
+  end
+  return t == math.huge and 'inf' or string.format('%d', t)
+end
+local out = {redis.call('GET', KEYS[6]) or '0'}
 for i = 4, #ARGV do
-  local h = holder(ARGV[i])
-  out[#out + 1] = h and table.concat({h.inst, h.wid, h.rank, h.loc, h.need}, '\\t') or ''
+  local raw = redis.call('HGET', KEYS[1], ARGV[i])
+  local s = ''
+  if raw and not redis.call('ZSCORE', KEYS[2], ARGV[i]) then
+    local inst, rank, loc = string.match(raw, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)')
+    local c = instance(inst)
+    if c.need > 0 then
+      local wid = c.rule == 'any' and rank or ''
+      s = table.concat({inst, wid, rank, loc, c.need, until_ms(inst, rank .. '\\t' .. inst)}, '\\t')
+    end
+  end
+  out[#out + 1] = s
 end
 return out
 """

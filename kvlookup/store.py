@@ -116,7 +116,7 @@ class Store:
                 keys=[wk, keys.instance_workers_key(instance_id), keys.instances_key(), keys.dead_holders_key(),
                       keys.instance_key(instance_id), keys.ip_index_key(ip),
                       keys.ip_index_key(ip if old_ip is None else old_ip), keys.rules_key(), keys.heartbeats_key(),
-                      keys.block_sizes_key(), keys.suspects_key()],
+                      keys.block_sizes_key(), keys.suspects_key(), keys.registry_version_key()],
                 args=[wid, instance_id, keys.worker_member(instance_id, wid), old_ip or "",
                       f"{int(port)}:{instance_id}", kind, worker_rule, int(now * 1000), *fields],
             )
@@ -151,7 +151,7 @@ class Store:
                 keys=[wk, keys.instance_workers_key(instance_id), keys.instances_key(), keys.dead_holders_key(),
                       keys.instance_key(instance_id), keys.ip_index_key(old_ip or ""), keys.rules_key(),
                       keys.heartbeats_key(), keys.block_sizes_key(), keys.suspects_key(), keys.owners_key(),
-                      keys.sidecar_instances_key(owner or ""), keys.alive_key()],
+                      keys.sidecar_instances_key(owner or ""), keys.alive_key(), keys.registry_version_key()],
                 args=[wid, instance_id, keys.worker_member(instance_id, wid), old_ip or "", owner or "",
                       int(time.time() * 1000) if now_ms is None else now_ms, *extra],
             ))
@@ -242,7 +242,7 @@ class Store:
         for cache_key in [k for k in cached if k[0] == location]:
             del cached[cache_key]
         return int(self._scripts["RETIRE_LOCATION"](
-            keys=[keys.worker_key(instance_id, wid), keys.dead_holders_key()],
+            keys=[keys.worker_key(instance_id, wid), keys.dead_holders_key(), keys.registry_version_key()],
             args=[keys.location_field(location), int(time.time() * 1000)],
         ))
 
@@ -313,7 +313,7 @@ class Store:
                 hid = self._holders.get((inst, wid), {}).pop((loc, space), None)
                 if hid is not None:  # retired; or unknown, and then its records would be left behind
                     self._scripts["RETIRE_UNKNOWN"](
-                        keys=[keys.holders_key(), keys.dead_holders_key()],
+                        keys=[keys.holders_key(), keys.dead_holders_key(), keys.registry_version_key()],
                         args=[hid, keys.holder_value(inst, wid, loc, space), score])
             todo = retry
         raise RuntimeError(f"holders kept being retired while applying {len(todo)} batches")
@@ -354,8 +354,9 @@ class Store:
                 described[w.holder_id] = desc
         now_ms = int(time.time() * 1000)
         for hid, desc in described.items():
-            self._scripts["RETIRE_UNKNOWN"](keys=[keys.holders_key(), keys.dead_holders_key()],
-                                            args=[hid, desc, now_ms])
+            self._scripts["RETIRE_UNKNOWN"](
+                keys=[keys.holders_key(), keys.dead_holders_key(), keys.registry_version_key()],
+                args=[hid, desc, now_ms])
         writes, n, total = [], 0, 0
         for (hid, space), ops in last.items():
             items = list(ops.items())

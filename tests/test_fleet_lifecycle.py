@@ -23,14 +23,16 @@ def _admit(store: Store, inst: str, wid: int = 0, h: int = SEED_HASH) -> None:
 
 
 def test_silent_instance_is_excluded_at_once_then_reaped_and_purged(r):
-    store = Store(r, instance_ttl_s=30, purge_grace_s=0)
+    store = Store(r, instance_ttl_s=1, purge_grace_s=0)
     client = Client(store=store)
     for inst in ("a", "b"):
         store.register_worker(inst, 0, "127.0.0.1", 8001 if inst == "a" else 8002)
         _admit(store, inst)
     assert client.lookup(SEED_TOKENS)[1] == {"a": HIT, "b": HIT}
-    r.zrem(keys.alive_key(), "b")  # b's sidecar stopped refreshing: its key expired
-    assert client.lookup(SEED_TOKENS)[1] == {"a": HIT}
+    time.sleep(0.6)
+    store.touch_instance("a")  # b's sidecar stopped renewing its lease
+    time.sleep(0.5)
+    assert client.lookup(SEED_TOKENS)[1] == {"a": HIT}  # excluded the moment its lease ran out
     assert reap(store) == [("b", 0)]
     assert store.purge() == 1
     assert r.zrange(keys.chunk_key(SEED_HASH), 0, -1) == ["1"]
