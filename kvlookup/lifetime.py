@@ -139,9 +139,13 @@ class Backoff:
     """Restart delays in seconds: ``first``, doubling up to ``cap`` while restarts keep failing,
     back to ``first`` once the process had stayed up ``stable`` seconds."""
 
-    def __init__(self, first: float, cap: float, stable: float):
+    def __init__(self, first: float, cap: float, stable: float = float("inf")):
         self.first, self.cap, self.stable = first, cap, stable
         self.delay = first
+
+    def reset(self) -> None:
+        """Back to the first delay (the last attempt succeeded)."""
+        self.delay = self.first
 
     def next(self, up_for: float = 0.0) -> float:
         """The delay before the next start; ``up_for``: how long the last run lasted (0 = it

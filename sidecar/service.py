@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import redis
 import zmq
 
 from kvlookup import lmcache_protocol as proto
@@ -33,6 +32,7 @@ from sidecar.admission import InstancePolicy, PeerGate
 from sidecar.liveness import Liveness
 from sidecar.lmcache_ingest import LMCacheIngest
 from sidecar.sockets import Limits, SocketSet, source_fd
+from sidecar.turns import run_turns
 from sidecar.vllm_zmq import VllmLoop, VllmSource
 
 log = logging.getLogger(__name__)
@@ -214,39 +214,30 @@ class Sidecar:
 
     def run(self) -> None:
         """Serve until :meth:`stop`. Redis outages pause the loop; nothing queued is lost."""
-        next_tick = next_reap = 0.0
-        backoff = 0.1
-        started = False
-        while not self._stop.is_set():
-            try:
-                if not started:
-                    self._start()
-                    started = True
-                now = time.monotonic()
-                if now >= next_tick:
-                    self._tick()
-                    next_tick = now + self.heartbeat_s
-                if now >= next_reap:
-                    self._reap()
-                    next_reap = now + REAP_EVERY_S
-                busy = self.lmcache.queued_ops > 0
-                wait_ms = 0 if busy else int(max(0.0, min(next_tick - time.monotonic(), 0.2)) * 1000)
-                for sock in self.sockets.poll(wait_ms):
-                    self.sockets.handlers[sock](sock)
-                self._written += self.lmcache.flush(self.limits.slice_ops)
-                self._purge(BUSY_PURGE_BUDGET if self.lmcache.queued_ops else PURGE_BUDGET)
-                self._after_burst()
-                self.last_turn = time.monotonic()
-                backoff = 0.1
-            except redis.RedisError as exc:  # unreachable, BUSY, OOM, READONLY...: back off
-                log.warning("redis error (%s); retrying in %.1fs", exc, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
-            except Exception:  # the loop never dies; the failure is counted and logged
-                metrics.REJECTED.labels("sidecar", "loop_error").inc()
-                log.exception("sidecar loop error")
-                self._stop.wait(0.1)
+        self._next_tick = self._next_reap = 0.0
+        self._started = False
+        run_turns(self._turn, self._stop, "sidecar")
         self.close()
+
+    def _turn(self) -> None:
+        if not self._started:
+            self._start()
+            self._started = True
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._tick()
+            self._next_tick = now + self.heartbeat_s
+        if now >= self._next_reap:
+            self._reap()
+            self._next_reap = now + REAP_EVERY_S
+        busy = self.lmcache.queued_ops > 0
+        wait_ms = 0 if busy else int(max(0.0, min(self._next_tick - time.monotonic(), 0.2)) * 1000)
+        for sock in self.sockets.poll(wait_ms):
+            self.sockets.handlers[sock](sock)
+        self._written += self.lmcache.flush(self.limits.slice_ops)
+        self._purge(BUSY_PURGE_BUDGET if self.lmcache.queued_ops else PURGE_BUDGET)
+        self._after_burst()
+        self.last_turn = time.monotonic()
 
     def stop(self) -> None:
         """Ask :meth:`run` to return (thread-safe)."""

@@ -14,7 +14,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import redis
 import zmq
 
 from kvlookup import metrics
@@ -22,6 +21,7 @@ from kvlookup.store import Store
 from kvlookup.vllm_events import REPLAY_END, DecodeError, parse_replay
 from kvlookup.zmqaddr import endpoint, with_port_offset
 from sidecar.sockets import Limits, SocketSet
+from sidecar.turns import run_turns
 from sidecar.vllm_ingest import VllmIngest
 
 log = logging.getLogger(__name__)
@@ -169,24 +169,15 @@ class VllmLoop:
 
     def run(self) -> None:
         """Serve until :meth:`stop`. Redis outages pause the loop; a lost message is a seq gap."""
-        backoff = 0.1
-        while not self._stop.is_set():
-            try:
-                for sock in self.sockets.poll(200):
-                    self.sockets.handlers[sock](sock)
-                self._record_gone()
-                backoff = 0.1
-            except redis.RedisError as exc:
-                log.warning("vLLM loop: redis error (%s); retrying in %.1fs", exc, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
-            except Exception:  # the loop never dies; the failure is counted and logged
-                metrics.REJECTED.labels("vllm", "loop_error").inc()
-                log.exception("vLLM loop error")
-                self._stop.wait(0.1)
+        run_turns(self._turn, self._stop, "vllm")
         for replay in self.replays:
             replay.close()
         self.sockets.close()
+
+    def _turn(self) -> None:
+        for sock in self.sockets.poll(200):
+            self.sockets.handlers[sock](sock)
+        self._record_gone()
 
     def _record_gone(self) -> None:
         now = time.monotonic()
