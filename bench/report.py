@@ -48,6 +48,19 @@ def targets(res: dict) -> list[tuple[str, str, bool | None]]:
                         for c in mem["cases"])
         rows.append(("<= 120 B Redis memory per (chunk, holder) record", txt,
                      all(c["bytes_per_record"] <= 120 for c in mem["cases"])))
+    wk = res.get("wrk")
+    if wk:
+        by = {(r["tokens"], r["concurrency"]): r["throughput_ratio"] for r in wk["rows"]}
+        short = {c: v for (n, c), v in by.items() if n == 12}
+        long = {c: v for (n, c), v in by.items() if n == 32768}
+        if short:
+            rows.append(("12-token lookups: throughput >= 1.2x LMCache at c=1, 4, 16 (wrk, same run)",
+                         ", ".join(f"c={c}: {v}x" for c, v in sorted(short.items())), min(short.values()) >= 1.2))
+        if long:
+            p99 = next((r["p99_ratio"] for r in wk["rows"] if r["tokens"] == 32768 and r["concurrency"] == 1), None)
+            rows.append(("32k-token lookups, 8 instances: throughput >= 2.5x LMCache; c=1 p99 <= half of LMCache's",
+                         ", ".join(f"c={c}: {v}x" for c, v in sorted(long.items())) + f"; c=1 p99 ratio {p99}",
+                         min(long.values()) >= 2.5 and p99 is not None and p99 <= 0.5))
     cl = res.get("cluster")
     if cl:
         row = next((r for r in cl["lookups"] if r["tokens"] == 32768), None)
@@ -245,6 +258,7 @@ def markdown(res: dict, images: list[str], results_path: Path) -> str:
             lines.append("")
     lines += _stages_section(res.get("stages"))
     lines += _cluster_section(res.get("cluster"))
+    lines += _wrk_section(res.get("wrk"))
     notes = DOCS / "benchmarks-notes.md"
     if notes.exists():
         lines += [notes.read_text()]
@@ -293,6 +307,21 @@ def _cluster_section(cl: dict | None) -> list[str]:
             f"(max/mean {c['memory_max_mean']}). Bytes per record: one server {bal['single']['bytes_per_record']}, "
             f"cluster {c['bytes_per_record']} (used_memory without each master's replication backlog and replica "
             "output buffers, a fixed cost per master).", ""]
+
+
+def _wrk_section(wk: dict | None) -> list[str]:
+    if not wk:
+        return []
+    rows = [[f"{r['tokens']:,}", r["concurrency"], f"{r['kvlookup']['req_s']:,}", f"{r['lmcache']['req_s']:,}",
+             f"{r['throughput_ratio']}x", f"{r['kvlookup']['p50_ms']} / {r['kvlookup']['p99_ms']}",
+             f"{r['lmcache']['p50_ms']} / {r['lmcache']['p99_ms']}"] for r in wk["rows"]]
+    return ["## Per-request cost at every prompt length (wrk)", "",
+            f"wrk (Debian's C load generator, so the client is not the bottleneck) against kvlookup (gunicorn "
+            f"{wk['gunicorn']}) and LMCache 0.5.6's `lmcache_controller` in turn, {wk['seconds']} s per point; both "
+            f"fed the same 0.5.6 worker traffic: {wk['instances']} instances, instance i holding the first "
+            f"(i + 1)/{wk['instances']} of every prompt (bench/wrkload.py).", "",
+            _table(["prompt tokens", "concurrency", "kvlookup req/s", "LMCache req/s", "ratio",
+                    "kvlookup p50 / p99 ms", "LMCache p50 / p99 ms"], rows), ""]
 
 
 def render(res: dict, results_path: Path) -> Path:

@@ -31,6 +31,7 @@ QUICK = {
     "stages": dict(lengths=(1024, 32768), seconds=1.0),
     "cluster": dict(lengths=(1024, 32768), seconds=0.5, sidecar_counts=(1, 2), ops_per_sidecar=20_000,
                     trace_requests=300),
+    "wrk": dict(lengths=(12, 32768), concurrencies=(1, 16), seconds=2.0),
 }
 FULL = {
     "compare": dict(requests=12031, instances=8, cpu_chunks=8192, disk_chunks=24576, agree_sample=1500,
@@ -43,8 +44,9 @@ FULL = {
     "stages": dict(lengths=(1024, 11264, 32768), seconds=3.0),
     "cluster": dict(lengths=(1024, 32768, 131072), seconds=3.0, sidecar_counts=(1, 2, 4), ops_per_sidecar=200_000,
                     trace_requests=4000),
+    "wrk": dict(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds=5.0),
 }
-PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "cluster")
+PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "cluster", "wrk")
 
 
 def machine() -> dict:
@@ -93,6 +95,10 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
         from bench.cluster import run
 
         res = run(**params)
+    elif name == "wrk":
+        from bench.wrkload import run
+
+        res = run(**params, lmcache_venv=args.lmcache_venv)
     else:
         from bench.stages import run
 

@@ -1,0 +1,102 @@
+"""Side-by-side HTTP load with wrk (Debian's ``wrk``): kvlookup vs LMCache 0.5.6 per prompt length.
+
+wrk's C client keeps the client out of the measurement (the Python load generator in
+bench/loadgen.py saturates first at short prompts). Both controllers are fed the same 0.5.6
+worker traffic: 8 instances, instance i holding the first (i + 1) / 8 of every prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from bench import progress
+from bench.procs import Procs, lmcache_python
+from kvlookup.hashing import HashProfile
+from kvlookup.workersim import WorkerSim
+
+LUA = """wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local f = io.open("{body}", "rb"); wrk.body = f:read("*a"); f:close()
+done = function(summary, latency, requests)
+  io.write(string.format("RESULT %d %d %f %f %f\\n", summary.requests, summary.errors.status + summary.errors.read
+    + summary.errors.write + summary.errors.timeout + summary.errors.connect, latency:percentile(50),
+    latency:percentile(99), summary.duration))
+end
+"""
+
+
+def wrk(url: str, body_path: Path, concurrency: int, seconds: float, tmp: Path) -> dict:
+    """One wrk run: req/s, p50/p99 (ms), errors."""
+    script = tmp / f"post-{body_path.stem}.lua"
+    script.write_text(LUA.format(body=body_path))
+    out = subprocess.run(["wrk", "-t", str(min(concurrency, 4)), "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s",
+                          "-s", str(script), url + "/lookup"], capture_output=True, text=True, timeout=seconds + 60)
+    m = re.search(r"RESULT (\d+) (\d+) ([\d.]+) ([\d.]+) ([\d.]+)", out.stdout)
+    if not m:
+        raise RuntimeError(f"wrk gave no result ({url}, c={concurrency}): {out.stdout[-1500:]!r} {out.stderr[-800:]!r}")
+    n, errors, p50, p99, dur = int(m[1]), int(m[2]), float(m[3]), float(m[4]), float(m[5])
+    return {"req_s": round(n / (dur / 1e6)), "p50_ms": round(p50 / 1000, 3), "p99_ms": round(p99 / 1000, 3),
+            "errors": errors}
+
+
+def feed_prompts(pull: str, reply: str, prompts: list[list[int]], instances: int) -> list[WorkerSim]:
+    """0.5.6 workers; instance i admits the first (i + 1) / instances of every prompt's chunks."""
+    profile, workers = HashProfile(), []
+    for i in range(instances):
+        w = WorkerSim(f"inst-{i}", 0, era="0.5", pull_url=pull, reply_url=reply, port=24000 + i)
+        w.register()
+        for p in prompts:
+            hashes = profile.chunk_hashes(p)
+            w.admit(hashes[:max(1, len(hashes) * (i + 1) // instances)])
+        workers.append(w)
+    return workers
+
+
+def run(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds: float = 5.0, instances: int = 8,
+        kv_conf: str = "gevent:2", lmcache_venv: str | None = None) -> dict:
+    if not shutil.which("wrk"):
+        raise FileNotFoundError("wrk is not installed (apt-get install wrk)")
+    py = lmcache_python(lmcache_venv)
+    if py is None:
+        raise FileNotFoundError("no LMCache 0.5.6 venv (scripts/real-peers.sh)")
+    rng = random.Random(3)
+    prompts = {n: [rng.randrange(128_000) for _ in range(n)] for n in lengths}
+    rows = []
+    with Procs() as procs:
+        lm_url, lm_pull, lm_reply = procs.start_lmcache(py)
+        kv_redis = procs.start_redis()
+        kv_pull, kv_reply = procs.start_sidecar(kv_redis)
+        kv_url = procs.start_controller(kv_redis, kv_conf)
+        ws = feed_prompts(lm_pull, lm_reply, list(prompts.values()), instances)
+        ws += feed_prompts(kv_pull, kv_reply, list(prompts.values()), instances)
+        time.sleep(3)
+        for n, tokens in prompts.items():
+            body = procs.tmp / f"body{n}.json"
+            body.write_text(json.dumps({"tokens": tokens}))
+            for c in concurrencies:
+                order = [("lmcache", lm_url), ("kvlookup", kv_url)]
+                if c % 2:
+                    order.reverse()
+                res = {name: wrk(url, body, c, seconds, procs.tmp) for name, url in order}
+                row = {"tokens": n, "concurrency": c, **res,
+                       "throughput_ratio": round(res["kvlookup"]["req_s"] / max(res["lmcache"]["req_s"], 1), 2),
+                       "p99_ratio": round(res["kvlookup"]["p99_ms"] / max(res["lmcache"]["p99_ms"], 1e-9), 2)}
+                rows.append(row)
+                progress.note(f"  {n} tokens c={c}: kvlookup {res['kvlookup']['req_s']} req/s "
+                              f"(p50 {res['kvlookup']['p50_ms']} ms), LMCache {res['lmcache']['req_s']} req/s "
+                              f"(p50 {res['lmcache']['p50_ms']} ms): {row['throughput_ratio']}x")
+        for w in ws:
+            w.close()
+    return {"gunicorn": kv_conf, "instances": instances, "seconds": seconds, "rows": rows}
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(json.dumps(run(seconds=float(sys.argv[1]) if len(sys.argv) > 1 else 5.0), indent=1))
