@@ -35,8 +35,9 @@ def wrk(url: str, body_path: Path, concurrency: int, seconds: float, tmp: Path) 
     """One wrk run: req/s, p50/p99 (ms), errors."""
     script = tmp / f"post-{body_path.stem}.lua"
     script.write_text(LUA.format(body=body_path))
-    out = subprocess.run(["wrk", "-t", str(min(concurrency, 4)), "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s",
-                          "-s", str(script), url + "/lookup"], capture_output=True, text=True, timeout=seconds + 60)
+    cmd = ["wrk", "-t", str(min(concurrency, 4)), "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s",
+           "-s", str(script), url + "/lookup"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
     m = re.search(r"RESULT (\d+) (\d+) ([\d.]+) ([\d.]+) ([\d.]+)", out.stdout)
     if not m:
         raise RuntimeError(f"wrk gave no result ({url}, c={concurrency}): {out.stdout[-1500:]!r} {out.stderr[-800:]!r}")
