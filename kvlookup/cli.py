@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--worker-class", choices=kvconfig.WORKER_CLASSES, dest="gunicorn_worker_class",
                    help="gunicorn worker class (gevent)")
     c.add_argument("--lookup-response", choices=kvconfig.LOOKUP_RESPONSES, help="flat (default) or layout_info")
+    c.add_argument("--lookup-cache", choices=kvconfig.LOOKUP_CACHE,
+                   help="keep the chunk sets lookups read, coherent with Redis: on (default), fenced, off")
     c.add_argument("--worker-networks", help="IPs/CIDR networks of LMCache workers the controller may call, "
                    "comma list or JSON ('*' = any, hostnames too; default 127.0.0.0/8,::1)")
     _access_flags(c)  # for the embedded sidecar
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
 CONTROLLER_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "log_level", "lmcache_config",
                        "host", "port", "monitor_port", "monitor_ports", "gunicorn_workers", "gunicorn_threads",
-                       "gunicorn_worker_class", "lookup_response", "worker_ttl_s", "worker_networks",
+                       "gunicorn_worker_class", "lookup_response", "lookup_cache", "worker_ttl_s", "worker_networks",
                        "allowed_peers", "allowed_instance_ids")
 
 

@@ -162,19 +162,20 @@ class Client:
     redis_url or redis: where the index lives (redis_cluster: the URL names a node of a Redis
     Cluster). profile: the engines' :class:`HashProfile`.
     extra_chains: callables adding chains of other hash spaces (vLLM instances).
-    max_tokens: prompts longer than this raise OverflowError.
+    max_tokens: prompts longer than this raise OverflowError. cache_reads: keep the chunk sets it
+    reads, coherent with Redis (kvlookup.tracking; one Redis only): True, "fenced" or False.
     """
 
     def __init__(self, redis_url: str | None = None, profile: HashProfile | None = None, *,
                  redis_cluster: bool = False, redis: redis.Redis | None = None, store: Store | None = None,
                  extra_chains: Sequence[ChainSource] = (), max_tokens: int | None = 1_048_576,
-                 instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0):
+                 instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0, cache_reads: bool | str = False):
         if store is None:
             if redis is None:
                 if redis_url is None:
                     raise ValueError("Client needs redis_url, redis or store")
                 redis = connect(redis_url, cluster=redis_cluster)
-            store = Store(redis, instance_ttl_s=instance_ttl_s, worker_ttl_s=worker_ttl_s)
+            store = Store(redis, instance_ttl_s=instance_ttl_s, worker_ttl_s=worker_ttl_s, cache_reads=cache_reads)
         self.store = store
         self.profile = profile or HashProfile()
         self.extra_chains = list(extra_chains)

@@ -21,6 +21,10 @@ from kvlookup.redis_urls import is_sentinel, parse_sentinel
 
 ENV_PREFIX = "KVLOOKUP_"
 LOOKUP_RESPONSES = ("flat", "layout_info")
+#: Controller read caching (kvlookup.tracking): on (copies Redis keeps coherent, no round trip
+#: for a lookup whose chunks are known), fenced (one round trip that makes every completed write
+#: visible), off (the LOOKUP script). One Redis only: a cluster or Sentinel URL reads uncached.
+LOOKUP_CACHE = ("on", "fenced", "off")
 #: gunicorn worker classes the controller runs: gevent (default: one event loop per process,
 #: keep-alive, slow clients cost a greenlet, not a thread), gthread, sync.
 WORKER_CLASSES = ("gevent", "gthread", "sync")
@@ -49,6 +53,7 @@ class Settings:
     gunicorn_threads: int = 4
     gunicorn_worker_class: str = "gevent"
     lookup_response: str = "flat"
+    lookup_cache: str = "on"
     max_tokens: int = 1_048_576
     max_body_bytes: int = 16 * 1024 * 1024
     body_timeout_s: float = 10.0
@@ -85,6 +90,8 @@ class Settings:
         """Raise ValueError naming the first bad setting; returns self."""
         if self.lookup_response not in LOOKUP_RESPONSES:
             raise ValueError(f"lookup_response must be one of {LOOKUP_RESPONSES}, got {self.lookup_response!r}")
+        if self.lookup_cache not in LOOKUP_CACHE:
+            raise ValueError(f"lookup_cache must be one of {LOOKUP_CACHE}, got {self.lookup_cache!r}")
         if self.gunicorn_worker_class not in WORKER_CLASSES:
             raise ValueError(f"gunicorn_worker_class must be one of {WORKER_CLASSES}, "
                              f"got {self.gunicorn_worker_class!r}")
@@ -150,6 +157,12 @@ class Settings:
             data = yaml.safe_load(Path(self.lmcache_config).read_text()) or {}
             return profile_from_lmcache_yaml(data, self.hash)
         return HashProfile.from_settings(self.hash)
+
+    def cache_reads(self) -> bool | str:
+        """What the controller's store caches (Store ``cache_reads``): off on a cluster or Sentinel."""
+        if self.lookup_cache == "off" or self.redis_cluster or (self.redis_url and is_sentinel(self.redis_url)):
+            return False
+        return "fenced" if self.lookup_cache == "fenced" else True
 
     def limits(self):
         """The sidecar's :class:`sidecar.sockets.Limits` from these settings."""

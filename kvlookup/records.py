@@ -197,13 +197,28 @@ def raise_errors(results: list) -> list:
 
 
 class SingleNodeRecords:
-    """Records on one Redis server: APPLY_OPS and LOOKUP scripts, one round trip each."""
+    """Records on one Redis server: APPLY_OPS and LOOKUP scripts, one round trip each.
 
-    def __init__(self, client: redis.Redis):
+    cache_reads: True (or ``"fenced"``) to look up through process-local copies of the chunk
+    sets that Redis keeps coherent (kvlookup.tracking.CachedReads) and walk in Python
+    (kvlookup.staged): a lookup whose chunks and holders are known costs no round trip
+    (``"fenced"``: one short one, and it sees every write completed before it). False: the
+    LOOKUP script.
+    """
+
+    def __init__(self, client: redis.Redis, cache_reads: bool | str = False):
         self.r = client
         self.io = SingleIO(client)
         self._apply = self.io.register(scripts.APPLY_OPS)
         self._lookup = self.io.register(scripts.LOOKUP)
+        self.cached = None
+        if cache_reads:
+            from kvlookup.staged import HolderCache
+            from kvlookup.tracking import CachedReads
+
+            self.cached = CachedReads(client, fence=cache_reads == "fenced")
+            self._resolve = self.cached.io.register(scripts.RESOLVE)
+            self.holder_cache = HolderCache()
 
     def apply(self, writes: Sequence[HolderWrite], score: int) -> list[bool]:
         cmds: list[tuple] = []
@@ -227,6 +242,10 @@ class SingleNodeRecords:
         return [min(int(next(results)) for _ in range(n)) >= 0 for n in calls]
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> list[Match]:
+        if self.cached is not None:
+            from kvlookup.staged import StagedLookup
+
+            return StagedLookup(self.cached.execute, self._resolve, self.holder_cache, chains, live).run()
         chunk_keys: list[str] = []
         args: list = [*live.argv(), len(chains)]
         for chain in chains:

@@ -5,10 +5,8 @@ and balance across masters. A record is written in two ordered rounds — the re
 bucket first, then the chunk's sorted set (evicts: the other way round) — so a bucket always
 lists at least the records that exist and purge never misses one, without needing both keys
 in one slot. Each round is one pipelined round trip per master, all masters in parallel
-(kvlookup.cluster_io). Lookups read the chunks' holders in stages (the first
-:data:`FIRST_STAGE` chunks of every chain, then eight times more while some group still
-extends), resolve the holders in one RESOLVE call on the registry's slot, and walk in Python
-(kvlookup.walk). docs/scaling.md has the cost model.
+(kvlookup.cluster_io). Lookups read the chunks' holders in stages and walk in Python
+(kvlookup.staged). docs/scaling.md has the cost model.
 """
 
 from __future__ import annotations
@@ -20,13 +18,8 @@ from redis.cluster import RedisCluster
 
 from kvlookup import keys, scripts
 from kvlookup.cluster_io import ClusterIO
-from kvlookup.keys import SEP
-from kvlookup.records import Chain, HolderWrite, Liveness, Match, purge_step, walk_registry_keys
-from kvlookup.walk import ChainWalk, Holder
-
-#: Chunks of each chain read in a lookup's first round; later rounds read 8x the previous.
-FIRST_STAGE = 128
-STAGE_GROWTH = 8
+from kvlookup.records import Chain, HolderWrite, Liveness, Match, purge_step
+from kvlookup.staged import HolderCache, StagedLookup
 
 
 class ClusterRecords:
@@ -77,7 +70,7 @@ class ClusterRecords:
     # -- lookup ------------------------------------------------------------------------------
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> list[Match]:
-        return _Lookup(self, chains, live).run()
+        return StagedLookup(self.io.execute, self.resolve_sha, self.cache, chains, live).run()
 
     # -- purge -------------------------------------------------------------------------------
 
@@ -94,136 +87,3 @@ def _by_bucket(holder_id: str, hashes: Sequence[str]) -> dict[str, list[str]]:
 
 def _count(reply) -> int:
     return reply if isinstance(reply, int) else 0
-
-
-class HolderCache:
-    """RESOLVE answers kept across lookups while the registry version stays the same
-    (``keys.registry_version_key``: every retirement, registration or deregistration moves it).
-
-    A holder that does not count (retired, unknown) stays so until the version moves; one that
-    counts does until its ``until`` (its lease's expiry, or its last heartbeat + the worker TTL):
-    after that it is asked again (the lease was probably renewed). So a lookup whose holders are
-    all known needs no RESOLVE, and its answer is the one a RESOLVE would give.
-    """
-
-    def __init__(self):
-        self.version: str | None = None
-        self.entries: dict[str, tuple[Holder | None, float]] = {}
-
-    def clear(self) -> None:
-        """Forget every answer (the next lookup resolves its holders)."""
-        self.entries.clear()
-        self.version = None
-
-    def at(self, version: str) -> None:
-        """The registry's version as a lookup read it: a new one drops every answer."""
-        if version != self.version:
-            self.entries.clear()
-            self.version = version
-
-    def get(self, hid: str, now_ms: int) -> tuple[bool, Holder | None]:
-        """(known, holder) for this lookup: known is False when it must be resolved."""
-        entry = self.entries.get(hid)
-        if entry is None:
-            return False, None
-        holder, until = entry
-        if holder is None:
-            return True, None
-        return (True, holder) if until >= now_ms else (False, None)
-
-    def put(self, version: str, hids: Sequence[str], texts: Sequence[str]) -> None:
-        self.at(version)
-        for hid, text in zip(hids, texts, strict=True):
-            holder = Holder.parse(text.rpartition(SEP)[0]) if text else None
-            until = float(text.rpartition(SEP)[2]) if text else float("inf")
-            self.entries[hid] = (holder, until)
-
-
-class _Lookup:
-    """One lookup's rounds. Round 1 reads the first :data:`FIRST_STAGE` chunks of every chain
-    and the registry version; the holders found are taken from the :class:`HolderCache` when it
-    knows them. Each later round resolves the holders the previous round found that the cache did
-    not know (one RESOLVE on the registry's slot) *and*, in the same round trip, reads the next
-    stage of every chain that may still extend (its last chunk read had holders). So a prompt of
-    up to FIRST_STAGE chunks whose holders are known costs one round trip; two otherwise."""
-
-    def __init__(self, records: ClusterRecords, chains: Sequence[Chain], live: Liveness):
-        self.rec, self.chains, self.live = records, chains, live
-        self.walks = [ChainWalk(c.chunk_size, c.n_tokens) for c in chains]
-        self.holders: dict[str, Holder | None] = {}  # as this lookup sees them
-        self.read_upto = [0] * len(chains)  # chunks read per chain
-        self.unfed: list[list] = [[] for _ in chains]  # member lists read, not walked yet
-        self.stage = [FIRST_STAGE] * len(chains)
-
-    def run(self) -> list[Match]:
-        new_hids: list[str] = []
-        first = True
-        cache = self.rec.cache
-        while True:
-            reads = [(ci, self._next_span(ci)) for ci in range(len(self.chains)) if self._may_extend(ci)]
-            reads = [(ci, span) for ci, span in reads if span]
-            if not reads and not new_hids:
-                break
-            cmds = [("ZRANGE", k, 0, -1) for _ci, span in reads for k in span]
-            if new_hids:
-                cmds.append(("EVALSHA", self.rec.resolve_sha, 6, *walk_registry_keys(), keys.registry_version_key(),
-                             *self.live.argv(), *new_hids))
-            elif first:
-                cmds.append(("GET", keys.registry_version_key()))
-            res = self.rec.io.execute(cmds)
-            if new_hids:
-                cache.put(res[-1][0], new_hids, res[-1][1:])
-                for hid in new_hids:
-                    self.holders[hid] = cache.get(hid, self.live.now_ms)[1]
-            elif first:
-                cache.at(res[-1] or "0")
-            first = False
-            self._feed()  # what the previous round read is resolved now
-            new_hids = self._take(reads, res)
-            if not new_hids:
-                self._feed()
-        return [Match(inst, wid, end, locs) for w in self.walks for inst, wid, end, locs in w.matches()]
-
-    def _may_extend(self, ci: int) -> bool:
-        walk, unfed = self.walks[ci], self.unfed[ci]
-        if walk.done or self.read_upto[ci] >= len(self.chains[ci].hashes):
-            return False
-        last = unfed[-1] if unfed else (walk.prev_members if walk.i else True)
-        return bool(last)  # an empty chunk ends every match
-
-    def _next_span(self, ci: int) -> list[str]:
-        start = self.read_upto[ci]
-        stop = start + self.stage[ci]
-        self.stage[ci] *= STAGE_GROWTH
-        self.read_upto[ci] = min(stop, len(self.chains[ci].hashes))
-        return self.chains[ci].chunk_keys(start, stop)
-
-    def _take(self, reads, res) -> list[str]:
-        """Buffer the member lists read; returns the holder ids to resolve (not known to this
-        lookup, and not answered by the cache)."""
-        pos, seen, prev = 0, set(), None
-        for ci, span in reads:
-            lists = res[pos:pos + len(span)]
-            pos += len(span)
-            self.unfed[ci].extend(lists)
-            for members in lists:
-                if members != prev:  # runs of chunks with the same holders are common
-                    seen.update(members)
-                    prev = members
-        new = []
-        now = self.live.now_ms
-        for hid in seen:
-            if hid in self.holders:
-                continue
-            known, holder = self.rec.cache.get(hid, now)
-            if known:
-                self.holders[hid] = holder
-            else:
-                new.append(hid)
-        return sorted(new)
-
-    def _feed(self) -> None:
-        for ci, lists in enumerate(self.unfed):
-            if lists:
-                self.walks[ci].feed(lists, self.holders)
-                self.unfed[ci] = []

@@ -47,13 +47,14 @@ class NotRegistered(LookupError):
     """Raised when records arrive for a worker the registry does not know."""
 
 
-def make_records(client) -> Records:
-    """The records backend for a redis-py client: cluster or single node."""
+def make_records(client, cache_reads: bool = False) -> Records:
+    """The records backend for a redis-py client: cluster or single node (cache_reads: see
+    SingleNodeRecords; a cluster keeps holder answers only)."""
     if isinstance(client, RedisCluster):
         from kvlookup.records_cluster import ClusterRecords
 
         return ClusterRecords(client)
-    return SingleNodeRecords(client)
+    return SingleNodeRecords(client, cache_reads=cache_reads)
 
 
 class Store:
@@ -65,18 +66,19 @@ class Store:
     worker_ttl_s: a worker that sends heartbeats and stops for longer is excluded (0 = off).
     purge_grace_s: retired holders are purged only this long after retirement (default: 0 on
     one Redis, whose writes check retirement atomically; 5 s on a cluster, where a write racing
-    a retirement lands within one round trip).
+    a retirement lands within one round trip). cache_reads: lookups read through copies Redis
+    keeps coherent (kvlookup.tracking; one Redis only; for a controller, not for writers).
     """
 
     def __init__(self, client, *, instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0,
-                 purge_grace_s: float | None = None, records: Records | None = None):
+                 purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool = False):
         self.r = client
         self.cluster = isinstance(client, RedisCluster)
         self.instance_ttl_ms = int(instance_ttl_s * 1000)
         self.worker_ttl_ms = int(worker_ttl_s * 1000)
         grace = (5.0 if self.cluster else 0.0) if purge_grace_s is None else purge_grace_s
         self.purge_grace_ms = int(grace * 1000)
-        self.records = records or make_records(client)
+        self.records = records or make_records(client, cache_reads)
         s = {name: client.register_script(getattr(scripts, name)) for name in (
             "REGISTER", "DEREGISTER", "REAP_WORKER", "RETIRE_LOCATION", "HOLDER", "HEARTBEAT", "MARK_PROBED", "OWN",
             "TOUCH", "FORGET_HOLDER", "RETIRE_UNKNOWN")}

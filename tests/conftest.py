@@ -19,6 +19,9 @@ SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211
 SEED_HASH = 4690244967161877535
 
 BACKENDS = [b for b in os.environ.get("KVLOOKUP_TEST_BACKENDS", "single,cluster").split(",") if b]
+# Controllers under test cache their reads fenced: a lookup sees every write completed before it
+# (tests write, then look up at once); the unfenced default is tested on its own (test_tracking).
+os.environ.setdefault("KVLOOKUP_LOOKUP_CACHE", "fenced")
 
 
 @pytest.fixture(scope="session")
@@ -39,8 +42,16 @@ def redis_cluster(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``single_node`` (what only one Redis has: its scripts' slicing, the embedded
-    server) run against the single server only."""
-    keep = [i for i in items if not (i.get_closest_marker("single_node") and "[cluster" in i.nodeid)]
+    server) run against the single server only, uncached; cached stores run on one server."""
+    def wanted(item) -> bool:
+        params = getattr(item, "callspec", None)
+        params = params.params if params else {}
+        cached = params.get("store") == "cached"
+        if params.get("backend") == "cluster":
+            return not item.get_closest_marker("single_node") and not cached  # a cluster caches holders only
+        return not (cached and item.get_closest_marker("single_node"))
+
+    keep = [i for i in items if wanted(i)]
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep
@@ -90,6 +101,8 @@ def r(redis_url, cluster):
     client.close()
 
 
-@pytest.fixture()
-def store(r):
-    return Store(r, purge_grace_s=0)
+@pytest.fixture(params=["plain", "cached"])
+def store(request, r):
+    """The index on this test's Redis; on one server also with lookups through cached reads
+    (kvlookup.tracking, fenced), so the cached walk meets the same contract."""
+    return Store(r, purge_grace_s=0, cache_reads="fenced" if request.param == "cached" else False)

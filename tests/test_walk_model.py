@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlookup import keys, records_cluster
+from kvlookup import keys, staged
 from kvlookup.store import ADMIT, Chain, Store
 
 LOCATIONS = ("LocalCPUBackend", "LocalDiskBackend", "GPU")
@@ -59,8 +59,8 @@ def stages(request, monkeypatch):
     """The cluster backend reads chunks in stages; "staged" makes every stage tiny so the walk
     is fed across several rounds (no effect on the single-node Lua walk)."""
     if request.param == "staged":
-        monkeypatch.setattr(records_cluster, "FIRST_STAGE", 2)
-        monkeypatch.setattr(records_cluster, "STAGE_GROWTH", 2)
+        monkeypatch.setattr(staged, "FIRST_STAGE", 2)
+        monkeypatch.setattr(staged, "STAGE_GROWTH", 2)
 
 
 def _flush(r) -> None:

@@ -1,0 +1,199 @@
+"""Reads kept in the controller process and kept coherent by Redis (server-assisted client-side
+caching: ``CLIENT TRACKING ... REDIRECT``).
+
+A lookup reads the same keys again and again: the chunk sorted sets of a shared system prompt,
+the registry version. :class:`CachedReads` answers ``ZRANGE`` of a chunk and ``GET`` of the
+registry version from a process-local copy; every copy was read on a connection with tracking
+on, so Redis sends the key's name to this process's invalidation connection
+(``__redis__:invalidate``) as soon as anything changes it, and the copy is dropped. Each call
+first takes every invalidation that has arrived, so a lookup never sees a key older than the
+last change Redis had told about when the lookup began (on loopback that is microseconds after
+the write). A copy read while an invalidation was being taken is not kept (it may be the old
+value). If the invalidation connection breaks (Redis restarted, the connection dropped for
+lagging), every copy goes and reads go to Redis until it is back.
+
+Only plain commands are cached; everything else (RESOLVE, writes) passes through.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import redis
+
+from kvlookup import keys
+from kvlookup.records import SingleIO
+
+log = logging.getLogger(__name__)
+
+INVALIDATE = "__redis__:invalidate"
+#: Commands whose replies are kept: ``(name, key)``.
+CACHED = ("ZRANGE", "GET")
+#: A broken invalidation connection is tried again after this long.
+RECONNECT_S = 1.0
+
+
+class CachedReads:
+    """A caching executor of commands for one Redis (see the module docstring).
+
+    client: the redis-py client whose connection settings to use. max_keys: copies kept (least
+    recently used go first). fence: before each call, take every invalidation Redis has queued
+    for this process (a PING on the invalidation connection, answered after them): a lookup then
+    sees every write that completed before it began, at the cost of that round trip. Thread-
+    and greenlet-safe.
+    """
+
+    def __init__(self, client: redis.Redis, max_keys: int = 200_000, fence: bool = False):
+        self.max_keys = max_keys
+        self.fence = fence
+        # RESP2: invalidations arrive as pub/sub messages on the listener (RESP3 pushes them in-band)
+        kwargs = {**client.connection_pool.connection_kwargs, "protocol": 2}
+        for resp3_only in ("redis_connect_func", "maint_notifications_config", "event_dispatcher"):
+            kwargs.pop(resp3_only, None)
+        self._kwargs = kwargs
+        self._lock = threading.Lock()
+        self._copies: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._listener: redis.Connection | None = None
+        self._gen = 0  # invalidation messages taken so far
+        self._inv_at: dict[str, int] = {}  # key -> the message that last invalidated it
+        self._floor = 0  # a read that began before this message may be stale (flush, pruning)
+        self._retry_at = 0.0
+        self.tracked = redis.Redis(connection_pool=redis.BlockingConnectionPool(
+            connection_class=client.connection_pool.connection_class, max_connections=16, timeout=5,
+            redis_connect_func=self._track, **kwargs))
+        self.io = SingleIO(self.tracked)
+        self.stats = {"hits": 0, "misses": 0, "invalidations": 0, "resets": 0}
+
+    # -- the invalidation connection ------------------------------------------------------
+
+    def _connect_listener(self) -> bool:
+        conn = redis.Connection(**self._kwargs)
+        try:
+            conn.connect()
+            conn.send_command("CLIENT", "ID")
+            self._listener_id = int(conn.read_response())
+            conn.send_command("SUBSCRIBE", INVALIDATE)
+            conn.read_response()
+        except (redis.RedisError, OSError) as exc:
+            conn.disconnect()
+            log.debug("client-side caching off for now: %s", exc)
+            return False
+        self._listener = conn
+        self.tracked.connection_pool.disconnect()  # every tracked connection must redirect here
+        return True
+
+    def _track(self, conn) -> None:
+        conn.on_connect()
+        # OPTIN: only the reads sent after CLIENT CACHING YES are tracked (not RESOLVE's)
+        conn.send_command("CLIENT", "TRACKING", "ON", "REDIRECT", self._listener_id, "OPTIN")
+        if conn.read_response() not in (b"OK", "OK"):
+            raise redis.ConnectionError("CLIENT TRACKING was refused")
+
+    def _reset(self, why: str) -> None:
+        if self._copies:
+            log.info("client-side cache dropped (%s)", why)
+        self._copies.clear()
+        self._gen += 1
+        self._floor = self._gen
+        self._inv_at.clear()
+        self.stats["resets"] += 1
+
+    def _drain(self) -> bool:
+        """Take every invalidation that arrived; False when caching is off (no listener)."""
+        if self._listener is None:
+            if time.monotonic() < self._retry_at:
+                return False
+            self._reset("no invalidation connection")
+            if not self._connect_listener():
+                self._retry_at = time.monotonic() + RECONNECT_S
+                return False
+        try:
+            if self.fence:
+                self._listener.send_command("PING")
+            while self.fence or self._listener.can_read(timeout=0):
+                msg = self._listener.read_response()
+                if isinstance(msg, list) and len(msg) == 3 and msg[0] in ("message", b"message"):
+                    self._invalidate(msg[2])
+                elif self.fence and isinstance(msg, list) and msg and msg[0] in ("pong", b"pong"):
+                    break  # every invalidation queued before the PING is taken
+        except (redis.RedisError, OSError) as exc:
+            self._listener.disconnect()
+            self._listener = None
+            self._reset(f"invalidation connection lost: {exc}")
+            return False
+        return True
+
+    def _take_arrived(self) -> bool:
+        fence, self.fence = self.fence, False  # what arrived is enough here: no second fence
+        try:
+            return self._drain()
+        finally:
+            self.fence = fence
+
+    def _invalidate(self, names) -> None:
+        self._gen += 1
+        self.stats["invalidations"] += 1
+        if names is None or len(self._inv_at) > self.max_keys:  # FLUSHALL, a tracking table overflow
+            self._copies.clear()
+            self._inv_at.clear()
+            self._floor = self._gen
+            return
+        for name in names:
+            name = name.decode() if isinstance(name, bytes) else name
+            self._inv_at[name] = self._gen
+            for cmd in CACHED:
+                self._copies.pop((cmd, name), None)
+
+    def _fresh(self, key: str, since: int) -> bool:
+        """No invalidation of ``key`` was taken after message ``since`` (when its read began)."""
+        return self._floor <= since and self._inv_at.get(key, -1) <= since
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def execute(self, commands: Sequence[tuple]) -> list:
+        """Results of ``commands`` in order, from copies where they are kept (a round trip only
+        for the rest); errors as SingleIO.execute."""
+        with self._lock:
+            caching = self._drain()
+            gen = self._gen
+            out: list = [None] * len(commands)
+            missing = []
+            for i, cmd in enumerate(commands):
+                copy = self._copies.get((cmd[0], cmd[1]), _MISS) if caching and _cacheable(cmd) else _MISS
+                if copy is _MISS:
+                    missing.append(i)
+                else:
+                    self._copies.move_to_end((cmd[0], cmd[1]))
+                    out[i] = copy
+            self.stats["hits"] += len(commands) - len(missing)
+            self.stats["misses"] += len(missing)
+        if not missing:
+            return out
+        sent, where = [], []
+        for i in missing:
+            if caching and _cacheable(commands[i]):
+                sent.append(("CLIENT", "CACHING", "YES"))  # track this read (OPTIN)
+            sent.append(commands[i])
+            where.append(len(sent) - 1)
+        got = self.io.execute(sent)
+        with self._lock:
+            keep = caching and self._take_arrived()
+            for i, j in zip(missing, where, strict=True):
+                res, cmd = got[j], commands[i]
+                out[i] = res
+                if keep and _cacheable(cmd) and not isinstance(res, Exception) and self._fresh(cmd[1], gen):
+                    self._copies[(cmd[0], cmd[1])] = res
+            while len(self._copies) > self.max_keys:
+                self._copies.popitem(last=False)
+        return out
+
+
+_MISS = object()
+
+
+def _cacheable(cmd: tuple) -> bool:
+    return cmd[0] in CACHED and (cmd[0] == "ZRANGE" or cmd[1] == keys.registry_version_key())

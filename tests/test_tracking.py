@@ -1,0 +1,79 @@
+"""Cached reads (kvlookup.tracking): a controller keeps the chunk sets it reads, and Redis tells
+it when one changes (CLIENT TRACKING ... REDIRECT). A lookup whose chunks are known costs no
+round trip; a change reaches it as soon as its invalidation arrives (fenced: before it begins)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlookup import keys
+from kvlookup.client import Client
+from kvlookup.redis_server import connect
+from kvlookup.store import ADMIT, EVICT, Store
+from tests.conftest import SEED_HASH, SEED_TOKENS
+from tests.helpers import wait_for
+
+CPU = "LocalCPUBackend"
+pytestmark = pytest.mark.single_node  # one Redis: a cluster caches holder answers only
+
+
+def _commands(r, name: str) -> int:
+    return int(r.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+@pytest.fixture()
+def writer(redis_url):
+    store = Store(connect(redis_url), purge_grace_s=0)
+    store.register_worker("a", 0)
+    store.apply([("a", 0, CPU, [(ADMIT, SEED_HASH)])])
+    return store
+
+
+def layout(client) -> dict:
+    return {m.instance_id: m.matched_prefix_length for m in client.matches(SEED_TOKENS)}
+
+
+def test_known_chunks_cost_no_round_trip_and_changes_arrive(redis_url, r, writer):
+    client = Client(redis_url, cache_reads=True)
+    assert layout(client) == {"a": 12}
+    reads = _commands(r, "zrange") + _commands(r, "evalsha") + _commands(r, "get")
+    for _ in range(50):
+        assert layout(client) == {"a": 12}
+    assert _commands(r, "zrange") + _commands(r, "evalsha") + _commands(r, "get") == reads  # served here
+    writer.apply([("a", 0, CPU, [(EVICT, SEED_HASH)])])
+    assert wait_for(lambda: layout(client), {}, timeout=2) == {}  # unfenced: as soon as it arrives
+    writer.apply([("a", 0, CPU, [(ADMIT, SEED_HASH)])])
+    assert wait_for(lambda: layout(client), {"a": 12}, timeout=2) == {"a": 12}
+    assert client.store.records.cached.stats["invalidations"] >= 2
+
+
+def test_fenced_reads_see_every_completed_write(redis_url, writer):
+    client = Client(redis_url, cache_reads="fenced")
+    for i in range(30):
+        op = EVICT if i % 2 == 0 else ADMIT
+        writer.apply([("a", 0, CPU, [(op, SEED_HASH)])])
+        assert layout(client) == ({} if op == EVICT else {"a": 12})
+    writer.register_worker("a", 0)  # a new epoch: its records stop counting at once
+    assert layout(client) == {}
+
+
+def test_a_lost_invalidation_connection_drops_every_copy(redis_url, r, writer):
+    client = Client(redis_url, cache_reads="fenced")
+    cached = client.store.records.cached
+    assert layout(client) == {"a": 12}
+    r.client_kill_filter(_type="pubsub")  # the invalidation connection goes
+    writer.apply([("a", 0, CPU, [(EVICT, SEED_HASH)])])
+    assert layout(client) == {}  # not the stale copy
+    assert cached.stats["resets"] >= 2
+    writer.apply([("a", 0, CPU, [(ADMIT, SEED_HASH)])])
+    assert wait_for(lambda: layout(client), {"a": 12}) == {"a": 12}
+    hits = cached.stats["hits"]
+    assert layout(client) == {"a": 12} and cached.stats["hits"] > hits  # caching again
+
+
+def test_flushall_empties_the_copies(redis_url, r, writer):
+    client = Client(redis_url, cache_reads="fenced")
+    assert layout(client) == {"a": 12}
+    r.flushall()
+    assert layout(client) == {}
+    assert r.exists(keys.chunk_key(SEED_HASH)) == 0
