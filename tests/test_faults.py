@@ -1006,7 +1006,7 @@ def test_8_a_flood_of_small_admits_stays_bounded_and_loses_nothing(fresh):
         beat_s = max(e.max_beat_s(t0, t_end) for e in std)
         outcomes = {o for e in std for at, _took, o in e.beats if t0 <= at <= t_end}
         record("8 flood", seconds=t_end - t0, admits_sent=sent, sent_per_s=int(sent / (t_end - t0)),
-               written_after_flood_s=drained, records_lost=sent - int(d.r.hget(keys.records_key(), hid)),
+               written_after_flood_s=drained, admits_lost=sent - int(d.r.hget(keys.records_key(), hid)),
                rss_before_mb=before, peak_rss_mb=max(samples), rss_10s_after_mb=after,
                longest_heartbeat_reply_s=beat_s, failed_lookups=out["failed"],
                longest_without_answer_s=out["longest_without_answer_s"], shortest_lease_left_s=min(margins))
