@@ -257,6 +257,18 @@ def markdown(res: dict, images: list[str], results_path: Path) -> str:
             lines += [f"![{key}](img/{n})" for n in images if n.endswith(key.replace("_", "-") + ".png")]
             lines.append("")
     lines += _stages_section(res.get("stages"))
+    pg = res.get("purge")
+    if pg:
+        lines += ["## Purge of a retired holder", "",
+                  "Fresh Redis; one holder's records written by `Store.apply`, then its worker registers again "
+                  f"(a new epoch retires the holder) and `Store.purge` runs in calls of {pg['budget']:,} records "
+                  "(an idle sidecar's turn) until the holder is forgotten. tests/test_faults.py measures it with "
+                  "two sidecars under traffic (docs/operations.md, \"Fault injection: measured\")."
+                  + (f" Run alone on another machine: {pg['machine']['nproc']} cores ({pg['machine']['cpu']})."
+                     if pg.get("machine") else ""), "",
+                  _table(["records", "seconds", "records/s", "calls", "p50 / max call ms", "records left"],
+                         [[f"{pg['records']:,}", pg["seconds"], f"{pg['records_per_s']:,}", pg["calls"],
+                           f"{pg['p50_call_ms']} / {pg['max_call_ms']}", pg["records_left"]]]), ""]
     lines += _cluster_section(res.get("cluster"))
     lines += _wrk_section(res.get("wrk"))
     notes = DOCS / "benchmarks-notes.md"

@@ -95,3 +95,11 @@ def test_stage_handlers_stop_where_told(redis_url, store):
     assert _make_handler("decode", redis_url)(body) == SEED_TOKENS
     assert [c.hashes for c in _make_handler("hash", redis_url)(body)] == [[SEED_HASH]]
     assert _make_handler("walk", redis_url)(body) == [Match("a", "", 12, {"LocalCPUBackend": 12})]
+
+
+def test_purge_part_deletes_every_record_of_the_retired_holder(store):
+    from bench.purge import purge_case
+
+    res = purge_case(store, 5_000)
+    assert (res["records"], res["removed"], res["records_left"]) == (5_000, 5_000, 0)
+    assert res["calls"] >= 1 and res["records_per_s"] > 0
