@@ -217,7 +217,7 @@ class SingleNodeRecords:
             from kvlookup.tracking import CachedReads
 
             self.cached = CachedReads(client, fence=cache_reads == "fenced")
-            self._resolve = self.cached.io.register(scripts.RESOLVE)
+            self._resolve = self.cached.register(scripts.RESOLVE)
             self.holder_cache = HolderCache()
 
     def apply(self, writes: Sequence[HolderWrite], score: int) -> list[bool]:

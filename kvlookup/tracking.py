@@ -10,7 +10,8 @@ first takes every invalidation that has arrived, so a lookup never sees a key ol
 last change Redis had told about when the lookup began (on loopback that is microseconds after
 the write). A copy read while an invalidation was being taken is not kept (it may be the old
 value). If the invalidation connection breaks (Redis restarted, the connection dropped for
-lagging), every copy goes and reads go to Redis until it is back.
+lagging), every copy goes and reads go to Redis, on connections without tracking, until it is
+back: a lookup never fails for want of the cache.
 
 Only plain commands are cached; everything else (RESOLVE, writes) passes through.
 """
@@ -66,7 +67,13 @@ class CachedReads:
             connection_class=client.connection_pool.connection_class, max_connections=16, timeout=5,
             redis_connect_func=self._track, **kwargs))
         self.io = SingleIO(self.tracked)
+        self.plain = SingleIO(client)  # reads while caching is off: no REDIRECT to a gone listener
         self.stats = {"hits": 0, "misses": 0, "invalidations": 0, "resets": 0}
+
+    def register(self, script: str) -> str:
+        """A Lua script's sha for ``("EVALSHA", sha, ...)`` through :meth:`execute`."""
+        self.plain.register(script)
+        return self.io.register(script)
 
     # -- the invalidation connection ------------------------------------------------------
 
@@ -76,6 +83,7 @@ class CachedReads:
             conn.connect()
             conn.send_command("CLIENT", "ID")
             self._listener_id = int(conn.read_response())
+            self._listener_run = _run_id(conn)
             conn.send_command("SUBSCRIBE", INVALIDATE)
             conn.read_response()
         except (redis.RedisError, OSError) as exc:
@@ -88,6 +96,9 @@ class CachedReads:
 
     def _track(self, conn) -> None:
         conn.on_connect()
+        if self._listener is None or _run_id(conn) != self._listener_run:
+            # a restarted server: the listener's id may now name another client of it
+            raise redis.ConnectionError("the invalidation connection is not on this server")
         # OPTIN: only the reads sent after CLIENT CACHING YES are tracked (not RESOLVE's)
         conn.send_command("CLIENT", "TRACKING", "ON", "REDIRECT", self._listener_id, "OPTIN")
         if conn.read_response() not in (b"OK", "OK"):
@@ -179,9 +190,11 @@ class CachedReads:
                 sent.append(("CLIENT", "CACHING", "YES"))  # track this read (OPTIN)
             sent.append(commands[i])
             where.append(len(sent) - 1)
-        got = self.io.execute(sent)
+        got = self._send(sent) if caching else None
+        if got is None:  # caching is off, or the tracked connection failed: read plainly
+            return self._fill(out, missing, self.plain.execute([commands[i] for i in missing]))
         with self._lock:
-            keep = caching and self._take_arrived()
+            keep = self._take_arrived()
             for i, j in zip(missing, where, strict=True):
                 res, cmd = got[j], commands[i]
                 out[i] = res
@@ -191,8 +204,37 @@ class CachedReads:
                 self._copies.popitem(last=False)
         return out
 
+    def _send(self, sent: list) -> list | None:
+        """``sent`` on a tracked connection; None when that fails (a reconnect whose REDIRECT
+        names a listener of a Redis that restarted): caching goes off until the listener is back."""
+        try:
+            return self.io.execute(sent)
+        except redis.RedisError as exc:
+            with self._lock:
+                if self._listener is not None:
+                    self._listener.disconnect()
+                    self._listener = None
+                self._reset(f"tracked read failed: {exc}")
+                self._retry_at = 0.0
+            self.tracked.connection_pool.disconnect()
+            return None
+
+    @staticmethod
+    def _fill(out: list, missing: list[int], got: list) -> list:
+        for i, res in zip(missing, got, strict=True):
+            out[i] = res
+        return out
+
 
 _MISS = object()
+
+
+def _run_id(conn) -> str:
+    """The server process's run_id (a restarted server has a new one)."""
+    conn.send_command("INFO", "server")
+    info = conn.read_response()
+    info = info.decode() if isinstance(info, bytes) else info
+    return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("run_id:")), "")
 
 
 def _cacheable(cmd: tuple) -> bool:

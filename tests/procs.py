@@ -45,7 +45,8 @@ class ControllerProc:
 
     def lookup(self, tokens: list[int], query: str = "") -> dict:
         resp = self.session.post(f"{self.http}/lookup{query}", json={"tokens": tokens}, timeout=10)
-        resp.raise_for_status()
+        if resp.status_code != 200:
+            raise requests.HTTPError(f"/lookup answered {resp.status_code}: {resp.text.strip()}", response=resp)
         return resp.json()
 
     def layout(self, tokens: list[int]) -> dict:

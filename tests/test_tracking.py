@@ -4,11 +4,14 @@ round trip; a change reaches it as soon as its invalidation arrives (fenced: bef
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import redis
 
 from kvlookup import keys
 from kvlookup.client import Client
-from kvlookup.redis_server import connect
+from kvlookup.redis_server import EmbeddedRedis, connect
 from kvlookup.store import ADMIT, EVICT, Store
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import wait_for
@@ -77,3 +80,33 @@ def test_flushall_empties_the_copies(redis_url, r, writer):
     r.flushall()
     assert layout(client) == {}
     assert r.exists(keys.chunk_key(SEED_HASH)) == 0
+
+
+@pytest.mark.parametrize("mode", [True, "fenced"])
+def test_the_first_lookup_after_a_redis_kill_and_restart_answers(tmp_path, mode):
+    """Reads never fail for want of the cache: after Redis comes back (a new server, so the
+    listener id that tracked connections redirect to is gone), the first lookup answers from
+    Redis and caching resumes."""
+    server = EmbeddedRedis(tmp_path, appendonly=True)
+    url = server.start()
+    try:
+        Store(connect(url), purge_grace_s=0).register_worker("a", 0)
+        Store(connect(url), purge_grace_s=0).apply([("a", 0, CPU, [(ADMIT, SEED_HASH)])])
+        client = Client(url, cache_reads=mode)
+        cached = client.store.records.cached
+        assert layout(client) == {"a": 12}
+        time.sleep(1.2)  # appendfsync everysec
+        server.proc.kill()
+        server.proc.wait()
+        for _ in range(2):
+            with pytest.raises(redis.ConnectionError):
+                layout(client)  # down: the listener is gone and is tried again only after a while
+        server.start()
+        assert layout(client) == {"a": 12}  # no 503: the AOF brought it back and reads go plainly
+        assert wait_for(lambda: (layout(client), cached._listener is not None), ({"a": 12}, True)) == ({"a": 12}, True)
+        hits = cached.stats["hits"]
+        assert layout(client) == {"a": 12} and cached.stats["hits"] > hits  # caching again
+        Store(connect(url), purge_grace_s=0).apply([("a", 0, CPU, [(EVICT, SEED_HASH)])])
+        assert wait_for(lambda: layout(client), {}, timeout=2) == {}  # invalidations reach this process
+    finally:
+        server.stop()
