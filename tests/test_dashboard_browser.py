@@ -16,7 +16,7 @@ import time
 import pytest
 import requests
 
-from app import tokenize
+from app import tokenizer
 from kvlookup.hashing import HashProfile
 from kvlookup.redis_server import free_port
 from kvlookup.workersim import SimEngine, WorkerSim
@@ -38,7 +38,7 @@ def _traffic(ctrl: ControllerProc, pull: int, reply: int) -> tuple[SimEngine, Wo
     engine.heartbeat()
     engine.store(PROFILE.chunk_hashes(PROMPT_A))
     engine.store(PROFILE.chunk_hashes(PROMPT_A[:512]), location="LocalDiskBackend")
-    if tokenize.available():
+    if tokenizer.available():
         tokens_b = requests.post(ctrl.http + "/tokenize", json={"text": "<|begin_of_text|>" + TEXT_B},
                                  timeout=10).json()["tokens"]
     else:
@@ -117,7 +117,7 @@ def test_the_dashboard_shows_the_fleet_and_answers_lookups(tmp_path):
         assert shown == {k: v[1] for k, v in ctrl.layout(PROMPT_A[:700]).items()} == {"pod-a": 512}
         explain = requests.post(ctrl.http + "/lookup/explain", json={"tokens": PROMPT_A[:700]}, timeout=5)
         assert driver.find_element("id", "explain-panel").is_displayed() == (explain.status_code == 200)
-        if tokenize.available():
+        if tokenizer.available():
             assert _look_up(driver, TEXT_B, mode="text") == {"pod-b": len(tokens_b)}
         assert "not an integer" in _look_up_error(driver, "1, 2, x")
 
@@ -149,8 +149,8 @@ def _look_up_error(driver, text: str) -> str:
 def _screenshot(driver, tmp_path) -> None:
     """The whole page, into tmp_path and, when asked, where KVLOOKUP_DASHBOARD_SCREENSHOT says."""
     height = driver.execute_script("window.scrollTo(0, 0); return document.documentElement.scrollHeight")
-    driver.set_window_size(1366, max(900, int(height)))
-    driver.execute_script("window.scrollTo(0, 0)")
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {"width": 1366, "height": int(height), "deviceScaleFactor": 1, "mobile": False})
     path = tmp_path / "dashboard.png"
     driver.save_screenshot(str(path))
     target = os.environ.get("KVLOOKUP_DASHBOARD_SCREENSHOT")
