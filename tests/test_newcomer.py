@@ -270,3 +270,18 @@ def test_shlex_quoted_bodies_survive_bash():
 
     cmd = curl_command("http://x", "seed", [1, 2])
     assert shlex.split(cmd)[-1] == '{"tokens": [1, 2]}'
+
+
+def test_compose_advertises_an_address_host_engines_can_reach():
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for name, controller in (("sidecar", "controller"), ("cluster-sidecar", "cluster-controller")):
+        service = compose["services"][name]
+        assert "--advertise-reply" not in service["command"]  # the environment decides
+        default = re.fullmatch(r"\$\{\w+:-([^}]*)\}", service["environment"]["KVLOOKUP_ADVERTISE_REPLY"]).group(1)
+        published = {p.rsplit(":", 1)[0] for p in service["ports"]}  # "127.0.0.1:9002" of "127.0.0.1:9002:9002"
+        assert default in published, (name, default, published)
+        assert compose["services"][controller]["extra_hosts"] == ["host.docker.internal:host-gateway"]
+    readme = (ROOT / "README.md").read_text()
+    assert "## Docker Compose" in readme and "KVLOOKUP_ADVERTISE_REPLY=sidecar:9002" in readme
