@@ -179,7 +179,8 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
             print("kvlookup: error: the controller did not come up (see its log above)", file=sys.stderr)
             return 1
         run_demo(f"localhost:{monitor_port}", None, http, "0.3", HashProfile())
-        print(f"\nController on {http}, LMCache PULL on localhost:{monitor_port}. Ctrl-C stops everything.")
+        print(f"\nController on {http} (the fleet dashboard: {http}/), LMCache PULL on localhost:{monitor_port}. "
+              "Ctrl-C stops everything.")
         return ctrl.wait()
     except KeyboardInterrupt:
         return 0
