@@ -39,7 +39,7 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
                     instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s,
                     cache_reads=settings.cache_reads(),
                     extra_chains=[VllmChains(redis_client, check_alive=settings.instance_ttl_s > 0)])
-    from app import control, errors, health, lookup, metrics_view, registry
+    from app import control, dashboard, errors, health, lookup, metrics_view, overview, registry, tokenizer
     from app.body import RequestBody
     from kvlookup.fleet import Fleet
     from kvlookup.lmcache_control import ControlClient
@@ -59,6 +59,10 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     app.register_blueprint(control.bp)
     app.register_blueprint(registry.bp)
     app.register_blueprint(metrics_view.bp)
+    app.register_blueprint(dashboard.bp)
+    app.register_blueprint(overview.bp)
+    if tokenizer.available():
+        app.register_blueprint(tokenizer.bp)
     routed = lookup.LookupRoute(app.wsgi_app, client, settings.lookup_response, settings.max_tokens)
     app.wsgi_app = RequestBody(routed, settings.max_body_bytes, settings.body_timeout_s)  # type: ignore[method-assign]
     return app

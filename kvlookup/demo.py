@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from kvlookup.hashing import HashProfile
 from kvlookup.lifetime import dies_with_parent
@@ -110,14 +114,31 @@ def run_demo(pull_url: str, reply_url: str | None, http: str, era: str, profile:
     for name, where in stored.items():
         print(f"  {name:<16} {len(prompts[name]):>5} tokens -> {where}")
     for name, tokens in prompts.items():
-        body = json.dumps({"tokens": tokens})
-        shown = body if len(tokens) <= 16 else json.dumps({"tokens": tokens[:6]})[:-2] + ", ...]}"
         print(f"\n# {name} ({len(tokens)} tokens)")
-        print(f"$ curl -X POST {http}/lookup -H \"Content-Type: application/json\" -d '{shown}'")
+        print(f"$ {curl_command(http, name, tokens)}")
         print(json.dumps(post_lookup(http, tokens), separators=(",", ":")))  # as curl shows it
     for w in (a, b):
         w.close()
     return 0
+
+
+#: Where the demo writes the bodies of its longer prompts, for the printed curl lines.
+BODY_DIR = Path(tempfile.gettempdir()) / "kvlookup-demo"
+
+
+def curl_command(http: str, name: str, tokens: list[int], inline_max: int = 16) -> str:
+    """A curl line that can be pasted as printed: the JSON body inline for short prompts
+    (``inline_max`` tokens or fewer), else written to ``BODY_DIR/<name>.json`` and sent with
+    ``-d @file``."""
+    body = json.dumps({"tokens": tokens})
+    if len(tokens) <= inline_max:
+        data = shlex.quote(body)
+    else:
+        BODY_DIR.mkdir(parents=True, exist_ok=True)
+        path = BODY_DIR / (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") + ".json")
+        path.write_text(body)
+        data = shlex.quote(f"@{path}")
+    return f"curl -X POST {http}/lookup -H 'Content-Type: application/json' -d {data}"
 
 
 def wait_http(http: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> bool:
@@ -158,7 +179,8 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
             print("kvlookup: error: the controller did not come up (see its log above)", file=sys.stderr)
             return 1
         run_demo(f"localhost:{monitor_port}", None, http, "0.3", HashProfile())
-        print(f"\nController on {http}, LMCache PULL on localhost:{monitor_port}. Ctrl-C stops everything.")
+        print(f"\nController on {http} (the fleet dashboard: {http}/), LMCache PULL on localhost:{monitor_port}. "
+              "Ctrl-C stops everything.")
         return ctrl.wait()
     except KeyboardInterrupt:
         return 0

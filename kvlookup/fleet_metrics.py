@@ -1,8 +1,12 @@
-"""Scrape-time gauges from the registry in Redis: live instances/workers, records per location.
+"""The controller's own metrics: lookups, and scrape-time gauges of the fleet.
 
-Computed when Prometheus scrapes (one pipelined pass over the index sets, no SCAN), so every
-controller replica and gunicorn worker reports the same fleet-wide values and nothing has
-to be kept in sync between processes.
+Lookups (``kvlookup_lookups_total``, ``kvlookup_lookup_seconds``,
+``kvlookup_lookup_matched_tokens``) are counted by the controller's /lookup; they live here,
+in a module only the app imports, so a standalone sidecar's ``/metrics`` does not show them.
+
+Live instances/workers and records per location are computed when Prometheus scrapes (one
+pipelined pass over the index sets, no SCAN), so every controller replica and gunicorn worker
+reports the same fleet-wide values and nothing has to be kept in sync between processes.
 """
 
 from __future__ import annotations
@@ -10,12 +14,24 @@ from __future__ import annotations
 import logging
 
 import redis
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvlookup.fleet import Fleet
 
 log = logging.getLogger(__name__)
+
+#: outcome: hit, miss, redis_error.
+LOOKUPS = Counter("kvlookup_lookups_total", "Lookups answered", ["outcome"])
+LOOKUP_SECONDS = Histogram(
+    "kvlookup_lookup_seconds", "Lookup latency inside the controller (hash + Redis walk)",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+LOOKUP_MATCHED_TOKENS = Histogram(
+    "kvlookup_lookup_matched_tokens", "Longest matched prefix per lookup (tokens)",
+    buckets=(0, 256, 1024, 4096, 16384, 65536, 262144),
+)
 
 
 class FleetCollector(Collector):

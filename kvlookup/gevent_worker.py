@@ -1,11 +1,18 @@
-"""gunicorn's gevent worker, patched without the ssl warning; :func:`patched` tells code that
-must wait cooperatively (control calls, body deadlines) whether it runs inside one.
+"""gunicorn's gevent worker, patched without the ssl warning, quitting once per Ctrl-C;
+:func:`patched` tells code that must wait cooperatively (control calls, body deadlines) whether
+it runs inside one.
 
 gunicorn patches the standard library in each worker after the fork, while the controller's
 master process has already imported ``ssl`` (through redis-py), so gevent warns on every
 start. Nothing SSL exists yet at that point (the master talks to an embedded Redis in plain
 TCP; clients, rediss:// ones included, are created per worker after patching), so the
 warning is noise and is filtered here; every other gevent warning still shows.
+
+Ctrl-C in a terminal sends SIGINT to the whole process group: each worker gets it from the
+terminal and then SIGQUIT from the master, which handles SIGINT by stopping its workers. gunicorn
+answers each quit signal with a greenlet that calls ``sys.exit(0)``; the second one fires while
+the worker is already exiting, and gevent prints its SystemExit as a traceback. The worker here
+quits on the first signal and ignores the ones after it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,15 @@ def patched() -> bool:
 
 class GeventWorker(_GunicornGeventWorker):
     """``worker_class = "kvlookup.gevent_worker.GeventWorker"``."""
+
+    quitting = False
+
+    def handle_quit(self, sig, frame) -> None:
+        """SIGINT/SIGQUIT: quit (gunicorn's quick exit) on the first, ignore any later one."""
+        if self.quitting:
+            return
+        self.quitting = True
+        super().handle_quit(sig, frame)
 
     def patch(self) -> None:
         with warnings.catch_warnings():

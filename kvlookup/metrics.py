@@ -1,18 +1,29 @@
-"""Prometheus metrics shared by the controller and the sidecars (one definition each)."""
+"""Prometheus metrics counted by the sidecars (and by the controller's control calls), one
+definition each, in prometheus-client's default registry.
+
+The lookup metrics (``LOOKUPS``, ``LOOKUP_SECONDS``, ``LOOKUP_MATCHED_TOKENS``) are the
+controller's alone: they are defined in kvlookup.fleet_metrics, which only the app imports, so
+a standalone sidecar's ``/metrics`` does not carry them at zero. They can still be reached as
+``metrics.LOOKUPS`` and so on (the name is resolved on first use).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from typing import Any
 
-LOOKUPS = Counter("kvlookup_lookups_total", "Lookups answered", ["outcome"])
-LOOKUP_SECONDS = Histogram(
-    "kvlookup_lookup_seconds", "Lookup latency inside the controller (hash + Redis walk)",
-    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
-)
-LOOKUP_MATCHED_TOKENS = Histogram(
-    "kvlookup_lookup_matched_tokens", "Longest matched prefix per lookup (tokens)",
-    buckets=(0, 256, 1024, 4096, 16384, 65536, 262144),
-)
+from prometheus_client import Counter
+
+#: Names resolved from kvlookup.fleet_metrics (controller-only metrics).
+CONTROLLER_ONLY = ("LOOKUPS", "LOOKUP_SECONDS", "LOOKUP_MATCHED_TOKENS")
+
+
+def __getattr__(name: str) -> Any:
+    if name in CONTROLLER_ONLY:
+        from kvlookup import fleet_metrics
+
+        return getattr(fleet_metrics, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 #: outcome: applied; unregistered (its worker is not registered: dropped, as LMCache 0.5 does);
 #: superseded (dropped unapplied: its worker re-registered, deregistered or began a full sync
 #: first); redis_error (dropped after repeated Redis errors).

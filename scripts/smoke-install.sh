@@ -3,7 +3,8 @@
 # Builds the wheel, installs it WITHOUT extras into a fresh venv outside the checkout, and from
 # another directory starts `kvlookup controller` (embedded Redis) and `kvlookup sidecar` on the
 # same fresh data dir at once, sends LMCache worker traffic (`kvlookup demo`), then checks
-# GET /health and a POST /lookup. Prints the timings; exit 0 when everything answered.
+# GET /health, a POST /lookup and the dashboard (GET /, its static files, GET /controller/overview;
+# POST /tokenize is absent without the demo extra). Prints the timings; exit 0 when everything answered.
 # Usage: scripts/smoke-install.sh. Needs python3 >= 3.11 ($PYTHON) and a package index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,14 +33,16 @@ pids+=($!)
 "$bin/kvlookup" sidecar --pull-url "127.0.0.1:$pull" --data-dir "$work/data" --log-level WARNING &
 pids+=($!)
 "$bin/python" - "$http" "$pull" "${pids[@]}" <<'EOF'
-import json, os, subprocess, sys, time, urllib.request
+import json, os, re, subprocess, sys, time, urllib.error, urllib.request
 
 http, pull, pids = f"http://127.0.0.1:{sys.argv[1]}", sys.argv[2], [int(p) for p in sys.argv[3:]]
 
-def get(path):
+def get(path, decode=json.loads):
     try:
         with urllib.request.urlopen(http + path, timeout=5) as resp:
-            return resp.status, json.loads(resp.read())
+            return resp.status, decode(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {}
     except OSError:
         return 0, {}
 
@@ -63,5 +66,26 @@ with urllib.request.urlopen(req, timeout=10) as resp:
 print(f"smoke: /lookup {json.dumps(answer)}")
 if answer.get("lmcache_default_instance") != ["LocalCPUBackend", 12]:
     sys.exit("smoke: /lookup did not find the seed prompt the demo stored")
+status, page = get("/", decode=lambda b: b.decode())
+files = re.findall(r'(?:src|href)="(static/[^"]+)"', page) if status == 200 else []
+if "<title>kvlookup fleet</title>" not in page or "static/dashboard.js" not in files:
+    sys.exit(f"smoke: GET / answered {status} without the dashboard page")
+for path in files:
+    status, body = get("/" + path, decode=bytes)
+    if status != 200 or not body:
+        sys.exit(f"smoke: GET /{path} answered {status}: the static files are not in the wheel")
+status, overview = get("/controller/overview")
+ids = [i["instance_id"] for i in overview.get("instances", [])]
+if status != 200 or "lmcache_default_instance" not in ids or overview["features"]["tokenize"]:
+    sys.exit(f"smoke: GET /controller/overview answered {status}: {json.dumps(overview)[:300]}")
+req = urllib.request.Request(http + "/tokenize", data=b'{"text": "hi"}', method="POST",
+                             headers={"Content-Type": "application/json"})
+try:
+    urllib.request.urlopen(req, timeout=5)
+    sys.exit("smoke: POST /tokenize answered without a tokenizer installed")
+except urllib.error.HTTPError as exc:
+    if exc.code != 404:
+        sys.exit(f"smoke: POST /tokenize answered {exc.code}, expected 404 without the demo extra")
+print(f"smoke: dashboard GET / and {len(files)} static files served; overview lists {ids}")
 EOF
 echo "smoke: ok in $((SECONDS - start)) s"

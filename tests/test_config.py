@@ -24,11 +24,11 @@ def test_layers_defaults_file_env_overrides(tmp_path):
 
 
 @pytest.mark.parametrize(("layer", "message"), [
-    ({"lookup_response": "xml"}, "lookup_response must be one of"),
-    ({"port": 0}, "port must be >= 1"),
-    ({"gunicorn_worker_class": "eventlet"}, r"gunicorn_worker_class must be one of \('gevent', 'gthread', 'sync'\)"),
+    ({"lookup_response": "xml"}, "lookup_response: 'xml' is not one of flat, layout_info"),
+    ({"port": 0}, r"port: 0 is not a TCP port \(1..65535\)"),
+    ({"gunicorn_worker_class": "eventlet"}, "gunicorn_worker_class: 'eventlet' is not one of gevent, gthread, sync"),
     ({"nope": 1}, "unknown setting 'nope'"),
-    ({"hash": {"chunk_size": -1}}, "chunk_size must be a positive integer"),
+    ({"hash": {"chunk_size": -1}}, "hash.chunk_size: -1 is not a positive integer"),
 ])
 def test_bad_settings_are_named(layer, message):
     with pytest.raises(ValueError, match=message):

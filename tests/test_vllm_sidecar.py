@@ -157,7 +157,7 @@ def test_settings_and_cli_flags(r):
     assert got == ("tcp://127.0.0.1:5557", "p", True, 2)
     with pytest.raises(ValueError, match="vllm_endpoint needs instance_id"):
         kvconfig.load(None, overrides={"vllm_endpoint": "tcp://127.0.0.1:5557"}, env={})
-    with pytest.raises(ValueError, match="vllm_bind must be true or false"):
+    with pytest.raises(ValueError, match="vllm_bind: 'maybe' is not true or false"):
         kvconfig.load(None, env={"KVLOOKUP_VLLM_BIND": "maybe"})
     args = build_parser().parse_args([
         "sidecar", "--vllm-endpoint", "tcp://h:5557", "--vllm-replay-endpoint", "tcp://h:5558",

@@ -1,0 +1,143 @@
+"""``GET /controller/overview``: the fleet at a glance, for the dashboard (``GET /``).
+
+One JSON document, read from the registry in Redis in a few pipelined round trips (no SCAN):
+instances with their workers, liveness and records per location (kvlookup.fleet), the
+sidecars' leases (``keys.sidecars_key``) and the index's size and memory (``DBSIZE`` and
+``INFO memory``, summed over every master on a Redis Cluster). A Redis error answers 503
+``{"error": "index unavailable: ..."}`` (app.errors).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flask import Blueprint, current_app, jsonify
+
+from kvlookup import keys
+from kvlookup.fleet import Fleet, WorkerInfo
+
+bp = Blueprint("overview", __name__)
+
+
+def _worker_row(fleet: Fleet, w: WorkerInfo, counts: dict[str, int], instance_alive: bool, now: float) -> dict:
+    """One worker: WorkerInfo's fields, epoch, live, last contact (unix s: registration, last
+    heartbeat or last answer to a health call, whichever is latest), records per location."""
+    return {
+        **w.lmcache(),
+        "epoch": w.epoch,
+        "live": fleet.worker_live(w, instance_alive, now),
+        "heartbeats": w.heartbeats,
+        "probed_at": w.probed_at or None,
+        "last_contact": max(w.registration_time, w.last_heartbeat_time, w.probed_at) or None,
+        "key_count": sum(counts.values()),
+        "locations": dict(sorted(counts.items())),
+    }
+
+
+def instances(fleet: Fleet, now: float) -> list[dict]:
+    """Every registered instance, sorted by id: ``{"instance_id", "kind", "live", "lease_s"
+    (seconds its liveness lease has left; None when liveness is off or it has none), "owner"
+    (sidecar id), "key_count", "locations": {location: records}, "workers": [...]}``.
+    ``key_count`` is what ``/controller/key-stats`` reports for the instance."""
+    workers = fleet.workers()
+    ids = sorted({w.instance_id for w in workers} | set(fleet.instance_ids()))
+    counts = fleet.key_counts(workers)
+    pipe = fleet.r.pipeline(transaction=False)
+    for inst in ids:
+        pipe.hget(keys.instance_key(inst), "kind")
+        pipe.hget(keys.owners_key(), inst)
+    facts = pipe.execute() if ids else []
+    leases = fleet.r.zmscore(keys.alive_key(), ids) if ids else []
+    alive = fleet.alive(ids, now)
+    rows: dict[str, dict[str, Any]] = {}
+    for i, inst in enumerate(ids):
+        lease = leases[i]
+        rows[inst] = {"instance_id": inst, "kind": facts[2 * i] or "lmcache", "live": alive[inst],
+                      "lease_s": None if lease is None or fleet.store.instance_ttl_ms <= 0
+                      else round(lease / 1000 - now, 1),
+                      "owner": facts[2 * i + 1], "key_count": 0, "locations": {}, "workers": []}
+    for w, c in zip(workers, counts, strict=True):
+        row = rows[w.instance_id]
+        row["workers"].append(_worker_row(fleet, w, c, alive[w.instance_id], now))
+        row["key_count"] += sum(c.values())
+        for loc, n in c.items():
+            row["locations"][loc] = row["locations"].get(loc, 0) + n
+    for row in rows.values():
+        row["locations"] = dict(sorted(row["locations"].items()))
+    return [rows[inst] for inst in ids]
+
+
+def sidecars(r, now: float) -> list[dict]:
+    """Every sidecar holding a lease: ``{"sidecar_id", "live", "lease_s", "owned_instances",
+    "host", "pid", "queued_ops", "lag_ms", "started_at", "updated_at"}`` (status fields as the
+    sidecar last published them; absent ones are None)."""
+    leases = r.zrange(keys.sidecars_key(), 0, -1, withscores=True)
+    if not leases:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for sid, _expiry in leases:
+        pipe.hgetall(keys.sidecar_status_key(sid))
+        pipe.scard(keys.sidecar_instances_key(sid))
+    got = pipe.execute()
+    out = []
+    for (sid, expiry), status, owned in zip(leases, got[0::2], got[1::2], strict=True):
+        row = {"sidecar_id": sid, "live": expiry >= now * 1000, "lease_s": round(expiry / 1000 - now, 1),
+               "owned_instances": owned}
+        for name in ("host", "pid", "queued_ops", "lag_ms", "started_at", "updated_at"):
+            row[name] = _number(status.get(name))
+        out.append(row)
+    return out
+
+
+def _number(v: str | None) -> Any:
+    if v is None:
+        return None
+    try:
+        return float(v) if "." in v else int(v)
+    except ValueError:
+        return v
+
+
+def index_size(r) -> dict:
+    """``{"keys": DBSIZE, "used_memory_bytes", "maxmemory_bytes" (0: no limit), "masters"}``,
+    summed over every master of a Redis Cluster (the replicas hold copies)."""
+    from redis.cluster import RedisCluster
+
+    if isinstance(r, RedisCluster):
+        infos = r.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        infos = [infos] if "used_memory" in infos else list(infos.values())
+        n_keys = r.dbsize(target_nodes=RedisCluster.PRIMARIES)
+    else:
+        infos, n_keys = [r.info("memory")], r.dbsize()
+    return {"keys": int(n_keys), "used_memory_bytes": sum(int(i.get("used_memory", 0)) for i in infos),
+            "maxmemory_bytes": sum(int(i.get("maxmemory", 0)) for i in infos), "masters": len(infos)}
+
+
+def overview(ext: dict, now: float | None = None) -> dict:
+    """The whole document (``ext``: the app's ``extensions["kvlookup"]``): ``{"generated_at",
+    "instances", "totals", "sidecars", "index", "settings", "features"}``. Raises
+    redis.RedisError when Redis cannot be read."""
+    now = time.time() if now is None else now
+    fleet, settings = ext["fleet"], ext["settings"]
+    rows = instances(fleet, now)
+    workers = [w for row in rows for w in row["workers"]]
+    totals = {"instances": len(rows), "live_instances": sum(1 for row in rows if row["live"]),
+              "workers": len(workers), "live_workers": sum(1 for w in workers if w["live"]),
+              "records": sum(row["key_count"] for row in rows)}
+    return {
+        "generated_at": round(now, 3),
+        "instances": rows,
+        "totals": totals,
+        "sidecars": sidecars(ext["redis"], now),
+        "index": index_size(ext["redis"]),
+        "settings": {"chunk_size": ext["client"].profile.chunk_size, "instance_ttl_s": settings.instance_ttl_s,
+                     "worker_ttl_s": settings.worker_ttl_s, "max_tokens": settings.max_tokens},
+        "features": {"tokenize": "tokenize" in current_app.blueprints},
+    }
+
+
+@bp.get("/controller/overview")
+def controller_overview():
+    """200 with :func:`overview`'s document; 503 ``{"error"}`` when Redis is unreadable."""
+    return jsonify(overview(current_app.extensions["kvlookup"]))
