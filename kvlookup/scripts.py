@@ -103,8 +103,8 @@ local old = redis.call('HMGET', KEYS[1], 'ip', 'port')
 if (old[1] or '') ~= ARGV[4] or (redis.call('HGET', KEYS[11], ARGV[2]) or '') ~= ARGV[5] then return -2 end
 local n = retire(KEYS[1], KEYS[4], ARGV[6], nil)
 redis.call('ZADD', KEYS[14], ARGV[6], ARGV[3] .. '\\t' .. cause)
-redis.call('ZREMRANGEBYSCORE', KEYS[14], '-inf', tonumber(ARGV[6]) - %(keep)d)
-redis.call('ZREMRANGEBYRANK', KEYS[14], 0, -1 - %(cap)d)
+redis.call('ZREMRANGEBYSCORE', KEYS[14], '-inf', tonumber(ARGV[6]) - KEEP_MS)
+redis.call('ZREMRANGEBYRANK', KEYS[14], 0, -1 - CAP)
 if old[1] then redis.call('SREM', KEYS[6], (old[2] or '') .. ':' .. ARGV[2]) end
 local rule = rule_of(KEYS[7], ARGV[2])
 redis.call('DEL', KEYS[1])
@@ -127,7 +127,7 @@ else
 end
 bump(KEYS[#KEYS])
 return n
-""" % {"keep": DEPARTURES_KEEP_MS, "cap": DEPARTURES_MAX}
+""".replace("KEEP_MS", str(DEPARTURES_KEEP_MS)).replace("CAP", str(DEPARTURES_MAX))
 
 _KNOWN = """
 if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 and redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
