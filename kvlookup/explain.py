@@ -413,7 +413,8 @@ class _State:
                 lines.append(f"{noun} {who} {'stores' if one else 'store'} {theirs}; this controller uses {ours}: "
                              f"set {v.setting}")
             else:
-                lines.append(f"{noun} {who} {'holds' if one else 'hold'} this prompt's first blocks (block size {v.label['block_size']}) "
+                lines.append(f"{noun} {who} {'holds' if one else 'hold'} this prompt's first blocks "
+                             f"(block size {v.label['block_size']}) "
                              f"under {v.setting}, not this request's namespace")
         for e in out["instances"]:
             who = f"instance {e['instance_id']}" + (f" rank {e['worker_id']}" if e["worker_id"] else "")
@@ -449,6 +450,8 @@ def _ok(results: list) -> list:
 def _pairs(flat) -> list[tuple]:
     if isinstance(flat, dict):
         return list(flat.items())
+    if flat and isinstance(flat[0], list):  # RESP3: [member, score] pairs
+        return [tuple(x) for x in flat]
     return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
 
