@@ -88,7 +88,8 @@ def test_instance_not_alive(r, store, explain):
     admit(store, "inst-a", H)
     r.zadd(keys.alive_key(), {"inst-a": T0})  # its lease ran out at T0
     out = explain()
-    why = "its liveness lease expired at 2026-11-29T23:21:04.987+00:00 (no sidecar renews it), so its chunks do not count"
+    why = ("its liveness lease expired at 2026-11-29T23:21:04.987+00:00 (no sidecar renews it), "
+           "so its chunks do not count")
     assert stop_of(out, "inst-a") == {"chunk": 0, "token_offset": 0, "chunk_hash": str(H[0]),
                                       "reason": "instance_not_alive", "at_ms": T0, "explanation": why}
     assert (out["diagnosis"], out["cause"]) == ([f"instance inst-a matched 0 of 600 tokens: {why}"], "dead_instance")
