@@ -10,8 +10,11 @@ import sys
 from kvlookup.hashing import HashProfile
 from tests.helpers import wait_for
 from tests.procs import ROOT
-from tests.test_lmcache_real import S600, fleet  # noqa: F401  (the fixture)
-from tests.test_lmcache_real import pytestmark  # noqa: F401
+from tests.test_lmcache_real import (  # noqa: F401  (the fixture)
+    S600,
+    fleet,
+    pytestmark,  # noqa: F401
+)
 
 H256 = HashProfile().chunk_hashes(S600)
 
