@@ -63,6 +63,9 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     app.register_blueprint(overview.bp)
     if tokenizer.available():
         app.register_blueprint(tokenizer.bp)
-    routed = lookup.LookupRoute(app.wsgi_app, client, settings.lookup_response, settings.max_tokens)
+    from kvlookup.explain import Explainer
+
+    explainer = Explainer(client, hash_seed=settings.hash.get("hash_seed"))
+    routed = lookup.LookupRoute(app.wsgi_app, client, settings.lookup_response, settings.max_tokens, explainer)
     app.wsgi_app = RequestBody(routed, settings.max_body_bytes, settings.body_timeout_s)  # type: ignore[method-assign]
     return app

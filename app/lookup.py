@@ -30,12 +30,13 @@ import msgspec
 import redis
 
 from app.errors import ApiError, decode_body, send_json
-from kvlookup import metrics
+from kvlookup import fleet_metrics, metrics
 from kvlookup.client import Client, InstanceMatch, TokenId, new_event_id
 
 log = logging.getLogger(__name__)
 
 PATH = "/lookup"
+EXPLAIN_PATH = "/lookup/explain"
 ALLOW = "OPTIONS, POST"
 FORMATS = ("flat", "layout_info")
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
@@ -76,15 +77,23 @@ class LookupRoute:
     OPTIONS answers the allowed methods; other methods get 405.
     """
 
-    def __init__(self, app: Callable, client: Client, default_format: str, max_tokens: int):
+    def __init__(self, app: Callable, client: Client, default_format: str, max_tokens: int, explainer=None):
         self.app = app
         self.client = client
         self.default_format = default_format
         self.max_tokens = max_tokens
+        self.explainer = explainer
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") != PATH:
+        path = environ.get("PATH_INFO")
+        if path != PATH:
+            if path == EXPLAIN_PATH and self.explainer is not None:
+                return self.serve(environ, start_response, self.explain)
             return self.app(environ, start_response)
+        return self.serve(environ, start_response, self.answer)
+
+    def serve(self, environ: dict, start_response: Callable, answer: Callable[[dict], dict]) -> Iterable[bytes]:
+        """Answer one request with ``answer(environ)``, errors in the API's JSON shape."""
         method = environ.get("REQUEST_METHOD")
         if method == "OPTIONS":
             start_response("200 OK", [("Allow", ALLOW), ("Content-Length", "0")])
@@ -93,15 +102,29 @@ class LookupRoute:
             if method != "POST":
                 return send_json(environ, start_response, 405,
                                  {"error": "The method is not allowed for the requested URL."}, [("Allow", ALLOW)])
-            return send_json(environ, start_response, 200, self.answer(environ))
+            return send_json(environ, start_response, 200, answer(environ))
         except ApiError as exc:
             return send_json(environ, start_response, exc.status, {"error": exc.message})
         except Exception as exc:  # the API never answers with an HTML page
-            log.exception("unhandled error in /lookup")
+            log.exception("unhandled error in %s", environ.get("PATH_INFO"))
             return send_json(environ, start_response, 500, {"error": f"internal error: {type(exc).__name__}"})
 
     def answer(self, environ: dict) -> dict:
         """The response body for one POST; raises ApiError (400, 413, 503)."""
+        return self._lookup(environ)[0]
+
+    def explain(self, environ: dict) -> dict:
+        """``POST /lookup/explain``: the same body, query and errors as /lookup; the answer is
+        :meth:`kvlookup.explain.Explainer.explain` of the /lookup answer."""
+        body, req = self._lookup(environ)
+        try:
+            out = self.explainer.explain(req.tokens, body, lora_name=req.lora_name, cache_salt=req.cache_salt)
+        except redis.RedisError as exc:
+            raise ApiError(503, f"index unavailable: {exc}") from None
+        fleet_metrics.EXPLAINED.labels(out["cause"]).inc()
+        return out
+
+    def _lookup(self, environ: dict) -> tuple[dict, LookupRequest]:
         query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
         fmt = query.get("format", [self.default_format])[0]
         if fmt not in FORMATS:
@@ -111,14 +134,19 @@ class LookupRoute:
             raise ApiError(400, "query parameter 'detail' must be 1/true/yes/on or 0/false/no/off")
         req = parse_request(environ["wsgi.input"].read(), self.max_tokens)
         start = time.perf_counter()
+        causes: list[str] = []
         try:
             matches = self.client.matches(req.tokens, validate=False, lora_name=req.lora_name,
-                                          cache_salt=req.cache_salt)
+                                          cache_salt=req.cache_salt, causes=causes)
         except redis.RedisError as exc:
             metrics.LOOKUPS.labels("redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None
         body = response_body(matches, fmt, detail_arg in TRUE)
         metrics.LOOKUPS.labels("hit" if matches else "miss").inc()
+        if matches:
+            fleet_metrics.OUTCOMES.labels("hit", "hit").inc()
+        else:
+            fleet_metrics.OUTCOMES.labels("miss", causes[0] or "unclassified").inc()
         metrics.LOOKUP_SECONDS.observe(time.perf_counter() - start)
         metrics.LOOKUP_MATCHED_TOKENS.observe(matches[0].matched_prefix_length if matches else 0)
-        return body
+        return body, req

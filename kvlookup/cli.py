@@ -1,4 +1,4 @@
-"""``kvlookup`` command line: controller, sidecar, reap, redis, redis-cli, hash, demo, quickstart, bench."""
+"""``kvlookup`` command line: controller, sidecar, reap, redis, redis-cli, hash, explain, demo, quickstart, bench."""
 
 from __future__ import annotations
 
@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--monitor-port", type=int, default=9001, help="LMCache controller_pull_url port (9001)")
     q.add_argument("--data-dir", help="embedded Redis data dir (default ~/.local/share/kvlookup)")
     q.set_defaults(func=cmd_quickstart)
+    from kvlookup import explain_cli
+
+    explain_cli.add_parser(sub)
     _add_bench(sub)
     return parser
 

@@ -191,19 +191,23 @@ class Client:
         return chains
 
     def matches(self, tokens: Sequence[int], *, validate: bool = True, lora_name: str | None = None,
-                cache_salt: str | None = None) -> list[InstanceMatch]:
+                cache_salt: str | None = None, causes: list[str] | None = None) -> list[InstanceMatch]:
         """Every instance holding a prefix of ``tokens``, longest first.
 
         validate: check tokens first (see :func:`validate_tokens`); callers that already
         validated (the HTTP layer) pass False. lora_name / cache_salt: the request's LoRA
         adapter and vLLM cache salt; vLLM blocks match only within the same namespace
-        (LMCache chunks are looked up as before).
+        (LMCache chunks are looked up as before). causes: a list that gets the miss cause the
+        walk knew for free appended (kvlookup.records.Matches.miss; '' on a hit or unknown).
         """
         if validate:
             validate_tokens(tokens, self.max_tokens)
         namespace = {k: v for k, v in (("lora_name", lora_name), ("cache_salt", cache_salt)) if v}
         chains = self.chains(tokens, **namespace)
-        return merge_matches(self.store.lookup(chains, now_ms=int(time.time() * 1000)))
+        found = self.store.lookup(chains, now_ms=int(time.time() * 1000))
+        if causes is not None:
+            causes.append(found.miss)
+        return merge_matches(found)
 
     def lookup(self, tokens: list[int]) -> tuple[str, dict[str, tuple[str, int]]]:
         """LMCache's ``lookup(tokens) -> (event_id, layout_info)``.

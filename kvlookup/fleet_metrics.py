@@ -24,6 +24,13 @@ log = logging.getLogger(__name__)
 
 #: outcome: hit, miss, redis_error.
 LOOKUPS = Counter("kvlookup_lookups_total", "Lookups answered", ["outcome"])
+#: Every /lookup by outcome and the miss cause its walk knew at no extra read (kvlookup.walk):
+#: (hit, hit); (miss, no_holder | dead_instance | ranks | short_prompt | unclassified).
+#: ``unclassified``: the walk ran in Lua (lookup_cache: off on one Redis), which does not say.
+OUTCOMES = Counter("kvlookup_lookup_outcomes_total", "Lookups by outcome and miss cause", ["outcome", "cause"])
+#: Every /lookup/explain by the cause it found (kvlookup.explain._cause): hit,
+#: profile_mismatch_suspected, namespace, ranks, dead_instance, evicted, short_prompt, no_holder.
+EXPLAINED = Counter("kvlookup_explained_lookups_total", "Explained lookups by the cause found", ["cause"])
 LOOKUP_SECONDS = Histogram(
     "kvlookup_lookup_seconds", "Lookup latency inside the controller (hash + Redis walk)",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),

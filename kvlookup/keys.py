@@ -87,6 +87,19 @@ def holder_chunks_key(holder_id: int | str, bucket: int) -> str:
     return f"{PREFIX}holder:{holder_id}:chunks:{bucket}"
 
 
+#: Evictions each holder's log keeps (the newest), and how long a log lives after its last
+#: eviction (ms): explain tells "evicted at T" from "never stored" with them.
+EVICTED_MAX = 1024
+EVICTED_TTL_MS = 3_600_000
+
+
+def holder_evicted_key(holder_id: int | str) -> str:
+    """Sorted set of a holder's recent evictions: member chunk hash (text), score evict time (unix
+    ms); the newest :data:`EVICTED_MAX`, expiring :data:`EVICTED_TTL_MS` after the last one.
+    Deleted with the holder (purge)."""
+    return f"{PREFIX}holder:{holder_id}:evicted"
+
+
 @functools.lru_cache(maxsize=256)
 def holder_bucket_keys(holder_id: int | str) -> tuple[str, ...]:
     """Every reverse-index bucket key of a holder, by bucket (``holder_chunks_key`` for each)."""
@@ -128,6 +141,18 @@ def records_key() -> str:
 def dead_holders_key() -> str:
     """Sorted set of retired holder ids (score: retire time, unix ms) whose records wait for purge."""
     return REGISTRY + "dead"
+
+
+#: Departures the registry remembers (the newest), and for how long (ms).
+DEPARTURES_MAX = 1024
+DEPARTURES_KEEP_MS = 3_600_000
+
+
+def departures_key() -> str:
+    """Sorted set ``<worker member>\t<deregistered|reaped>`` -> time (unix ms) of each worker that
+    left, the newest :data:`DEPARTURES_MAX` of the last :data:`DEPARTURES_KEEP_MS` (explain names
+    a gone holder of a prompt's chunks with it)."""
+    return REGISTRY + "departures"
 
 
 def purge_key() -> str:

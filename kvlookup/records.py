@@ -44,6 +44,20 @@ class Match:
     locations: dict[str, int] = field(default_factory=dict)
 
 
+class Matches(list):
+    """A lookup's :class:`Match` list, with ``miss``: why it matched nothing, when the walk knew
+    at no extra cost (kvlookup.walk.ChainWalk.miss; ``short_prompt`` when no chain had a chunk);
+    '' when it matched or the walk ran in Lua (which does not say)."""
+
+    miss: str = ""
+
+    @classmethod
+    def of(cls, matches: list[Match], miss: str = "") -> Matches:
+        out = cls(matches)
+        out.miss = "" if matches else miss
+        return out
+
+
 @dataclass(frozen=True)
 class Chain:
     """A prompt's chunk hashes in one hash space.
@@ -107,7 +121,7 @@ class Records(Protocol):
         False when the holder was retired (nothing written for it that counts; the caller
         resolves the current holder and writes again)."""
 
-    def lookup(self, chains: Sequence[Chain], live: Liveness) -> list[Match]:
+    def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         """Every group's match over ``chains`` (non-empty), in no particular order."""
 
     def purge_step(self, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
@@ -233,9 +247,10 @@ class SingleNodeRecords:
             for i in range(0, max(len(ops), 1), MAX_OPS_PER_CALL):
                 part = ops[i:i + MAX_OPS_PER_CALL]
                 n_admits = max(0, min(len(w.admits) - i, len(part)))
-                cmds.append(("EVALSHA", self._apply, 3 + 2 * len(part), *head, *[prefix + h for h in part],
+                cmds.append(("EVALSHA", self._apply, 4 + 2 * len(part), *head, *[prefix + h for h in part],
                              *[buckets[b if (b := tails.get(h[-4:])) is not None else bucket(h)] for h in part],
-                             w.holder_id, score, n_admits, *part))
+                             keys.holder_evicted_key(w.holder_id), w.holder_id, score, n_admits, *part,
+                             keys.EVICTED_MAX, keys.EVICTED_TTL_MS))
                 n += 1
             calls.append(n)
         results = iter(raise_errors(self.io.execute(cmds)))
@@ -253,7 +268,7 @@ class SingleNodeRecords:
             args += [len(chain.hashes), chain.chunk_size, chain.n_tokens]
         registry = walk_registry_keys()
         cmd = ("EVALSHA", self._lookup, len(registry) + len(chunk_keys), *registry, *chunk_keys, *args)
-        return parse_matches(raise_errors(self.io.execute([cmd]))[0])
+        return Matches.of(parse_matches(raise_errors(self.io.execute([cmd]))[0]))
 
     def purge_step(self, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
         return purge_step(self.io.execute, holder_id, space, bucket, budget)

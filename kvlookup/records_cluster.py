@@ -38,11 +38,13 @@ class ClusterRecords:
         first: list[tuple] = [cmd for w in writes for cmd in (("HEXISTS", keys.holders_key(), w.holder_id),
                                                               ("ZSCORE", keys.dead_holders_key(), w.holder_id))]
         admit_adds: list[tuple[int, int]] = []  # (write index, command index) of bucket SADDs
+        evict_at: list[int] = []  # per write, the command index of its first ZREM
         for wi, w in enumerate(writes):
             prefix = keys.chunk_prefix(w.space)
             for bucket_key, members in _by_bucket(w.holder_id, w.admits).items():
                 admit_adds.append((wi, len(first)))
                 first.append(("SADD", bucket_key, *members))
+            evict_at.append(len(first))
             first += [("ZREM", prefix + h, w.holder_id) for h in w.evicts]
         res = self.io.execute(first)
         live = [res[2 * i] == 1 and res[2 * i + 1] is None for i in range(len(writes))]
@@ -56,6 +58,7 @@ class ClusterRecords:
             for bucket_key, members in _by_bucket(w.holder_id, w.evicts).items():
                 evict_rems.append((wi, len(second)))
                 second.append(("SREM", bucket_key, *members))
+            second += _log_evictions(w, res[evict_at[wi]:evict_at[wi] + len(w.evicts)], score)
         res2 = self.io.execute(second) if second else []
         delta: dict[str, int] = defaultdict(int)
         for wi, ci in admit_adds:
@@ -83,6 +86,16 @@ def _by_bucket(holder_id: str, hashes: Sequence[str]) -> dict[str, list[str]]:
     for h in hashes:
         out[keys.holder_chunks_key(holder_id, keys.chunk_bucket(h))].append(h)
     return out
+
+
+def _log_evictions(w: HolderWrite, removed: Sequence, score: int) -> list[tuple]:
+    """The commands that log the evicts which removed a record (as APPLY_OPS does)."""
+    gone = [h for h, n in zip(w.evicts, removed, strict=True) if n == 1]
+    if not gone:
+        return []
+    log = keys.holder_evicted_key(w.holder_id)
+    return [("ZADD", log, *[x for h in gone for x in (score, h)]),
+            ("ZREMRANGEBYRANK", log, 0, -1 - keys.EVICTED_MAX), ("PEXPIRE", log, keys.EVICTED_TTL_MS)]
 
 
 def _count(reply) -> int:

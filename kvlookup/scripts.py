@@ -23,6 +23,8 @@ Scripts are registered once per client (redis-py ``register_script``, EVALSHA).
 
 from __future__ import annotations
 
+from kvlookup.keys import DEPARTURES_KEEP_MS, DEPARTURES_MAX
+
 #: Codes shared by the registry scripts.
 NOT_REGISTERED = -1
 RETRY = -2
@@ -91,14 +93,18 @@ return epoch
 # KEYS[1] worker hash, KEYS[2] workers set, KEYS[3] instances set, KEYS[4] dead holders,
 # KEYS[5] instance hash, KEYS[6] ip index set of the ip the caller saw, KEYS[7] rules,
 # KEYS[8] heartbeats, KEYS[9] block sizes, KEYS[10] suspects, KEYS[11] owners, KEYS[12] the
-# set of the owner the caller saw (any registry key when none), KEYS[13] alive, KEYS[14] registry
-# version
+# set of the owner the caller saw (any registry key when none), KEYS[13] alive, KEYS[14]
+# departures, KEYS[15] registry version
 # ARGV[1] worker_id, ARGV[2] instance_id, ARGV[3] worker member, ARGV[4] ip the caller saw,
 # ARGV[5] owner the caller saw ('' when none), ARGV[6] now (unix ms)
+# The departure is logged in KEYS[14] as ``<member>\t<cause>`` (the script sets ``cause``).
 _DEREGISTER_BODY = """
 local old = redis.call('HMGET', KEYS[1], 'ip', 'port')
 if (old[1] or '') ~= ARGV[4] or (redis.call('HGET', KEYS[11], ARGV[2]) or '') ~= ARGV[5] then return -2 end
 local n = retire(KEYS[1], KEYS[4], ARGV[6], nil)
+redis.call('ZADD', KEYS[14], ARGV[6], ARGV[3] .. '\\t' .. cause)
+redis.call('ZREMRANGEBYSCORE', KEYS[14], '-inf', tonumber(ARGV[6]) - KEEP_MS)
+redis.call('ZREMRANGEBYRANK', KEYS[14], 0, -1 - CAP)
 if old[1] then redis.call('SREM', KEYS[6], (old[2] or '') .. ':' .. ARGV[2]) end
 local rule = rule_of(KEYS[7], ARGV[2])
 redis.call('DEL', KEYS[1])
@@ -121,7 +127,7 @@ else
 end
 bump(KEYS[#KEYS])
 return n
-"""
+""".replace("KEEP_MS", str(DEPARTURES_KEEP_MS)).replace("CAP", str(DEPARTURES_MAX))
 
 _KNOWN = """
 if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 and redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
@@ -130,7 +136,7 @@ if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 and redis.call('EXISTS', KEYS[
 #: Deregister a worker: retire its holders, drop it from the registry; drop the instance
 #: (and its ownership and lease) when it was the last worker. Other instances are never touched.
 #: KEYS and ARGV: see _DEREGISTER_BODY. Returns holders retired, NOT_REGISTERED or RETRY.
-DEREGISTER = _RETIRE + _KNOWN + _DEREGISTER_BODY
+DEREGISTER = _RETIRE + _KNOWN + "local cause = 'deregistered'\n" + _DEREGISTER_BODY
 
 #: Reap a worker, atomically: deregister it (as DEREGISTER) only on evidence that it is gone:
 #: its instance's liveness lease expired (its sidecar stopped; when ARGV[8] is '1'), it sent
@@ -153,6 +159,7 @@ if not silent then
   silent = d and tonumber(d) <= now
 end
 if not silent then return -3 end
+local cause = 'reaped'
 """ + _DEREGISTER_BODY
 
 #: Retire the holder of one (worker, location): its records stop counting (full sync start,
@@ -367,26 +374,35 @@ return out
 #: each chunk's last op (sets and sorted sets only keep the final state), so the ops are
 #: admits then evicts, each a chunk key, its reverse-index bucket key and its hash text.
 #: KEYS[1] holders, KEYS[2] dead, KEYS[3] records, KEYS[4..3+n] chunk keys, KEYS[4+n..3+2n]
-#: the matching reverse-index bucket keys
+#: the matching reverse-index bucket keys, KEYS[4+2n] the holder's eviction log
 #: ARGV[1] holder id, ARGV[2] score (admit time, unix ms), ARGV[3] number of admits,
-#: ARGV[4..3+n] chunk hashes (reverse-index members), in KEYS order.
+#: ARGV[4..3+n] chunk hashes (reverse-index members), in KEYS order; ARGV[4+n] evictions the log
+#: keeps, ARGV[5+n] its lifetime (ms) after the last eviction.
+#: An evict that removed a record logs (hash, score) in the eviction log (kvlookup.explain).
 #: Returns 1, or -1 when the holder was retired (the caller resolves the current holder and
 #: applies again).
 APPLY_OPS = """
 local hid, score, na = ARGV[1], ARGV[2], tonumber(ARGV[3])
 if redis.call('HEXISTS', KEYS[1], hid) == 0 or redis.call('ZSCORE', KEYS[2], hid) then return -1 end
-local n = (#KEYS - 3) / 2
-local delta = 0
+local n = (#KEYS - 4) / 2
+local delta, logged = 0, 0
 for i = 1, n do
   if i <= na then
     redis.call('ZADD', KEYS[3 + i], score, hid)
     delta = delta + redis.call('SADD', KEYS[3 + n + i], ARGV[3 + i])
   else
-    redis.call('ZREM', KEYS[3 + i], hid)
+    if redis.call('ZREM', KEYS[3 + i], hid) == 1 then
+      redis.call('ZADD', KEYS[4 + 2 * n], score, ARGV[3 + i])
+      logged = logged + 1
+    end
     delta = delta - redis.call('SREM', KEYS[3 + n + i], ARGV[3 + i])
   end
 end
 if delta ~= 0 then redis.call('HINCRBY', KEYS[3], hid, delta) end
+if logged > 0 then
+  redis.call('ZREMRANGEBYRANK', KEYS[4 + 2 * n], 0, -1 - tonumber(ARGV[4 + n]))
+  redis.call('PEXPIRE', KEYS[4 + 2 * n], ARGV[5 + n])
+end
 return 1
 """
 

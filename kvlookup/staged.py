@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from kvlookup import keys
 from kvlookup.keys import SEP
-from kvlookup.records import Chain, Liveness, Match, walk_registry_keys
+from kvlookup.records import Chain, Liveness, Match, Matches, walk_registry_keys
 from kvlookup.walk import ChainWalk, Holder
 
 #: Chunks of each chain read in a lookup's first round; later rounds read 8x the previous.
@@ -86,7 +86,7 @@ class StagedLookup:
         self.unfed: list[list] = [[] for _ in chains]  # member lists read, not walked yet
         self.stage = [FIRST_STAGE] * len(chains)
 
-    def run(self) -> list[Match]:
+    def run(self) -> Matches:
         new_hids: list[str] = []
         first = True
         cache = self.cache
@@ -113,7 +113,9 @@ class StagedLookup:
             new_hids = self._take(reads, res)
             if not new_hids:
                 self._feed()
-        return [Match(inst, wid, end, locs) for w in self.walks for inst, wid, end, locs in w.matches()]
+        found = [Match(inst, wid, end, locs) for w in self.walks for inst, wid, end, locs in w.matches()]
+        causes = [w.miss for w in self.walks if w.miss]
+        return Matches.of(found, next((c for c in causes if c != "no_holder"), causes[0] if causes else ""))
 
     def _may_extend(self, ci: int) -> bool:
         walk, unfed = self.walks[ci], self.unfed[ci]

@@ -23,7 +23,7 @@ from redis.cluster import RedisCluster
 
 from kvlookup import keys, scripts
 from kvlookup.failover import Journal
-from kvlookup.records import Chain, HolderWrite, Liveness, Match, Records, SingleNodeRecords
+from kvlookup.records import Chain, HolderWrite, Liveness, Match, Matches, Records, SingleNodeRecords
 
 __all__ = ["ADMIT", "EVICT", "Chain", "Match", "NotRegistered", "Store", "fold_ops"]
 
@@ -153,7 +153,8 @@ class Store:
                 keys=[wk, keys.instance_workers_key(instance_id), keys.instances_key(), keys.dead_holders_key(),
                       keys.instance_key(instance_id), keys.ip_index_key(old_ip or ""), keys.rules_key(),
                       keys.heartbeats_key(), keys.block_sizes_key(), keys.suspects_key(), keys.owners_key(),
-                      keys.sidecar_instances_key(owner or ""), keys.alive_key(), keys.registry_version_key()],
+                      keys.sidecar_instances_key(owner or ""), keys.alive_key(), keys.departures_key(),
+                      keys.registry_version_key()],
                 args=[wid, instance_id, keys.worker_member(instance_id, wid), old_ip or "", owner or "",
                       int(time.time() * 1000) if now_ms is None else now_ms, *extra],
             ))
@@ -396,6 +397,7 @@ class Store:
                 self._scripts["FORGET_HOLDER"](
                     keys=[keys.holders_key(), keys.dead_holders_key(), keys.records_key(), keys.purge_key()],
                     args=[hid])
+                self.r.delete(keys.holder_evicted_key(hid))
             else:
                 self.r.hset(keys.purge_key(), hid, bucket)
         return removed
@@ -407,14 +409,15 @@ class Store:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         return Liveness(now_ms, self.worker_ttl_ms, self.instance_ttl_ms > 0)
 
-    def lookup(self, chains: Sequence[Chain], now_ms: int | None = None) -> list[Match]:
-        """Walk the chains and return every match, in no particular order.
+    def lookup(self, chains: Sequence[Chain], now_ms: int | None = None) -> Matches:
+        """Walk the chains and return every match, in no particular order (``.miss``: see
+        :class:`kvlookup.records.Matches`).
 
         chains: one :class:`Chain` per hash space (LMCache profile, each vLLM block size).
         """
         chains = [c for c in chains if c.hashes]
         if not chains:
-            return []
+            return Matches.of([], "short_prompt")
         return self.records.lookup(chains, self.liveness(now_ms))
 
 

@@ -51,9 +51,15 @@ class ChainWalk:
 
     chunk_size, n_tokens: as :class:`kvlookup.store.Chain` (chunk i ends at
     ``min((i + 1) * chunk_size, n_tokens)``).
+
+    ``miss`` names why chunk 0 extended no group (for the miss counter; '' otherwise):
+    ``no_holder`` (no record), ``dead_instance`` (records of holders that do not count: retired,
+    lease expired, heartbeat stale), ``ranks`` (held by only some of an instance's TP ranks).
+    report: also keep, per group, the ranks that held the chunk where it stopped short of its
+    need (:meth:`stops`; kvlookup.explain), which costs a dict write per such chunk.
     """
 
-    def __init__(self, chunk_size: int, n_tokens: int):
+    def __init__(self, chunk_size: int, n_tokens: int, report: bool = False):
         self.size = chunk_size
         self.last = n_tokens
         self.groups: dict[str, _Group] = {}
@@ -62,6 +68,8 @@ class ChainWalk:
         self.prev_members: Sequence[str] | None = None
         self.extended: list[tuple[_Group, set[str]]] = []
         self.done = False
+        self.miss = ""
+        self.short: dict[str, set[str]] | None = {} if report else None
 
     def feed(self, member_lists: Sequence[Sequence[str]], holders: Mapping[str, Holder | None]) -> bool:
         """Walk the next chunks (their holder ids); False once no group can extend any more.
@@ -76,6 +84,8 @@ class ChainWalk:
                 self._settle()
                 self.extended = self._extend(members, holders)
                 self.done = not self.extended
+                if self.done and self.i == 0:
+                    self.miss = self._miss_cause(members, holders)
                 self.prev_members = members
             self.i += 1
         return not self.done
@@ -108,7 +118,26 @@ class ChainWalk:
                 entry = seen[h.group] = (g, set(), set())
             entry[1].add(h.rank)
             entry[2].add(h.location)
+        if self.short is not None:
+            for key, (g, ranks, _locs) in seen.items():
+                if len(ranks) < g.need:
+                    self.short[key] = ranks
         return [(g, locations) for g, ranks, locations in seen.values() if len(ranks) >= g.need]
+
+    @staticmethod
+    def _miss_cause(members: Sequence[str], holders: Mapping[str, Holder | None]) -> str:
+        if not members:
+            return "no_holder"
+        return "ranks" if any(holders.get(hid) is not None for hid in members) else "dead_instance"
+
+    def stops(self) -> dict[str, tuple[str, str, int, int, set[str] | None]]:
+        """Per group (its key: instance, or instance and rank): (instance_id, worker_id, chunks
+        matched, tokens matched, ranks that held the next chunk when too few did, else None).
+        The walk stopped each group at chunk index ``chunks matched``. Needs ``report``."""
+        if not self.done:
+            self._settle()
+        short = self.short or {}
+        return {key: (g.instance_id, g.worker_id, g.upto, g.end, short.get(key)) for key, g in self.groups.items()}
 
     def matches(self) -> list[tuple[str, str, int, dict[str, int]]]:
         """(instance_id, worker_id, matched end, tokens per location) of every group matched."""

@@ -248,7 +248,10 @@
     const ok = Boolean(r && r.status === 200);
     if (r && (r.status === 404 || r.status === 405)) state.explain = false; // not served here: stop asking
     $("explain-panel").hidden = !ok;
-    if (ok) $("explain").textContent = typeof r.data === "string" ? r.data : JSON.stringify(r.data, null, 2);
+    if (!ok) return;
+    const d = r.data;
+    const lines = d && Array.isArray(d.diagnosis) ? d.diagnosis.map((s) => `- ${s}`).join("\n") + "\n\n" : "";
+    $("explain").textContent = typeof d === "string" ? d : lines + JSON.stringify(d, null, 2); // diagnosis first
   }
 
   async function lookup(ev) {
