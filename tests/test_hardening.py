@@ -33,7 +33,7 @@ def test_huge_batches_run_in_bounded_slices(store, r, monkeypatch):
     real = store.records.io.execute
 
     def spy(commands):
-        calls.extend((len(c) - 9) // 3 for c in commands)  # EVALSHA sha n, 3 keys, 3 args, then 3 per op
+        calls.extend((len(c) - 12) // 3 for c in commands)  # EVALSHA sha n, 4 keys, 5 args, then 3 per op
         return real(commands)
 
     monkeypatch.setattr(store.records.io, "execute", spy)
