@@ -13,12 +13,18 @@ terminal and then SIGQUIT from the master, which handles SIGINT by stopping its 
 answers each quit signal with a greenlet that calls ``sys.exit(0)``; the second one fires while
 the worker is already exiting, and gevent prints its SystemExit as a traceback. The worker here
 quits on the first signal and ignores the ones after it.
+
+A lookup answered from the controller's cached reads (kvlookup.tracking) does no I/O, so its
+greenlet never yields: on a busy keep-alive connection it would go on serving its own requests
+while the others wait (measured with wrk, 12-token prompts, c=4: p99 450-700 ms, p50 0.8 ms).
+The worker yields after every request, so connections take turns (p99 2-3 ms).
 """
 
 from __future__ import annotations
 
 import warnings
 
+import gevent
 from gevent import monkey
 from gevent.monkey import MonkeyPatchWarning
 from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
@@ -41,6 +47,13 @@ class GeventWorker(_GunicornGeventWorker):
             return
         self.quitting = True
         super().handle_quit(sig, frame)
+
+    def handle_request(self, *args, **kwargs):
+        """gunicorn's, then a turn for every other greenlet (see the module docstring)."""
+        try:
+            return super().handle_request(*args, **kwargs)
+        finally:
+            gevent.sleep(0)
 
     def patch(self) -> None:
         with warnings.catch_warnings():
