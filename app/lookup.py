@@ -39,6 +39,7 @@ PATH = "/lookup"
 EXPLAIN_PATH = "/lookup/explain"
 ALLOW = "OPTIONS, POST"
 FORMATS = ("flat", "layout_info")
+REQUEST_KEY = "kvlookup.request"
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -133,6 +134,8 @@ class LookupRoute:
         if detail_arg not in TRUE + FALSE:
             raise ApiError(400, "query parameter 'detail' must be 1/true/yes/on or 0/false/no/off")
         req = parse_request(environ["wsgi.input"].read(), self.max_tokens)
+        # freed with the environ, once the answer is sent: a 32k-token list takes ~0.3 ms to free
+        environ[REQUEST_KEY] = req
         start = time.perf_counter()
         causes: list[str] = []
         try:
