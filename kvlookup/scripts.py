@@ -32,8 +32,9 @@ LIVE = -3
 
 # Retire a worker's holders (all locations, or one field): marked dead at once (lookups skip
 # them, scored by retire time) and purged later in bounded steps. bump() moves the registry
-# version (keys.registry_version_key) to ``<run_id of this master>:<n + 1>``: values never repeat,
-# even across a failover that lost the last bumps, so a reader that kept answers for one
+# version (keys.registry_version_key) to ``<run_id of this master>:<n + 1>`` (n starts at the
+# server's time in microseconds when the key is missing): values never repeat, even across a
+# failover that lost the last bumps or a FLUSHALL that restarts holder ids, so a reader that kept answers for one
 # version can trust them while it reads the same value.
 _RETIRE = """
 local function retire(worker_key, dead_key, now, only_field)
@@ -51,8 +52,13 @@ local function retire(worker_key, dead_key, now, only_field)
 end
 local function bump(version_key)
   local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
-  local n = tonumber(string.match(redis.call('GET', version_key) or '', ':(%d+)$') or '0') + 1
-  redis.call('SET', version_key, run .. ':' .. n)
+  local old = redis.call('GET', version_key)
+  local n = tonumber(old and string.match(old, ':(%d+)$') or '0') + 1
+  if not old then  -- a new or flushed index: a sequence of its own (server time, microseconds)
+    local t = redis.call('TIME')
+    n = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  end
+  redis.call('SET', version_key, run .. ':' .. string.format('%d', n))
 end
 local function rule_of(rules_key, inst)
   local v = redis.call('HGET', rules_key, inst)

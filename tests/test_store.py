@@ -261,3 +261,20 @@ def test_a_chunk_key_has_one_identity_whatever_its_wire_type(store, r, client):
     store.apply([("a", 0, CPU, [(EVICT, str(SEED_HASH)), (ADMIT, SEED_HASH)])])
     assert layout(client, SEED_TOKENS) == {"a": (CPU, 12)}
     assert r.hgetall(keys.records_key()) == {"1": "1"}
+
+
+def test_a_flushed_index_reuses_holder_ids_and_no_kept_answer_survives(store, client, r, cluster):
+    """FLUSHALL restarts holder ids at 1; the registry version must not restart with them, or a
+    controller's kept RESOLVE answers (cluster) and cached reads would name the old holder."""
+    store.register_worker("before", 0)
+    admit(store, "before", [SEED_HASH])
+    assert layout(client, SEED_TOKENS) == {"before": (CPU, 12)}
+    version = r.get(keys.registry_version_key())
+    for node in (r.get_primaries() if cluster else [None]):
+        (node.redis_connection if node else r).flushall()
+    store._holders.clear()  # the writer's own holder-id cache (a sidecar restarts with the flush)
+    store.register_worker("after", 0)
+    admit(store, "after", [SEED_HASH])
+    assert r.hget(keys.holders_key(), "1") is not None  # the same holder id again
+    assert r.get(keys.registry_version_key()) != version
+    assert layout(client, SEED_TOKENS) == {"after": (CPU, 12)}
