@@ -244,8 +244,9 @@ def markdown(res: dict, images: list[str], results_path: Path) -> str:
     if sw:
         lines += ["## Lookup latency sweeps", "",
                   f"Synthetic prompts held in full by every instance (the walk visits every chunk: worst case). "
-                  f"In-process `Client.matches` and HTTP at concurrency 1 (gunicorn {sw['gunicorn']}), "
-                  f"{sw['seconds_per_point']} s per point each.", ""]
+                  f"In-process `Client.matches` (cached reads, as the controller by default: `lookup_cache: on`, so "
+                  f"a repeated prompt's chunk sets are read from the process's coherent copies) and HTTP at "
+                  f"concurrency 1 (gunicorn {sw['gunicorn']}), {sw['seconds_per_point']} s per point each.", ""]
         for key, xk in (("prompt_length", "tokens"), ("instances", "instances"), ("index_size", "records")):
             rows = sw.get(key) or []
             lines += [f"### by {xk}", "",

@@ -47,7 +47,8 @@ def _make_handler(stage: str, redis_url: str):
     from kvlookup.client import Client, VllmChains
 
     r = connect(redis_url)
-    client = Client(redis=r, extra_chains=[VllmChains(r)], instance_ttl_s=0)
+    # read as the controller does by default (lookup_cache: on)
+    client = Client(redis=r, extra_chains=[VllmChains(r)], instance_ttl_s=0, cache_reads=True)
     upto = STAGES.index(stage)
 
     def handle(body: bytes):

@@ -87,7 +87,7 @@ def run(lengths=(1024, 4096, 16384, 32768, 65536, 131072), instance_counts=(1, 4
         r = connect(url)
         store = Store(r, instance_ttl_s=0)
         http = procs.start_controller(url, gunicorn)
-        client = Client(redis=r, instance_ttl_s=0)
+        client = Client(redis=r, instance_ttl_s=0, cache_reads=True)  # as the controller (lookup_cache: on)
         point = Point(procs, client, http, seconds)
 
         longest = prompt(max(lengths), 1)
