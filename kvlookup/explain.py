@@ -427,9 +427,22 @@ class _State:
                              f"{e['stop']['explanation']}")
         if not out["instances"] and out["chunks"]:
             c = self.chains[0]
-            lines.append(f"no instance holds chunk 0 (tokens 0-{min(c.chunk_size, c.n_tokens)}, hash {c.hashes[0]}) "
-                         "of this prompt, under this or any other hash profile tried, nor held it recently")
+            head = (f"no instance holds chunk 0 (tokens 0-{min(c.chunk_size, c.n_tokens)}, hash {c.hashes[0]}) "
+                    "of this prompt, under this or any other hash profile tried")
+            gone = self._departed()
+            lines.append(f"{head}; workers that left in the last hour, whose records are purged (one may have "
+                         f"held it): {gone}" if gone else f"{head}, nor held it recently")
         return lines
+
+    def _departed(self, most: int = 5) -> str:
+        """The departures log's newest entries as text ('' when empty): who left, how, when."""
+        newest = sorted(self.departures.items(), key=lambda kv: -kv[1])
+        parts = []
+        for member, at in newest[:most]:
+            wid, inst, cause = member.split(keys.SEP, 2)
+            parts.append(f"instance {inst} worker {wid} {cause} at {iso(at)}")
+        more = len(newest) - most
+        return ", ".join(parts) + (f" and {more} more" if more > 0 else "")
 
 
 def _label_text(label: dict) -> str:

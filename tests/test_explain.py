@@ -124,6 +124,23 @@ def test_deregistered_holder_of_chunk_0_is_named_as_gone(r, store, explain):
     assert out["diagnosis"] == [f"instance inst-a matched 0 of 600 tokens: {why}"]
 
 
+def test_after_the_purge_the_departures_log_names_who_left(r, store, explain):
+    store.register_worker("inst-a", 0, "127.0.0.1", 8001)
+    admit(store, "inst-a", H)
+    hid = store.holder_id("inst-a", 0, CPU)
+    store.register_worker("inst-keep", 0, "127.0.0.1", 8002)
+    assert store.deregister_worker("inst-a", 0)
+    t = _retired_at(r, hid)
+    while store.purge():
+        pass
+    assert r.exists(keys.chunk_key(H[0])) == 0  # the records are gone
+    out = explain()
+    assert out["instances"] == []
+    assert out["diagnosis"] == [f"no instance holds chunk 0 (tokens 0-256, hash {H[0]}) of this prompt, under this "
+                                "or any other hash profile tried; workers that left in the last hour, whose records "
+                                f"are purged (one may have held it): instance inst-a worker 0 deregistered at {iso(t)}"]
+
+
 def test_reaped(r, store, explain):
     store.register_worker("inst-a", 0, "127.0.0.1", 8001)
     admit(store, "inst-a", H)
