@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 from flask import Blueprint, Flask, current_app, jsonify
 
-from kvlookup import keys
+from kvlookup.fleet import sidecar_leases
 from kvlookup.supervise import STATUS_ENV
 
 bp = Blueprint("health", __name__)
@@ -63,36 +63,21 @@ def sidecars_check(app: Flask) -> list[Component]:
     ``keys.sidecar_status_key``): up while its lease holds; down when the lease ran out and it
     still owns instances (they are reaped after ``instance_ttl_s``; then it drops from the list).
     Detail: queued_ops, lag_ms (age of its oldest unwritten op), pid, host, lease_s (left)."""
-    r = app.extensions["kvlookup"]["redis"]
     try:
-        leases = r.zrange(keys.sidecars_key(), 0, -1, withscores=True)
-        if not leases:
-            return []
-        pipe = r.pipeline(transaction=False)
-        for sid, _exp in leases:
-            pipe.hgetall(keys.sidecar_status_key(sid))
-            pipe.scard(keys.sidecar_instances_key(sid))
-        got = pipe.execute()
+        leases = sidecar_leases(app.extensions["kvlookup"]["redis"])
     except redis.RedisError:
         return []  # redis_check reports it
     now_ms = time.time() * 1000
     out = []
-    for (sid, expiry), status, owned in zip(leases, got[0::2], got[1::2], strict=True):
-        up = expiry >= now_ms
-        if not up and not owned:
+    for lease in leases:
+        up = lease.expiry_ms >= now_ms
+        if not up and not lease.owned:
             continue  # gone for good, and nothing depends on it any more
-        detail = {"state": "up" if up else "down", "owned_instances": owned,
-                  "lease_s": round((expiry - now_ms) / 1000, 1),
-                  **{k: _number(v) for k, v in status.items() if k in ("queued_ops", "lag_ms", "pid", "host")}}
-        out.append((f"sidecar {sid}", detail, up))
+        detail = {"state": "up" if up else "down", "owned_instances": lease.owned,
+                  "lease_s": round((lease.expiry_ms - now_ms) / 1000, 1),
+                  **{k: v for k, v in lease.status.items() if k in ("queued_ops", "lag_ms", "pid", "host")}}
+        out.append((f"sidecar {lease.sidecar_id}", detail, up))
     return out
-
-
-def _number(v: str):
-    try:
-        return float(v) if "." in v else int(v)
-    except ValueError:
-        return v
 
 
 DEFAULT_CHECKS: tuple[Check, ...] = (redis_check, supervised_check, sidecars_check)

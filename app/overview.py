@@ -15,7 +15,7 @@ from typing import Any
 from flask import Blueprint, current_app, jsonify
 
 from kvlookup import keys
-from kvlookup.fleet import Fleet, WorkerInfo
+from kvlookup.fleet import Fleet, WorkerInfo, sidecar_leases
 
 bp = Blueprint("overview", __name__)
 
@@ -72,31 +72,14 @@ def sidecars(r, now: float) -> list[dict]:
     """Every sidecar holding a lease: ``{"sidecar_id", "live", "lease_s", "owned_instances",
     "host", "pid", "queued_ops", "lag_ms", "started_at", "updated_at"}`` (status fields as the
     sidecar last published them; absent ones are None)."""
-    leases = r.zrange(keys.sidecars_key(), 0, -1, withscores=True)
-    if not leases:
-        return []
-    pipe = r.pipeline(transaction=False)
-    for sid, _expiry in leases:
-        pipe.hgetall(keys.sidecar_status_key(sid))
-        pipe.scard(keys.sidecar_instances_key(sid))
-    got = pipe.execute()
     out = []
-    for (sid, expiry), status, owned in zip(leases, got[0::2], got[1::2], strict=True):
-        row = {"sidecar_id": sid, "live": expiry >= now * 1000, "lease_s": round(expiry / 1000 - now, 1),
-               "owned_instances": owned}
+    for lease in sidecar_leases(r):
+        row = {"sidecar_id": lease.sidecar_id, "live": lease.expiry_ms >= now * 1000,
+               "lease_s": round(lease.expiry_ms / 1000 - now, 1), "owned_instances": lease.owned}
         for name in ("host", "pid", "queued_ops", "lag_ms", "started_at", "updated_at"):
-            row[name] = _number(status.get(name))
+            row[name] = lease.status.get(name)
         out.append(row)
     return out
-
-
-def _number(v: str | None) -> Any:
-    if v is None:
-        return None
-    try:
-        return float(v) if "." in v else int(v)
-    except ValueError:
-        return v
 
 
 def index_size(r) -> dict:

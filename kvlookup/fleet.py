@@ -177,3 +177,37 @@ def reap(store: Store, now: float | None = None) -> list[tuple[str, int | str]]:
             reaped.append((inst, _wid(wid)))
             log.info("reaped worker %s/%s", inst, wid)
     return reaped
+
+
+@dataclass(frozen=True)
+class SidecarLease:
+    """A sidecar as the registry knows it: ``expiry_ms`` of its lease (unix ms), ``status`` as it
+    last published it (``keys.sidecar_status_key``: host, pid, queued_ops, lag_ms, started_at,
+    updated_at; numbers parsed), ``owned``: instances it owns."""
+
+    sidecar_id: str
+    expiry_ms: float
+    status: dict
+    owned: int
+
+
+def sidecar_leases(r) -> list[SidecarLease]:
+    """Every sidecar holding a lease (``keys.sidecars_key``), in one pipelined round trip.
+    Raises redis.RedisError."""
+    leases = r.zrange(keys.sidecars_key(), 0, -1, withscores=True)
+    if not leases:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for sid, _expiry in leases:
+        pipe.hgetall(keys.sidecar_status_key(sid))
+        pipe.scard(keys.sidecar_instances_key(sid))
+    got = pipe.execute()
+    return [SidecarLease(sid, expiry, {k: _number(v) for k, v in status.items()}, owned)
+            for (sid, expiry), status, owned in zip(leases, got[0::2], got[1::2], strict=True)]
+
+
+def _number(v: str):
+    try:
+        return float(v) if "." in v else int(v)
+    except ValueError:
+        return v
