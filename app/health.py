@@ -58,25 +58,33 @@ def supervised_check(_app: Flask) -> list[Component]:
     return [(name, detail, detail.get("state") == "up") for name, detail in status.get("components", {}).items()]
 
 
+#: A dead sidecar fails /health at least this long after its lease ran out (see sidecars_check).
+GONE_AFTER_S = 30.0
+
+
 def sidecars_check(app: Flask) -> list[Component]:
     """Every sidecar that owns instances, from the registry (``keys.sidecars_key`` leases and
-    ``keys.sidecar_status_key``): up while its lease holds; down when the lease ran out and it
-    still owns instances (they are reaped after ``instance_ttl_s``; then it drops from the list).
+    ``keys.sidecar_status_key``): up while its lease holds; down (503) when the lease ran out
+    and it still owns instances, until their own leases have lapsed too (``instance_ttl_s``, at
+    least GONE_AFTER_S): then ``gone``, listed but no longer failing, since lookups no longer
+    count its instances. A sidecar stopped on purpose signs off and is not listed.
     Detail: queued_ops, lag_ms (age of its oldest unwritten op), pid, host, lease_s (left)."""
     try:
         leases = sidecar_leases(app.extensions["kvlookup"]["redis"])
     except redis.RedisError:
         return []  # redis_check reports it
     now_ms = time.time() * 1000
+    gone_ms = max(app.extensions["kvlookup"]["settings"].instance_ttl_s, GONE_AFTER_S) * 1000
     out = []
     for lease in leases:
         up = lease.expiry_ms >= now_ms
         if not up and not lease.owned:
             continue  # gone for good, and nothing depends on it any more
-        detail = {"state": "up" if up else "down", "owned_instances": lease.owned,
+        gone = now_ms - lease.expiry_ms > gone_ms
+        detail = {"state": "up" if up else "gone" if gone else "down", "owned_instances": lease.owned,
                   "lease_s": round((lease.expiry_ms - now_ms) / 1000, 1),
                   **{k: v for k, v in lease.status.items() if k in ("queued_ops", "lag_ms", "pid", "host")}}
-        out.append((f"sidecar {lease.sidecar_id}", detail, up))
+        out.append((f"sidecar {lease.sidecar_id}", detail, up or gone))
     return out
 
 
@@ -99,7 +107,7 @@ def components(app: Flask) -> tuple[dict[str, dict], bool]:
             if up.get(name, True) and not ok:
                 merged["state"] = detail.get("state") or "down"
             elif up.get(name, True):
-                merged["state"] = "up"
+                merged["state"] = detail.get("state") or "up"  # up, or a state that does not fail (gone)
             else:
                 merged["state"] = out[name]["state"]
             out[name], up[name] = merged, up.get(name, True) and ok

@@ -226,6 +226,15 @@ class Store:
             keys=[keys.owners_key(), keys.sidecar_instances_key(sidecar_id), keys.alive_key(), keys.sidecars_key()],
             args=[sidecar_id, now_ms + self.instance_ttl_ms, now_ms + int(sidecar_lease_s * 1000)]))
 
+    def sign_off(self, sidecar_id: str) -> None:
+        """A sidecar stopping on purpose: drop its own lease and status, so /health does not
+        report a deliberate stop as a failure. What it owns and the instances' leases stay:
+        started again it resumes them; left stopped, they lapse and are reaped as usual."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zrem(keys.sidecars_key(), sidecar_id)
+        pipe.delete(keys.sidecar_status_key(sidecar_id))
+        pipe.execute()
+
     def publish_status(self, sidecar_id: str, status: dict) -> None:
         """Record a sidecar's state (``keys.sidecar_status_key``) for /health; expires with it."""
         key = keys.sidecar_status_key(sidecar_id)

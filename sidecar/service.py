@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import redis
 import zmq
 
 from kvlookup import lmcache_protocol as proto
@@ -217,6 +218,7 @@ class Sidecar:
         self._next_tick = self._next_reap = 0.0
         self._started = False
         run_turns(self._turn, self._stop, "sidecar")
+        self._sign_off()
         self.close()
 
     def _turn(self) -> None:
@@ -238,6 +240,14 @@ class Sidecar:
         self._purge(BUSY_PURGE_BUDGET if self.lmcache.queued_ops else PURGE_BUDGET)
         self._after_burst()
         self.last_turn = time.monotonic()
+
+    def _sign_off(self) -> None:
+        if not self._started:
+            return
+        try:
+            self.store.sign_off(self.sidecar_id)
+        except redis.RedisError as exc:  # Redis gone too: the lease lapses on its own
+            log.warning("sidecar %s: could not sign off: %s", self.sidecar_id, exc)
 
     def stop(self) -> None:
         """Ask :meth:`run` to return (thread-safe)."""
