@@ -156,13 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--http", default="http://localhost:9000", help="controller base URL (http://localhost:9000)")
     d.add_argument("--era", choices=["0.3", "0.5"], default="0.3",
                    help="LMCache worker protocol to speak: 0.3.x (PUSH only) or 0.5.x (DEALER registration)")
+    d.add_argument("--exit", action="store_true",
+                   help="deregister the simulated engines and exit after the lookups (default: they stay "
+                        "registered, answering the controller's health calls, until Ctrl-C)")
     _hash_flags(d)
     d.set_defaults(func=cmd_demo)
 
     q = sub.add_parser("quickstart", help="controller + embedded Redis + sidecar on LMCache's default ports "
                            "(9000 HTTP, 9001 PULL), then the demo")
-    q.add_argument("--port", type=int, default=9000, help="controller HTTP port (9000)")
-    q.add_argument("--monitor-port", type=int, default=9001, help="LMCache controller_pull_url port (9001)")
+    q.add_argument("--port", type=_port, default=9000, help="controller HTTP port (9000)")
+    q.add_argument("--monitor-port", type=_port, default=9001, help="LMCache controller_pull_url port (9001)")
     q.add_argument("--data-dir", help="embedded Redis data dir (default ~/.local/share/kvlookup)")
     q.set_defaults(func=cmd_quickstart)
     from kvlookup import explain_cli
@@ -397,7 +400,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kvlookup.demo import run_demo
 
     settings = kvconfig.load(None, overrides=_overrides(args, ("lmcache_config",)))
-    return run_demo(args.pull_url, args.reply_url, args.http, args.era, settings.profile())
+    return run_demo(args.pull_url, args.reply_url, args.http, args.era, settings.profile(), keep=not args.exit)
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:

@@ -19,9 +19,11 @@ import yaml
 from kvlookup.hashing import EXTRA_KEYS_MODES, HashProfile, profile_from_lmcache_yaml
 from kvlookup.netpolicy import LOOPBACK, Networks, address_allowed, parse_networks, split_list
 from kvlookup.redis_urls import is_sentinel, parse_sentinel
+from kvlookup.zmqaddr import endpoint
 
 ENV_PREFIX = "KVLOOKUP_"
 LOOKUP_RESPONSES = ("flat", "layout_info")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 #: Controller read caching (kvlookup.tracking): on (copies Redis keeps coherent, no round trip
 #: for a lookup whose chunks are known), fenced (one round trip that makes every completed write
 #: visible), off (the LOOKUP script). One Redis only: a cluster or Sentinel URL reads uncached.
@@ -102,6 +104,17 @@ class Settings:
             raise ValueError("redis_cluster and a redis+sentinel:// redis_url exclude each other")
         if self.redis_url and is_sentinel(self.redis_url):
             parse_sentinel(self.redis_url)
+        elif self.redis_url and not self.redis_url.startswith(REDIS_SCHEMES):
+            scheme = self.redis_url.split("://", 1)[0] if "://" in self.redis_url else ""
+            raise ValueError(f"redis_url: scheme {scheme!r} is not one of redis://, rediss://, unix://, "
+                             "redis+sentinel:// (the URL itself is not shown: it may carry a password)")
+        for name in ("pull_url", "reply_url", "advertise_reply", "vllm_endpoint", "vllm_replay_endpoint"):
+            value = getattr(self, name)
+            if value:
+                try:
+                    endpoint(value)
+                except ValueError:
+                    raise ValueError(f"{name}: {value!r} is not host:port or a ZMQ endpoint") from None
         if self.vllm_endpoint and not self.instance_id:
             raise ValueError("vllm_endpoint needs instance_id (the name lookups report for that instance)")
         if self.vllm_replay_endpoint and not self.vllm_endpoint:

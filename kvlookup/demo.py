@@ -23,7 +23,7 @@ from pathlib import Path
 from kvlookup.hashing import HashProfile
 from kvlookup.lifetime import dies_with_parent
 from kvlookup.redis_server import port_free
-from kvlookup.workersim import WorkerSim
+from kvlookup.workersim import SimEngine
 
 SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 
@@ -91,20 +91,36 @@ def post_lookup(http: str, tokens: list[int], timeout: float = 10.0) -> dict:
         return json.loads(resp.read())
 
 
-def run_demo(pull_url: str, reply_url: str | None, http: str, era: str, profile: HashProfile) -> int:
-    """Register two instances, store chat prompts in them, and show /lookup answers."""
+def run_demo(pull_url: str, reply_url: str | None, http: str, era: str, profile: HashProfile,
+             keep: bool = False) -> int:
+    """Register two simulated LMCache engines, store chat prompts in them, and show /lookup
+    answers. The engines answer the controller's health calls; keep: they stay registered (and
+    their records indexed) until Ctrl-C, as real engines would, else they deregister on return."""
+    engines = start_engines(pull_url, reply_url, http, era, profile)
+    try:
+        if keep:
+            print("\nThe two simulated engines stay registered until Ctrl-C.", flush=True)
+            _wait_for_interrupt()
+    finally:
+        for e in engines:
+            e.close()
+    return 0
+
+
+def start_engines(pull_url: str, reply_url: str | None, http: str, era: str, profile: HashProfile) -> list[SimEngine]:
+    """The demo's two engines, their prompts stored and looked up (printed); the caller closes them."""
     tokenizer = load_tokenizer()
     prompts = demo_prompts(tokenizer)
-    a = WorkerSim("lmcache_default_instance", 0, era=era, pull_url=pull_url, reply_url=reply_url, port=8001)
-    b = WorkerSim("instance-b", 0, era=era, pull_url=pull_url, reply_url=reply_url, port=8002)
-    for w in (a, b):
-        w.register()
+    a = SimEngine("lmcache_default_instance", era=era, pull_url=pull_url, reply_url=reply_url)
+    b = SimEngine("instance-b", era=era, pull_url=pull_url, reply_url=reply_url)
+    a.register()
+    b.register()
     time.sleep(0.3)
-    a.admit(profile.chunk_hashes(SEED_TOKENS))
+    a.store(profile.chunk_hashes(SEED_TOKENS))
     stored = {"seed": "lmcache_default_instance (LocalCPUBackend)"}
     if tokenizer is not None:
-        a.admit(profile.chunk_hashes(prompts["chat A, turn 1"]))
-        b.admit(profile.chunk_hashes(prompts["chat B, turn 1"]), location="LocalDiskBackend")
+        a.store(profile.chunk_hashes(prompts["chat A, turn 1"]))
+        b.store(profile.chunk_hashes(prompts["chat B, turn 1"]), location="LocalDiskBackend")
         stored["chat A, turn 1"] = "lmcache_default_instance (LocalCPUBackend)"
         stored["chat B, turn 1"] = "instance-b (LocalDiskBackend)"
     else:
@@ -117,9 +133,15 @@ def run_demo(pull_url: str, reply_url: str | None, http: str, era: str, profile:
         print(f"\n# {name} ({len(tokens)} tokens)")
         print(f"$ {curl_command(http, name, tokens)}")
         print(json.dumps(post_lookup(http, tokens), separators=(",", ":")))  # as curl shows it
-    for w in (a, b):
-        w.close()
-    return 0
+    return [a, b]
+
+
+def _wait_for_interrupt() -> None:
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
 
 
 #: Where the demo writes the bodies of its longer prompts, for the printed curl lines.
@@ -170,6 +192,7 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
               "--port/--monitor-port", file=sys.stderr)
         return 2
     print("$ kvlookup " + " ".join(cmd[4:]), flush=True)
+    engines: list[SimEngine] = []
     ctrl = subprocess.Popen(cmd, preexec_fn=dies_with_parent())  # killed with the quickstart, even by kill -9
     http = f"http://localhost:{port}"
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -178,13 +201,15 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
         if not wait_http(http, proc=ctrl):
             print("kvlookup: error: the controller did not come up (see its log above)", file=sys.stderr)
             return 1
-        run_demo(f"localhost:{monitor_port}", None, http, "0.3", HashProfile())
-        print(f"\nController on {http} (the fleet dashboard: {http}/), LMCache PULL on localhost:{monitor_port}. "
-              "Ctrl-C stops everything.")
+        engines = start_engines(f"localhost:{monitor_port}", None, http, "0.3", HashProfile())
+        print(f"\nController on {http} (the fleet dashboard: {http}/), LMCache PULL on localhost:{monitor_port}; "
+              "the two simulated engines stay registered. Ctrl-C stops everything.")
         return ctrl.wait()
     except KeyboardInterrupt:
         return 0
     finally:
+        for e in engines:
+            e.close(deregister=False)  # the controller stops too
         if ctrl.poll() is None:
             ctrl.send_signal(signal.SIGTERM)
             ctrl.wait(15)

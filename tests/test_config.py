@@ -29,6 +29,12 @@ def test_layers_defaults_file_env_overrides(tmp_path):
     ({"gunicorn_worker_class": "eventlet"}, "gunicorn_worker_class: 'eventlet' is not one of gevent, gthread, sync"),
     ({"nope": 1}, "unknown setting 'nope'"),
     ({"hash": {"chunk_size": -1}}, "hash.chunk_size: -1 is not a positive integer"),
+    ({"lookup_cache": "maybe"}, "lookup_cache: 'maybe' is not one of on, fenced, off"),
+    ({"redis_url": "http://user:secret@x"},
+     r"^redis_url: scheme 'http' is not one of redis://, rediss://, unix://, redis\+sentinel:// "
+     r"\(the URL itself is not shown: it may carry a password\)$"),
+    ({"pull_url": "localhost:abc"}, "pull_url: 'localhost:abc' is not host:port or a ZMQ endpoint"),
+    ({"reply_url": "nohost"}, "reply_url: 'nohost' is not host:port or a ZMQ endpoint"),
 ])
 def test_bad_settings_are_named(layer, message):
     with pytest.raises(ValueError, match=message):

@@ -178,13 +178,14 @@ def test_venv_sh_rebuilds_a_venv_that_is_too_old_or_broken(tmp_path, broken):
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
 def test_demo_prints_curl_lines_that_run_as_pasted(redis_args, capsys):
-    from kvlookup.demo import run_demo
+    from kvlookup.demo import start_engines
     from kvlookup.hashing import HashProfile
 
     pull = free_port()
     ctrl = ControllerProc(*redis_args, "--monitor-port", str(pull)).wait_ready()
+    engines = []
     try:
-        assert run_demo(f"127.0.0.1:{pull}", None, ctrl.http, "0.3", HashProfile()) == 0
+        engines = start_engines(f"127.0.0.1:{pull}", None, ctrl.http, "0.3", HashProfile())
         out = capsys.readouterr().out.splitlines()
         runs = [(line[2:], out[i + 1]) for i, line in enumerate(out) if line.startswith("$ curl ")]
         assert len(runs) >= 2 and all("..." not in cmd for cmd, _ in runs)
@@ -195,6 +196,8 @@ def test_demo_prints_curl_lines_that_run_as_pasted(redis_args, capsys):
             assert answer == want and answer, (cmd, got.stderr)
         assert any(" -d @" in cmd for cmd, _ in runs)  # the long prompts come from files
     finally:
+        for e in engines:
+            e.close()
         ctrl.stop()
 
 
@@ -285,3 +288,27 @@ def test_compose_advertises_an_address_host_engines_can_reach():
         assert compose["services"][controller]["extra_hosts"] == ["host.docker.internal:host-gateway"]
     readme = (ROOT / "README.md").read_text()
     assert "## Docker Compose" in readme and "KVLOOKUP_ADVERTISE_REPLY=sidecar:9002" in readme
+
+
+def test_the_demo_engines_stay_indexed_while_it_runs(redis_args, capsys):
+    """The demo's simulated engines answer the controller's health calls and stay registered, so
+    its curl lines and the dashboard keep their answers (they used to be probed, found silent and
+    reaped ~10 s after the demo printed)."""
+    from kvlookup.demo import start_engines
+    from kvlookup.hashing import HashProfile
+    from tests.conftest import SEED_TOKENS
+
+    pull = free_port()
+    ctrl = ControllerProc(*redis_args, "--monitor-port", str(pull)).wait_ready()
+    engines = []
+    try:
+        engines = start_engines(f"127.0.0.1:{pull}", None, ctrl.http, "0.3", HashProfile())
+        want = {"lmcache_default_instance": ["LocalCPUBackend", 12]}
+        assert ctrl.layout(SEED_TOKENS) == want
+        time.sleep(15)  # past the liveness probe's first rounds
+        assert ctrl.layout(SEED_TOKENS) == want
+        assert sum(e.health_calls for e in engines) >= 1  # they were asked, and answered
+    finally:
+        for e in engines:
+            e.close()
+        ctrl.stop()
