@@ -11,7 +11,11 @@ last change Redis had told about when the lookup began (on loopback that is micr
 the write). A copy read while an invalidation was being taken is not kept (it may be the old
 value). If the invalidation connection breaks (Redis restarted, the connection dropped for
 lagging), every copy goes and reads go to Redis, on connections without tracking, until it is
-back: a lookup never fails for want of the cache.
+back: a lookup never fails for want of the cache. Redis keeps what a connection read only while
+that connection lives: when it closes a tracked connection (``timeout``, ``CLIENT KILL``, an
+output buffer limit) the keys it read are no longer watched. So each call also looks, in one
+``select``, whether an idle tracked connection was closed, and every (re)connection of a
+tracked connection drops every copy too.
 
 Only plain commands are cached; everything else (RESOLVE, writes) passes through.
 """
@@ -19,6 +23,7 @@ Only plain commands are cached; everything else (RESOLVE, writes) passes through
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 from collections import OrderedDict
@@ -91,7 +96,7 @@ class CachedReads:
             log.debug("client-side caching off for now: %s", exc)
             return False
         self._listener = conn
-        self.tracked.connection_pool.disconnect()  # every tracked connection must redirect here
+        self._disconnect_tracked()  # every tracked connection must redirect here
         return True
 
     def _track(self, conn) -> None:
@@ -99,6 +104,10 @@ class CachedReads:
         if self._listener is None or _run_id(conn) != self._listener_run:
             # a restarted server: the listener's id may now name another client of it
             raise redis.ConnectionError("the invalidation connection is not on this server")
+        if getattr(conn, "_kvl_tracked", False):  # a reconnection: what the old one read is unwatched
+            with self._lock:
+                self._reset("a tracked connection reconnected")
+        conn._kvl_tracked = True
         # OPTIN: only the reads sent after CLIENT CACHING YES are tracked (not RESOLVE's)
         conn.send_command("CLIENT", "TRACKING", "ON", "REDIRECT", self._listener_id, "OPTIN")
         if conn.read_response() not in (b"OK", "OK"):
@@ -113,8 +122,33 @@ class CachedReads:
         self._inv_at.clear()
         self.stats["resets"] += 1
 
+    def _disconnect_tracked(self) -> None:
+        """Disconnect every tracked connection after the copies were dropped (so their next
+        connection is a fresh start, not a loss)."""
+        pool = self.tracked.connection_pool
+        pool.disconnect()
+        for c in list(pool._connections):
+            c._kvl_tracked = False
+
+    def _tracked_lost(self) -> bool:
+        """Was an idle tracked connection closed by the server (readable: EOF)? It is dropped."""
+        idle = [c for c in list(self.tracked.connection_pool.pool.queue) if c is not None and c._sock is not None]
+        if not idle:
+            return False
+        try:
+            readable, _, _ = select.select([c._sock for c in idle], [], [], 0)
+        except (OSError, ValueError):  # a socket closed under us
+            readable = [c._sock for c in idle]
+        for c in idle:
+            if c._sock in readable:
+                c.disconnect()
+                c._kvl_tracked = False  # the caller drops every copy
+        return bool(readable)
+
     def _drain(self) -> bool:
         """Take every invalidation that arrived; False when caching is off (no listener)."""
+        if self._listener is not None and self._tracked_lost():
+            self._reset("a tracked connection was closed")
         if self._listener is None:
             if time.monotonic() < self._retry_at:
                 return False
@@ -216,7 +250,7 @@ class CachedReads:
                     self._listener = None
                 self._reset(f"tracked read failed: {exc}")
                 self._retry_at = 0.0
-            self.tracked.connection_pool.disconnect()
+                self._disconnect_tracked()
             return None
 
     @staticmethod

@@ -110,3 +110,26 @@ def test_the_first_lookup_after_a_redis_kill_and_restart_answers(tmp_path, mode)
         assert wait_for(lambda: layout(client), {}, timeout=2) == {}  # invalidations reach this process
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("mode", [True, "fenced"])
+@pytest.mark.parametrize("how", ["client-kill", "idle-timeout"])
+def test_a_tracked_connection_closed_by_redis_drops_every_copy(redis_url, r, writer, mode, how):
+    """Redis watches a key only while the connection that read it lives: once Redis closes it
+    (CLIENT KILL, the ``timeout`` setting) its copies would never be invalidated again."""
+    client = Client(redis_url, cache_reads=mode)
+    cached = client.store.records.cached
+    assert layout(client) == {"a": 12}
+    assert layout(client) == {"a": 12}  # served from the copy
+    if how == "client-kill":
+        r.execute_command("CLIENT", "KILL", "TYPE", "normal")  # data connections, not the pub/sub listener
+    else:
+        r.config_set("timeout", 1)
+        try:
+            time.sleep(2.5)  # Valkey closes idle normal clients, never pub/sub ones
+        finally:
+            connect(redis_url).config_set("timeout", 0)
+    resets = cached.stats["resets"]
+    Store(connect(redis_url), purge_grace_s=0).apply([("a", 0, CPU, [(EVICT, SEED_HASH)])])
+    assert wait_for(lambda: layout(client), {}, timeout=2) == {}
+    assert cached.stats["resets"] > resets
