@@ -217,7 +217,9 @@ def _is_port(v: int) -> bool:
 #: (settings, check, what a good value is) applied after the types are checked.
 RANGES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("port", "monitor_port", "metrics_port"), _is_port, "a TCP port (1..65535)"),
-    (("max_tokens", "max_body_bytes", "gunicorn_workers", "gunicorn_threads", "redis_max_connections",
+    (("gunicorn_workers",), lambda v: 1 <= v <= 256, "an integer 1..256 (processes: about one per core)"),
+    (("gunicorn_threads",), lambda v: 1 <= v <= 1024, "an integer 1..1024"),
+    (("max_tokens", "max_body_bytes", "redis_max_connections",
       "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size"), lambda v: v >= 1,
      "a positive integer"),
     (("control_retries",), lambda v: v >= 0, "an integer >= 0"),

@@ -29,6 +29,7 @@ def test_layers_defaults_file_env_overrides(tmp_path):
     ({"gunicorn_worker_class": "eventlet"}, "gunicorn_worker_class: 'eventlet' is not one of gevent, gthread, sync"),
     ({"nope": 1}, "unknown setting 'nope'"),
     ({"hash": {"chunk_size": -1}}, "hash.chunk_size: -1 is not a positive integer"),
+    ({"gunicorn_workers": 100000}, r"gunicorn_workers: 100000 is not an integer 1..256"),
     ({"lookup_cache": "maybe"}, "lookup_cache: 'maybe' is not one of on, fenced, off"),
     ({"redis_url": "http://user:secret@x"},
      r"^redis_url: scheme 'http' is not one of redis://, rediss://, unix://, redis\+sentinel:// "
