@@ -157,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--era", choices=["0.3", "0.5"], default="0.3",
                    help="LMCache worker protocol to speak: 0.3.x (PUSH only) or 0.5.x (DEALER registration)")
     d.add_argument("--exit", action="store_true",
-                   help="deregister the simulated engines and exit after the lookups (default: they stay "
-                        "registered, answering the controller's health calls, until Ctrl-C)")
+                   help="exit after the lookups, leaving the simulated engines silent (the controller reaps "
+                        "them soon after); default: they stay registered, answering health calls, until Ctrl-C")
     _hash_flags(d)
     d.set_defaults(func=cmd_demo)
 

@@ -95,7 +95,9 @@ def run_demo(pull_url: str, reply_url: str | None, http: str, era: str, profile:
              keep: bool = False) -> int:
     """Register two simulated LMCache engines, store chat prompts in them, and show /lookup
     answers. The engines answer the controller's health calls; keep: they stay registered (and
-    their records indexed) until Ctrl-C, as real engines would, else they deregister on return."""
+    their records indexed) until Ctrl-C, as real engines would, then deregister. Else they stop
+    on return without deregistering, as a killed engine would: the controller finds them silent
+    and reaps them (docs/operations.md, liveness)."""
     engines = start_engines(pull_url, reply_url, http, era, profile)
     try:
         if keep:
@@ -103,7 +105,7 @@ def run_demo(pull_url: str, reply_url: str | None, http: str, era: str, profile:
             _wait_for_interrupt()
     finally:
         for e in engines:
-            e.close()
+            e.close(deregister=keep)
     return 0
 
 

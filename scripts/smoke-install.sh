@@ -56,8 +56,8 @@ while get("/health")[0] != 200:
     time.sleep(0.2)
 status, health = get("/health")
 print(f"smoke: /health {status} after {time.monotonic() - t0:.1f} s: {json.dumps(health)}")
-subprocess.run([os.path.join(os.path.dirname(sys.executable), "kvlookup"), "demo", "--pull-url",
-                f"127.0.0.1:{pull}", "--http", http], check=True, stdout=subprocess.DEVNULL)
+subprocess.run([os.path.join(os.path.dirname(sys.executable), "kvlookup"), "demo", "--exit", "--pull-url",
+                f"127.0.0.1:{pull}", "--http", http], check=True, stdout=subprocess.DEVNULL, timeout=60)
 seed = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 req = urllib.request.Request(http + "/lookup", data=json.dumps({"tokens": seed}).encode(),
                              headers={"Content-Type": "application/json"}, method="POST")
