@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from kvlookup import keys, scripts
 from kvlookup import vllm_hash as vh
 from kvlookup.hashing import EXTRA_KEYS_MODES, HashProfile, seeded_str_hash
-from kvlookup.records import Chain, walk_registry_keys
+from kvlookup.records import Chain, raise_errors, walk_registry_keys
 from kvlookup.walk import ChainWalk, Holder
 
 #: Chunk sizes tried for the LMCache space: LMCache's usual sizes and vLLM's block sizes.
@@ -192,7 +192,7 @@ class _State:
         all_chains = self.chains + [v.chain for v in self.variants]
         cmds = [("ZRANGE", k, 0, -1) for c in all_chains for k in c.chunk_keys()]
         cmds += [("HGETALL", keys.holders_key()), ("ZRANGE", keys.departures_key(), 0, -1, "WITHSCORES")]
-        res = _ok(io.execute(cmds))
+        res = raise_errors(io.execute(cmds))
         pos = 0
         self.members: list[list[list[str]]] = []
         for c in all_chains:
@@ -211,7 +211,7 @@ class _State:
                  for c in (("SMEMBERS", keys.instance_workers_key(i)), ("ZSCORE", keys.alive_key(), i))]
         cmds += [c for i, w in workers for c in (("HGETALL", keys.worker_key(i, w)),
                                                   ("ZSCORE", keys.heartbeats_key(), keys.worker_member(i, w)))]
-        res = _ok(io.execute(cmds))
+        res = raise_errors(io.execute(cmds))
         texts = res[0][1:] if hids else []
         res = res[1:] if hids else res
         self.resolved: dict[str, tuple[Holder | None, float]] = {}
@@ -277,7 +277,7 @@ class _State:
                 if d[0] == inst and d[3] == space_of[ci]:
                     self.evict_cmds.append((si, len(cmds), hid))
                     cmds.append(("ZSCORE", keys.holder_evicted_key(hid), str(c.hashes[upto])))
-        res = _ok(self.ex.io.execute(cmds)) if cmds else []
+        res = raise_errors(self.ex.io.execute(cmds)) if cmds else []
         self.evicted: dict[int, tuple[float, str]] = {}
         for si, ri, hid in self.evict_cmds:
             if res[ri] is not None:
@@ -451,13 +451,6 @@ def _label_text(label: dict) -> str:
 
 def _num(rank: str):
     return (0, int(rank), "") if rank.isdigit() else (1, 0, rank)
-
-
-def _ok(results: list) -> list:
-    for r in results:
-        if isinstance(r, Exception):
-            raise r
-    return results
 
 
 def _pairs(flat) -> list[tuple]:
