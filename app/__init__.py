@@ -1,4 +1,5 @@
-"""The controller's HTTP API (Flask). Gunicorn serves ``app:create_app()``.
+"""The controller's HTTP API (Flask, with /lookup in front of it). Gunicorn serves
+``create_asgi_app()`` with uvicorn workers (the default) or ``create_app()`` with WSGI workers.
 
 Nothing binds at import time: ``create_app`` builds the Redis client and the lookup client
 per app (per gunicorn worker, since the app is not preloaded).
@@ -68,4 +69,16 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     explainer = Explainer(client, hash_seed=settings.hash.get("hash_seed"))
     routed = lookup.LookupRoute(app.wsgi_app, client, settings.lookup_response, settings.max_tokens, explainer)
     app.wsgi_app = RequestBody(routed, settings.max_body_bytes, settings.body_timeout_s)  # type: ignore[method-assign]
+    app.extensions["kvlookup"]["lookup_route"] = routed
     return app
+
+
+def create_asgi_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None):
+    """The controller as an ASGI app (:class:`app.asgi.AsgiController` around
+    :func:`create_app`'s Flask app): what the default uvicorn workers serve."""
+    from app.asgi import AsgiController
+
+    flask_app = create_app(settings)
+    ext = flask_app.extensions["kvlookup"]
+    s = ext["settings"]
+    return AsgiController(flask_app, ext["lookup_route"], s.max_body_bytes, s.body_timeout_s)

@@ -44,10 +44,15 @@ def decode_body(body: bytes, model: type):
 _encoder = msgspec.json.Encoder()
 
 
+def json_bytes(body: dict) -> bytes:
+    """``body`` as the API sends it: compact JSON, keys in insertion order, a newline."""
+    return _encoder.encode(body) + b"\n"
+
+
 def send_json(environ: dict, start_response: Callable, status: int, body: dict,
               headers: list[tuple[str, str]] | None = None) -> list[bytes]:
     """Answer a WSGI request with ``body`` as JSON (no body bytes for HEAD)."""
-    data = _encoder.encode(body) + b"\n"
+    data = json_bytes(body)
     start_response(f"{status} {HTTPStatus(status).phrase}",
                    [("Content-Type", "application/json"), ("Content-Length", str(len(data))), *(headers or [])])
     return [] if environ.get("REQUEST_METHOD") == "HEAD" else [data]

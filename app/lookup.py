@@ -86,38 +86,44 @@ class LookupRoute:
         self.explainer = explainer
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO")
-        if path != PATH:
-            if path == EXPLAIN_PATH and self.explainer is not None:
-                return self.serve(environ, start_response, self.explain)
+        path = environ.get("PATH_INFO", "")
+        if not self.serves(path):
             return self.app(environ, start_response)
-        return self.serve(environ, start_response, self.answer)
-
-    def serve(self, environ: dict, start_response: Callable, answer: Callable[[dict], dict]) -> Iterable[bytes]:
-        """Answer one request with ``answer(environ)``, errors in the API's JSON shape."""
-        method = environ.get("REQUEST_METHOD")
-        if method == "OPTIONS":
-            start_response("200 OK", [("Allow", ALLOW), ("Content-Length", "0")])
+        status, body, headers = self.respond(path, environ.get("REQUEST_METHOD", ""),
+                                             environ.get("QUERY_STRING", ""), environ["wsgi.input"].read(), environ)
+        if body is None:
+            start_response("200 OK", headers)
             return []
+        return send_json(environ, start_response, status, body, headers)
+
+    def serves(self, path: str) -> bool:
+        """Is ``path`` answered here (not by the Flask app)?"""
+        return path == PATH or (path == EXPLAIN_PATH and self.explainer is not None)
+
+    def respond(self, path: str, method: str, query_string: str, data: bytes,
+                keep: dict) -> tuple[int, dict | None, list[tuple[str, str]]]:
+        """One request to ``path`` (PATH or EXPLAIN_PATH): ``(status, JSON body or None, extra
+        headers)``, errors in the API's JSON shape. ``keep`` gets the decoded request under
+        :data:`REQUEST_KEY`, for the caller to free after the answer is sent (a 32k-token list
+        takes ~0.3 ms to free). OPTIONS answers the allowed methods; other methods get 405."""
+        if method == "OPTIONS":
+            return 200, None, [("Allow", ALLOW), ("Content-Length", "0")]
+        if method != "POST":
+            return 405, {"error": "The method is not allowed for the requested URL."}, [("Allow", ALLOW)]
         try:
-            if method != "POST":
-                return send_json(environ, start_response, 405,
-                                 {"error": "The method is not allowed for the requested URL."}, [("Allow", ALLOW)])
-            return send_json(environ, start_response, 200, answer(environ))
+            body, req = self._lookup(query_string, data, keep)
+            if path == EXPLAIN_PATH:
+                body = self.explain(req, body)
+            return 200, body, []
         except ApiError as exc:
-            return send_json(environ, start_response, exc.status, {"error": exc.message})
+            return exc.status, {"error": exc.message}, []
         except Exception as exc:  # the API never answers with an HTML page
-            log.exception("unhandled error in %s", environ.get("PATH_INFO"))
-            return send_json(environ, start_response, 500, {"error": f"internal error: {type(exc).__name__}"})
+            log.exception("unhandled error in %s", path)
+            return 500, {"error": f"internal error: {type(exc).__name__}"}, []
 
-    def answer(self, environ: dict) -> dict:
-        """The response body for one POST; raises ApiError (400, 413, 503)."""
-        return self._lookup(environ)[0]
-
-    def explain(self, environ: dict) -> dict:
+    def explain(self, req: LookupRequest, body: dict) -> dict:
         """``POST /lookup/explain``: the same body, query and errors as /lookup; the answer is
-        :meth:`kvlookup.explain.Explainer.explain` of the /lookup answer."""
-        body, req = self._lookup(environ)
+        :meth:`kvlookup.explain.Explainer.explain` of the /lookup answer ``body``."""
         try:
             out = self.explainer.explain(req.tokens, body, lora_name=req.lora_name, cache_salt=req.cache_salt)
         except redis.RedisError as exc:
@@ -125,17 +131,16 @@ class LookupRoute:
         fleet_metrics.EXPLAINED.labels(out["cause"]).inc()
         return out
 
-    def _lookup(self, environ: dict) -> tuple[dict, LookupRequest]:
-        query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+    def _lookup(self, query_string: str, data: bytes, keep: dict) -> tuple[dict, LookupRequest]:
+        query = parse_qs(query_string, keep_blank_values=True) if query_string else {}
         fmt = query.get("format", [self.default_format])[0]
         if fmt not in FORMATS:
             raise ApiError(400, "query parameter 'format' must be 'flat' or 'layout_info'")
         detail_arg = query.get("detail", ["0"])[0].lower()
         if detail_arg not in TRUE + FALSE:
             raise ApiError(400, "query parameter 'detail' must be 1/true/yes/on or 0/false/no/off")
-        req = parse_request(environ["wsgi.input"].read(), self.max_tokens)
-        # freed with the environ, once the answer is sent: a 32k-token list takes ~0.3 ms to free
-        environ[REQUEST_KEY] = req
+        req = parse_request(data, self.max_tokens)
+        keep[REQUEST_KEY] = req  # freed by the caller once the answer is sent
         start = time.perf_counter()
         causes: list[str] = []
         try:

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=int, dest="gunicorn_workers", help="gunicorn worker processes (2)")
     c.add_argument("--threads", type=int, dest="gunicorn_threads", help="threads per gthread worker (4)")
     c.add_argument("--worker-class", choices=kvconfig.WORKER_CLASSES, dest="gunicorn_worker_class",
-                   help="gunicorn worker class (gevent)")
+                   help="gunicorn worker class (uvicorn)")
     c.add_argument("--lookup-response", choices=kvconfig.LOOKUP_RESPONSES, help="flat (default) or layout_info")
     c.add_argument("--lookup-cache", choices=kvconfig.LOOKUP_CACHE,
                    help="keep the chunk sets lookups read, coherent with Redis: on (default), fenced, off")

@@ -28,9 +28,10 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 #: for a lookup whose chunks are known), fenced (one round trip that makes every completed write
 #: visible), off (the LOOKUP script). One Redis only: a cluster or Sentinel URL reads uncached.
 LOOKUP_CACHE = ("on", "fenced", "off")
-#: gunicorn worker classes the controller runs: gevent (default: one event loop per process,
-#: keep-alive, slow clients cost a greenlet, not a thread), gthread, sync.
-WORKER_CLASSES = ("gevent", "gthread", "sync")
+#: gunicorn worker classes the controller runs: uvicorn (default: an asyncio loop per process,
+#: uvloop + httptools, /lookup answered in the loop, the rest in threads; kvlookup.asgi_worker),
+#: gevent (one greenlet per connection), gthread, sync.
+WORKER_CLASSES = ("uvicorn", "gevent", "gthread", "sync")
 
 
 def _default_hash() -> dict[str, Any]:
@@ -54,7 +55,7 @@ class Settings:
     monitor_ports: dict[str, int] | None = None
     gunicorn_workers: int = 2
     gunicorn_threads: int = 4
-    gunicorn_worker_class: str = "gevent"
+    gunicorn_worker_class: str = "uvicorn"
     lookup_response: str = "flat"
     lookup_cache: str = "on"
     max_tokens: int = 1_048_576

@@ -44,8 +44,8 @@ def ensure_redis(settings: Settings, *, watch: bool = True) -> embedded.Lease | 
     return lease
 
 
-#: gunicorn ``worker_class`` for ``gunicorn_worker_class: gevent`` (gthread and sync are gunicorn's own names).
-GEVENT_WORKER = "kvlookup.gevent_worker.GeventWorker"
+#: gunicorn ``worker_class`` per ``gunicorn_worker_class`` (gthread and sync are gunicorn's own names).
+WORKERS = {"uvicorn": "kvlookup.asgi_worker.UvicornWorker", "gevent": "kvlookup.gevent_worker.GeventWorker"}
 
 
 def worker_dies_with_master(server, worker) -> None:
@@ -101,7 +101,7 @@ class GunicornController(BaseApplication):
             "workers": s.gunicorn_workers,
             # gunicorn turns sync into gthread when threads > 1: threads only for gthread
             "threads": s.gunicorn_threads if s.gunicorn_worker_class == "gthread" else 1,
-            "worker_class": GEVENT_WORKER if s.gunicorn_worker_class == "gevent" else s.gunicorn_worker_class,
+            "worker_class": WORKERS.get(s.gunicorn_worker_class, s.gunicorn_worker_class),
             "loglevel": s.log_level.lower(),
             "timeout": 30,
             "graceful_timeout": 5,
@@ -115,6 +115,6 @@ class GunicornController(BaseApplication):
             self.cfg.set(key, value)
 
     def load(self):
-        from app import create_app
+        from app import create_app, create_asgi_app
 
-        return create_app(self.settings)
+        return (create_asgi_app if self.settings.gunicorn_worker_class == "uvicorn" else create_app)(self.settings)

@@ -418,6 +418,13 @@ class Store:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         return Liveness(now_ms, self.worker_ttl_ms, self.instance_ttl_ms > 0)
 
+    def reads_locally(self) -> bool:
+        """Do lookups read from process-local copies now (cached reads on, unfenced, their
+        invalidation connection up)? Then most cost no round trip (app.asgi runs them in the
+        event loop); False: each asks Redis."""
+        cached = getattr(self.records, "cached", None)
+        return cached is not None and cached.local_now()
+
     def lookup(self, chains: Sequence[Chain], now_ms: int | None = None) -> Matches:
         """Walk the chains and return every match, in no particular order (``.miss``: see
         :class:`kvlookup.records.Matches`).

@@ -197,6 +197,10 @@ class CachedReads:
         """No invalidation of ``key`` was taken after message ``since`` (when its read began)."""
         return self._floor <= since and self._inv_at.get(key, -1) <= since
 
+    def local_now(self) -> bool:
+        """Are reads answered from copies now (unfenced, the invalidation connection up)?"""
+        return not self.fence and self._listener is not None
+
     # -- reads ------------------------------------------------------------------------------
 
     def execute(self, commands: Sequence[tuple]) -> list:

@@ -26,7 +26,8 @@ def test_layers_defaults_file_env_overrides(tmp_path):
 @pytest.mark.parametrize(("layer", "message"), [
     ({"lookup_response": "xml"}, "lookup_response: 'xml' is not one of flat, layout_info"),
     ({"port": 0}, r"port: 0 is not a TCP port \(1..65535\)"),
-    ({"gunicorn_worker_class": "eventlet"}, "gunicorn_worker_class: 'eventlet' is not one of gevent, gthread, sync"),
+    ({"gunicorn_worker_class": "eventlet"},
+     "gunicorn_worker_class: 'eventlet' is not one of uvicorn, gevent, gthread, sync"),
     ({"nope": 1}, "unknown setting 'nope'"),
     ({"hash": {"chunk_size": -1}}, "hash.chunk_size: -1 is not a positive integer"),
     ({"gunicorn_workers": 100000}, r"gunicorn_workers: 100000 is not an integer 1..256"),

@@ -1,0 +1,142 @@
+"""The controller as an ASGI app (served by uvicorn workers under gunicorn, the default).
+
+``/lookup`` and ``/lookup/explain`` are answered here, in the worker's event loop, by the same
+:class:`app.lookup.LookupRoute` as under WSGI; every other path goes to the Flask app through
+a2wsgi (a thread pool), so the control API, the dashboard and /health behave as under
+gunicorn's WSGI workers. Why: uvicorn's C HTTP parser and libuv loop answer a request in
+~0.18 ms where gunicorn's gevent worker takes ~0.33 ms on this machine (an empty app, wrk c=1),
+and a lookup costs less than either (docs/benchmarks-notes.md "Per-request cost").
+
+Every request body is read here first, within ``max_body_bytes`` (413) and ``body_timeout_s``
+(408), as :class:`app.body.RequestBody` does for WSGI. A lookup answered from the controller's
+cached reads does no I/O, so it runs in the loop; one that must ask Redis (``lookup_cache:
+off``, Redis Cluster, Sentinel) and every explain run in the thread pool, so a slow round trip
+never holds the other connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from a2wsgi import WSGIMiddleware
+from flask import Flask
+
+from app.errors import ApiError, json_bytes
+from app.lookup import EXPLAIN_PATH, LookupRoute
+
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+#: Threads per worker process for the Flask app (control calls may wait on a slow LMCache
+#: worker for ``control_timeout_s``) and for lookups that need Redis round trips.
+THREADS = 16
+
+
+class AsgiController:
+    """ASGI app around ``flask_app`` (built by :func:`app.create_app`, which holds the route).
+
+    max_bytes / timeout_s: body limits (``max_body_bytes``, ``body_timeout_s``). Lifespan
+    events are acknowledged; websockets are refused.
+    """
+
+    def __init__(self, flask_app: Flask, route: LookupRoute, max_bytes: int, timeout_s: float):
+        self.route = route
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.wsgi = WSGIMiddleware(flask_app.wsgi_app, workers=THREADS)
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        if scope["type"] != "http":
+            return None
+        try:
+            data = await self.read(scope, receive)
+        except ApiError as exc:
+            return await send_json(send, exc.status, {"error": exc.message})
+        path = scope["path"]
+        if not self.route.serves(path):
+            return await self.wsgi(_with_length(scope, len(data)), _replay(data), send)
+        keep: dict = {}
+        args = (path, scope["method"], scope["query_string"].decode("latin-1"), data, keep)
+        if path != EXPLAIN_PATH and self.route.client.store.reads_locally():
+            status, body, headers = self.route.respond(*args)
+        else:
+            status, body, headers = await asyncio.get_running_loop().run_in_executor(
+                self.wsgi.executor, self.route.respond, *args)
+        await send_json(send, status, body, headers)
+        keep.clear()  # the decoded request goes after the answer is out
+
+    async def read(self, scope: dict, receive: Receive) -> bytes:
+        """The whole body; ApiError 400 (bad Content-Length), 408 (too slow), 413 (too large)."""
+        length = _header(scope, b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                raise ApiError(400, "Content-Length is not a number") from None
+            if declared > self.max_bytes:
+                raise ApiError(413, "request body too large")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        break
+                    chunk = msg.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise ApiError(413, "request body too large")
+                    chunks.append(chunk)
+                    if not msg.get("more_body"):
+                        break
+        except TimeoutError:
+            raise ApiError(408, f"request body not received within {self.timeout_s:g} s") from None
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def send_json(send: Send, status: int, body: dict | None, headers: list[tuple[str, str]] | None = None) -> None:
+    """Answer with ``body`` as JSON (``None``: no body, the headers given name its length)."""
+    data = b"" if body is None else json_bytes(body)
+    head = [(b"content-type", b"application/json")] if body is not None else []
+    if body is not None:
+        head.append((b"content-length", str(len(data)).encode()))
+    head += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers or ()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _header(scope: dict, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+def _with_length(scope: dict, length: int) -> dict:
+    """``scope`` with its body's length declared (a chunked body was read whole already)."""
+    headers = [h for h in scope["headers"] if h[0] not in (b"content-length", b"transfer-encoding")]
+    return {**scope, "headers": [*headers, (b"content-length", str(length).encode())]}
+
+
+def _replay(data: bytes) -> Receive:
+    """A ``receive`` that hands ``data`` (the body already read) to the WSGI bridge at once."""
+    pending = [data]
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": pending.pop() if pending else b"", "more_body": False}
+
+    return receive
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
