@@ -34,7 +34,7 @@ class CompareConfig:
     load_sample: int = 400         # distinct prompts cycled by the load generator
     concurrencies: tuple[int, ...] = (1, 4, 16)
     duration_s: float = 6.0
-    kv_configs: tuple[str, ...] = ("gevent:2",)   # gunicorn <worker class>:<workers>[x<threads>]
+    kv_configs: tuple[str, ...] = ("uvicorn:2",)   # gunicorn <worker class>:<workers>[x<threads>]
     lmcache_venv: str | None = None
     create_venv: bool = False
 

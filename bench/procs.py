@@ -96,17 +96,17 @@ class Procs:
                           "--log-level", "WARNING"])
         return pull, reply
 
-    def start_controller(self, redis_url: str, conf: str = "gevent:2") -> str:
+    def start_controller(self, redis_url: str, conf: str = "uvicorn:2", name: str = "kvlookup-controller") -> str:
         """``kvlookup controller`` (gunicorn) in config ``conf`` (see :func:`gunicorn_conf`); returns
         its base URL once /health answers."""
         worker_class, workers, threads = gunicorn_conf(conf)
         port = free_port()
-        self.spawn("kvlookup-controller", [
+        self.spawn(name, [
             sys.executable, "-m", "kvlookup", "controller", "--redis-url", redis_url, "--port", str(port),
             "--worker-class", worker_class, "--workers", str(workers), "--threads", str(threads),
             "--instance-ttl", "0", "--log-level", "WARNING", "--lookup-response", "layout_info"])
         url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", "kvlookup-controller", self)
+        wait_http(url + "/health", name, self)
         return url
 
     def start_lmcache(self, python: Path) -> tuple[str, str, str]:

@@ -184,8 +184,8 @@ def markdown(res: dict, images: list[str], results_path: Path) -> str:
                   f"{lp['mean_tokens']:,} tokens, max {lp['max_tokens']:,}), `POST /lookup`, keep-alive "
                   f"`http.client` threads in a separate process, {c['duration_s']} s per point after 0.5 s "
                   "warm-up, targets alternating who goes first. LMCache runs its stock single uvicorn process; "
-                  "kvlookup under gunicorn as `<worker class>:<workers>[x<threads>]` (gevent, the default; gthread; "
-                  "sync, which closes each connection).",
+                  "kvlookup under gunicorn as `<worker class>:<workers>[x<threads>]` (uvicorn, the default; "
+                  "gevent; gthread; sync, which closes each connection).",
                   "",
                   _table(["target", "concurrency", "req/s", "p50 ms", "p99 ms", "errors"],
                          [["LMCache 0.5.6" if r["target"] == "lmcache" else f"kvlookup {r['gunicorn']}",
@@ -325,16 +325,21 @@ def _cluster_section(cl: dict | None) -> list[str]:
 def _wrk_section(wk: dict | None) -> list[str]:
     if not wk:
         return []
+    ref = wk.get("reference")
     rows = [[f"{r['tokens']:,}", r["concurrency"], f"{r['kvlookup']['req_s']:,}", f"{r['lmcache']['req_s']:,}",
              f"{r['throughput_ratio']}x", f"{r['kvlookup']['p50_ms']} / {r['kvlookup']['p99_ms']}",
-             f"{r['lmcache']['p50_ms']} / {r['lmcache']['p99_ms']}"] for r in wk["rows"]]
+             f"{r['lmcache']['p50_ms']} / {r['lmcache']['p99_ms']}",
+             *([f"{r['reference']['req_s']:,} ({r['reference']['p99_ms']})"] if ref else [])] for r in wk["rows"]]
+    ref_txt = (f" The last column is kvlookup under gunicorn {ref} on the same Redis, measured at the same "
+               f"points: req/s (p99 ms).") if ref else ""
     return ["## Per-request cost at every prompt length (wrk)", "",
             f"wrk (Debian's C load generator, so the client is not the bottleneck) against kvlookup (gunicorn "
-            f"{wk['gunicorn']}) and LMCache 0.5.6's `lmcache_controller` in turn, {wk['seconds']} s per point; both "
-            f"fed the same 0.5.6 worker traffic: {wk['instances']} instances, instance i holding the first "
-            f"(i + 1)/{wk['instances']} of every prompt (bench/wrkload.py).", "",
+            f"{wk['gunicorn']}, the default) and LMCache 0.5.6's `lmcache_controller` in turn, {wk['seconds']} s per "
+            f"point; both fed the same 0.5.6 worker traffic: {wk['instances']} instances, instance i holding the "
+            f"first (i + 1)/{wk['instances']} of every prompt (bench/wrkload.py).{ref_txt}", "",
             _table(["prompt tokens", "concurrency", "kvlookup req/s", "LMCache req/s", "ratio",
-                    "kvlookup p50 / p99 ms", "LMCache p50 / p99 ms"], rows), ""]
+                    "kvlookup p50 / p99 ms", "LMCache p50 / p99 ms", *([f"{ref} req/s (p99 ms)"] if ref else [])],
+                   rows), ""]
 
 
 def render(res: dict, results_path: Path) -> Path:

@@ -23,7 +23,7 @@ RESULTS = REPO / "bench" / "results"
 
 QUICK = {
     "compare": dict(requests=1500, instances=4, cpu_chunks=2048, disk_chunks=4096, agree_sample=200,
-                    load_sample=100, concurrencies=(1, 4, 16), duration_s=2.0, kv_configs=("gevent:2",)),
+                    load_sample=100, concurrencies=(1, 4, 16), duration_s=2.0, kv_configs=("uvicorn:2",)),
     "ingest": dict(workers=4, ops_per_worker=50_000, pushers=2),
     "memory": dict(records=100_000, holder_counts=(1, 4)),
     "sweeps": dict(lengths=(1024, 32768, 131072), instance_counts=(1, 8, 64), index_sizes=(10_000, 100_000),
@@ -37,7 +37,7 @@ QUICK = {
 FULL = {
     "compare": dict(requests=12031, instances=8, cpu_chunks=8192, disk_chunks=24576, agree_sample=1500,
                     load_sample=400, concurrencies=(1, 4, 16), duration_s=6.0,
-                    kv_configs=("gevent:2", "gthread:2x4", "sync:2")),
+                    kv_configs=("uvicorn:2", "gevent:2", "gthread:2x4", "sync:2")),
     "ingest": dict(workers=4, ops_per_worker=250_000, pushers=2),
     "memory": dict(records=1_000_000, holder_counts=(1, 2, 4)),
     "sweeps": dict(lengths=(1024, 4096, 16384, 32768, 65536, 131072), instance_counts=(1, 4, 8, 16, 64),

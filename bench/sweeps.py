@@ -80,7 +80,7 @@ class Point:
 
 def run(lengths=(1024, 4096, 16384, 32768, 65536, 131072), instance_counts=(1, 4, 8, 16, 64),
         index_sizes=(10_000, 100_000, 1_000_000, 10_000_000), seconds: float = 2.0,
-        gunicorn: str = "gevent:2") -> dict:
+        gunicorn: str = "uvicorn:2") -> dict:
     out: dict = {"seconds_per_point": seconds, "gunicorn": gunicorn}
     with Procs() as procs:
         url = procs.start_redis()

@@ -60,7 +60,10 @@ def feed_prompts(pull: str, reply: str, prompts: list[list[int]], instances: int
 
 
 def run(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds: float = 5.0, instances: int = 8,
-        kv_conf: str = "gevent:2", lmcache_venv: str | None = None) -> dict:
+        kv_conf: str = "uvicorn:2", reference_conf: str | None = "gevent:2", lmcache_venv: str | None = None) -> dict:
+    """Every (length, concurrency) point: kvlookup in ``kv_conf`` (the default workers) and
+    LMCache in turn, alternating who goes first; ``reference_conf`` (another worker class of
+    kvlookup, on the same Redis) is measured at each point too, to show what the default wins."""
     if not shutil.which("wrk"):
         raise FileNotFoundError("wrk is not installed (apt-get install wrk)")
     py = lmcache_python(lmcache_venv)
@@ -74,6 +77,9 @@ def run(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds: float
         kv_redis = procs.start_redis()
         kv_pull, kv_reply = procs.start_sidecar(kv_redis)
         kv_url = procs.start_controller(kv_redis, kv_conf)
+        ref_url = None
+        if reference_conf:
+            ref_url = procs.start_controller(kv_redis, reference_conf, name="kvlookup-reference")
         ws = feed_prompts(lm_pull, lm_reply, list(prompts.values()), instances)
         ws += feed_prompts(kv_pull, kv_reply, list(prompts.values()), instances)
         time.sleep(3)
@@ -84,6 +90,8 @@ def run(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds: float
                 order = [("lmcache", lm_url), ("kvlookup", kv_url)]
                 if c % 2:
                     order.reverse()
+                if ref_url:
+                    order.insert(1, ("reference", ref_url))
                 res = {name: wrk(url, body, c, seconds, procs.tmp) for name, url in order}
                 row = {"tokens": n, "concurrency": c, **res,
                        "throughput_ratio": round(res["kvlookup"]["req_s"] / max(res["lmcache"]["req_s"], 1), 2),
@@ -94,7 +102,8 @@ def run(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds: float
                               f"(p50 {res['lmcache']['p50_ms']} ms): {row['throughput_ratio']}x")
         for w in ws:
             w.close()
-    return {"gunicorn": kv_conf, "instances": instances, "seconds": seconds, "rows": rows}
+    return {"gunicorn": kv_conf, "reference": reference_conf, "instances": instances, "seconds": seconds,
+            "rows": rows}
 
 
 if __name__ == "__main__":

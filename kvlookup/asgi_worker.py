@@ -32,7 +32,12 @@ class JsonErrorsProtocol(HttpToolsProtocol):
 
 class UvicornWorker(_UvicornWorker):
     """``worker_class = "kvlookup.asgi_worker.UvicornWorker"``: uvloop, httptools, no access
-    log, no lifespan, no ``server`` header."""
+    log, no lifespan, no ``server`` header, gunicorn's ``worker_connections`` as the limit."""
 
     CONFIG_KWARGS = {"loop": "uvloop", "http": JsonErrorsProtocol, "lifespan": "off", "access_log": False,
                      "server_header": False, "ws": "none"}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # at most gunicorn's worker_connections (1,000) connections and requests; uvicorn answers 503 beyond
+        self.config.limit_concurrency = self.cfg.worker_connections
