@@ -21,6 +21,7 @@ docs/benchmarks-notes.md); every other path goes on to Flask. Errors keep the AP
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -30,7 +31,7 @@ import msgspec
 import redis
 
 from app.errors import ApiError, decode_body, send_json
-from kvlookup import fleet_metrics, metrics
+from kvlookup import fleet_metrics
 from kvlookup.client import Client, InstanceMatch, TokenId, new_event_id
 
 log = logging.getLogger(__name__)
@@ -147,14 +148,21 @@ class LookupRoute:
             matches = self.client.matches(req.tokens, validate=False, lora_name=req.lora_name,
                                           cache_salt=req.cache_salt, causes=causes)
         except redis.RedisError as exc:
-            metrics.LOOKUPS.labels("redis_error").inc()
+            _child(fleet_metrics.LOOKUPS, "redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None
         body = response_body(matches, fmt, detail_arg in TRUE)
-        metrics.LOOKUPS.labels("hit" if matches else "miss").inc()
         if matches:
-            fleet_metrics.OUTCOMES.labels("hit", "hit").inc()
+            _child(fleet_metrics.LOOKUPS, "hit").inc()
+            _child(fleet_metrics.OUTCOMES, "hit", "hit").inc()
         else:
-            fleet_metrics.OUTCOMES.labels("miss", causes[0] or "unclassified").inc()
-        metrics.LOOKUP_SECONDS.observe(time.perf_counter() - start)
-        metrics.LOOKUP_MATCHED_TOKENS.observe(matches[0].matched_prefix_length if matches else 0)
+            _child(fleet_metrics.LOOKUPS, "miss").inc()
+            _child(fleet_metrics.OUTCOMES, "miss", causes[0] or "unclassified").inc()
+        fleet_metrics.LOOKUP_SECONDS.observe(time.perf_counter() - start)
+        fleet_metrics.LOOKUP_MATCHED_TOKENS.observe(matches[0].matched_prefix_length if matches else 0)
         return body, req
+
+
+@functools.cache
+def _child(metric, *labels: str):
+    """``metric.labels(*labels)``, kept (a lookup counts twice; the label sets are few)."""
+    return metric.labels(*labels)

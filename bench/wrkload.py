@@ -20,6 +20,9 @@ from bench.procs import Procs, lmcache_python
 from kvlookup.hashing import HashProfile
 from kvlookup.workersim import WorkerSim
 
+#: Seconds of load on each target before each measured point (not counted).
+WARMUP_S = 1.0
+
 LUA = """wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 local f = io.open("{body}", "rb"); wrk.body = f:read("*a"); f:close()
@@ -92,6 +95,8 @@ def run(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds: float
                     order.reverse()
                 if ref_url:
                     order.insert(1, ("reference", ref_url))
+                for _name, url in order:  # warm every worker's copies and connections first
+                    wrk(url, body, c, WARMUP_S, procs.tmp)
                 res = {name: wrk(url, body, c, seconds, procs.tmp) for name, url in order}
                 row = {"tokens": n, "concurrency": c, **res,
                        "throughput_ratio": round(res["kvlookup"]["req_s"] / max(res["lmcache"]["req_s"], 1), 2),

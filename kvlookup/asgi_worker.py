@@ -32,10 +32,11 @@ class JsonErrorsProtocol(HttpToolsProtocol):
 
 class UvicornWorker(_UvicornWorker):
     """``worker_class = "kvlookup.asgi_worker.UvicornWorker"``: uvloop, httptools, no access
-    log, no lifespan, no ``server`` header, gunicorn's ``worker_connections`` as the limit."""
+    log, no lifespan, no ``server`` header, no proxy headers (the API never uses the client's
+    address), gunicorn's ``worker_connections`` as the limit."""
 
     CONFIG_KWARGS = {"loop": "uvloop", "http": JsonErrorsProtocol, "lifespan": "off", "access_log": False,
-                     "server_header": False, "ws": "none"}
+                     "server_header": False, "ws": "none", "proxy_headers": False}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
