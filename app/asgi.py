@@ -66,7 +66,8 @@ class AsgiController:
             status, body, headers = await asyncio.get_running_loop().run_in_executor(
                 self.wsgi.executor, self.route.respond, *args)
         await send_json(send, status, body, headers)
-        keep.clear()  # the decoded request goes after the answer is out
+        self.route.count(keep)  # counted, and the decoded request freed, after the answer is out
+        keep.clear()
 
     async def read(self, scope: dict, receive: Receive) -> bytes:
         """The whole body; ApiError 400 (bad Content-Length), 408 (too slow), 413 (too large)."""

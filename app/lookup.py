@@ -41,6 +41,7 @@ EXPLAIN_PATH = "/lookup/explain"
 ALLOW = "OPTIONS, POST"
 FORMATS = ("flat", "layout_info")
 REQUEST_KEY = "kvlookup.request"
+COUNT_KEY = "kvlookup.count"
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -92,6 +93,7 @@ class LookupRoute:
             return self.app(environ, start_response)
         status, body, headers = self.respond(path, environ.get("REQUEST_METHOD", ""),
                                              environ.get("QUERY_STRING", ""), environ["wsgi.input"].read(), environ)
+        self.count(environ)
         if body is None:
             start_response("200 OK", headers)
             return []
@@ -106,7 +108,8 @@ class LookupRoute:
         """One request to ``path`` (PATH or EXPLAIN_PATH): ``(status, JSON body or None, extra
         headers)``, errors in the API's JSON shape. ``keep`` gets the decoded request under
         :data:`REQUEST_KEY`, for the caller to free after the answer is sent (a 32k-token list
-        takes ~0.3 ms to free). OPTIONS answers the allowed methods; other methods get 405."""
+        takes ~0.3 ms to free), and what :meth:`count` counts. OPTIONS answers the allowed
+        methods; other methods get 405."""
         if method == "OPTIONS":
             return 200, None, [("Allow", ALLOW), ("Content-Length", "0")]
         if method != "POST":
@@ -151,15 +154,26 @@ class LookupRoute:
             _child(fleet_metrics.LOOKUPS, "redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None
         body = response_body(matches, fmt, detail_arg in TRUE)
-        if matches:
+        keep[COUNT_KEY] = (matches[0].matched_prefix_length if matches else -1, causes[0],
+                           time.perf_counter() - start)
+        return body, req
+
+    @staticmethod
+    def count(keep: dict) -> None:
+        """Count the lookup :meth:`respond` answered (the caller does it once the answer is sent,
+        so the metrics' shared-memory writes are not in the lookup's latency)."""
+        outcome = keep.pop(COUNT_KEY, None)
+        if outcome is None:
+            return
+        matched, cause, seconds = outcome
+        if matched >= 0:
             _child(fleet_metrics.LOOKUPS, "hit").inc()
             _child(fleet_metrics.OUTCOMES, "hit", "hit").inc()
         else:
             _child(fleet_metrics.LOOKUPS, "miss").inc()
-            _child(fleet_metrics.OUTCOMES, "miss", causes[0] or "unclassified").inc()
-        fleet_metrics.LOOKUP_SECONDS.observe(time.perf_counter() - start)
-        fleet_metrics.LOOKUP_MATCHED_TOKENS.observe(matches[0].matched_prefix_length if matches else 0)
-        return body, req
+            _child(fleet_metrics.OUTCOMES, "miss", cause or "unclassified").inc()
+        fleet_metrics.LOOKUP_SECONDS.observe(seconds)
+        fleet_metrics.LOOKUP_MATCHED_TOKENS.observe(max(matched, 0))
 
 
 @functools.cache

@@ -74,6 +74,9 @@ def validate_tokens(tokens: object, max_tokens: int | None = None) -> list[int]:
 
 def pick_location(locations: dict[str, int]) -> str:
     """The location holding most tokens; ties by :data:`LOCATION_PRIORITY`, then by name."""
+    if len(locations) == 1:
+        return next(iter(locations))
+
     def rank(item: tuple[str, int]) -> tuple:
         loc, tokens = item
         prio = LOCATION_PRIORITY.index(loc) if loc in LOCATION_PRIORITY else len(LOCATION_PRIORITY)
