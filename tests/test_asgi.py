@@ -1,0 +1,83 @@
+"""The default worker's HTTP front (app.asgi, kvlookup.asgi_worker) through a real gunicorn +
+uvicorn controller: bodies, chunked encoding, the Flask paths behind a2wsgi, errors as JSON."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.conftest import SEED_TOKENS
+from tests.procs import ControllerProc
+from tests.test_e2e import _raw, _response, _seed
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def ctrl(r, redis_args):
+    _seed(r, [8001])
+    proc = ControllerProc(*redis_args, "--workers", "1", "--instance-ttl", "0",
+                          env={"KVLOOKUP_MAX_BODY_BYTES": "4096"})
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def _chunked(path: str, body: bytes, pieces: int = 3) -> bytes:
+    step = max(1, len(body) // pieces)
+    parts = [body[i:i + step] for i in range(0, len(body), step)]
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts)
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode() + chunks + b"0\r\n\r\n"
+
+
+def _json(response: bytes) -> tuple[str, dict]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0].decode(), json.loads(body)
+
+
+def test_chunked_bodies_reach_lookup_and_the_flask_paths(ctrl):
+    status, body = _json(_raw(ctrl.port, _chunked("/lookup?format=layout_info",
+                                                  json.dumps({"tokens": SEED_TOKENS}).encode())))
+    assert status == "HTTP/1.1 200 OK"
+    assert body["layout_info"] == {"inst": ["LocalCPUBackend", 12]}
+    status, body = _json(_raw(ctrl.port, _chunked("/query_instance", b'{"ip": "127.0.0.1", "port": 8001}')))
+    assert status == "HTTP/1.1 200 OK" and body["res"] == "inst"
+
+
+def test_errors_are_json(ctrl):
+    status, body = _json(_raw(ctrl.port, b"GARBAGE\r\n\r\n"))
+    assert status == "HTTP/1.1 400 Bad Request"
+    assert body == {"error": "malformed HTTP request (bad request line, header or chunked encoding)"}
+    big = b'{"tokens": [' + b"1, " * 2000 + b"1]}"
+    status, body = _json(_raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                              % (len(big), big)))
+    assert (status, body) == ("HTTP/1.1 413 Request Entity Too Large", {"error": "request body too large"})
+    status, body = _json(_raw(ctrl.port, _chunked("/lookup", big, pieces=8)))  # no length declared
+    assert (status, body) == ("HTTP/1.1 413 Request Entity Too Large", {"error": "request body too large"})
+    status, body = _json(_raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n[1, 2, 3]"))
+    assert status == "HTTP/1.1 400 Bad Request"
+    assert body == {"error": "invalid request: Expected `object`, got `array`"}
+    resp = ctrl.session.get(ctrl.http + "/lookup", timeout=5)
+    assert (resp.status_code, resp.json(), resp.headers["Allow"]) == (
+        405, {"error": "The method is not allowed for the requested URL."}, "OPTIONS, POST")
+    resp = ctrl.session.options(ctrl.http + "/lookup", timeout=5)
+    assert (resp.status_code, resp.headers["Allow"], resp.content) == (200, "OPTIONS, POST", b"")
+    assert ctrl.session.get(ctrl.http + "/nope", timeout=5).json() == {
+        "error": "The requested URL was not found on the server. If you entered the URL manually please check "
+                 "your spelling and try again."}
+
+
+def test_keep_alive_connection_serves_lookups_back_to_back(ctrl):
+    body = json.dumps({"tokens": SEED_TOKENS}).encode()
+    request = b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    with socket.create_connection(("127.0.0.1", ctrl.port), timeout=5) as s:
+        answers = []
+        for _ in range(50):
+            s.sendall(request)
+            answers.append(_json(_response(s)))
+    assert {(st, json.dumps({k: v for k, v in b.items() if k != "event_id"})) for st, b in answers} == {
+        ("HTTP/1.1 200 OK", '{"inst": ["LocalCPUBackend", 12]}')}
