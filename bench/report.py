@@ -334,9 +334,10 @@ def _wrk_section(wk: dict | None) -> list[str]:
                f"points: req/s (p99 ms).") if ref else ""
     return ["## Per-request cost at every prompt length (wrk)", "",
             f"wrk (Debian's C load generator, so the client is not the bottleneck) against kvlookup (gunicorn "
-            f"{wk['gunicorn']}, the default) and LMCache 0.5.6's `lmcache_controller` in turn, {wk['seconds']} s per "
-            f"point; both fed the same 0.5.6 worker traffic: {wk['instances']} instances, instance i holding the "
-            f"first (i + 1)/{wk['instances']} of every prompt (bench/wrkload.py).{ref_txt}", "",
+            f"{wk['gunicorn']}, the default) and LMCache 0.5.6's `lmcache_controller` in turn, {wk.get('rounds', 1)} "
+            f"rounds of {wk['seconds']} s per point (each target's median round; 1 s of warm-up first); both "
+            f"fed the same 0.5.6 worker traffic: {wk['instances']} instances, instance i holding the first "
+            f"(i + 1)/{wk['instances']} of every prompt (bench/wrkload.py).{ref_txt}", "",
             _table(["prompt tokens", "concurrency", "kvlookup req/s", "LMCache req/s", "ratio",
                     "kvlookup p50 / p99 ms", "LMCache p50 / p99 ms", *([f"{ref} req/s (p99 ms)"] if ref else [])],
                    rows), ""]

@@ -31,7 +31,7 @@ QUICK = {
     "stages": dict(lengths=(1024, 32768), seconds=1.0),
     "cluster": dict(lengths=(1024, 32768), seconds=0.5, sidecar_counts=(1, 2), ops_per_sidecar=20_000,
                     trace_requests=300),
-    "wrk": dict(lengths=(12, 32768), concurrencies=(1, 16), seconds=2.0),
+    "wrk": dict(lengths=(12, 32768), concurrencies=(1, 16), seconds=1.0, rounds=1),
     "purge": dict(records=200_000),
 }
 FULL = {
@@ -45,7 +45,7 @@ FULL = {
     "stages": dict(lengths=(1024, 11264, 32768), seconds=3.0),
     "cluster": dict(lengths=(1024, 32768, 131072), seconds=3.0, sidecar_counts=(1, 2, 4), ops_per_sidecar=200_000,
                     trace_requests=4000),
-    "wrk": dict(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds=5.0),
+    "wrk": dict(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds=2.0, rounds=3),
     "purge": dict(records=1_000_000),
 }
 PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk")
