@@ -59,7 +59,9 @@ class AsgiController:
         if not self.route.serves(path):
             return await self.wsgi(_with_length(scope, len(data)), _replay(data), send)
         keep: dict = {}
-        args = (path, scope["method"], scope["query_string"].decode("latin-1"), data, keep)
+        ctype = _header(scope, b"content-type")
+        args = (path, scope["method"], scope["query_string"].decode("latin-1"), data, keep,
+                ctype.decode("latin-1") if ctype else "")
         if path != EXPLAIN_PATH and self.route.client.store.reads_locally():
             status, body, headers = self.route.respond(*args)
         else:

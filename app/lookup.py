@@ -1,7 +1,9 @@
 """``POST /lookup``: which instance holds the longest prefix of a prompt, and where.
 
 Request ``{"tokens": [int, ...], "lora_name"?: str, "cache_salt"?: str}`` (the last two select
-the namespace of vLLM blocks: a LoRA adapter, vLLM's per-request cache salt).
+the namespace of vLLM blocks: a LoRA adapter, vLLM's per-request cache salt), as JSON (LMCache's
+contract), MessagePack (``application/msgpack``) or, for routers that tokenize anyway, the token
+ids packed as little-endian uint32 (``application/octet-stream``; the namespace in the query).
 Response (``lookup_response: flat``, the default)::
 
     {"event_id": "Lookup<uuid4>", "<instance_id>": ["<location>", <matched_prefix_length>], ...}
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from urllib.parse import parse_qs
 
@@ -51,12 +55,51 @@ class LookupRequest(msgspec.Struct):
     cache_salt: str | None = None
 
 
-def parse_request(body: bytes, max_tokens: int) -> LookupRequest:
-    """Validate a /lookup body; raises ApiError 400 naming the problem, 413 when too long."""
-    req = decode_body(body, LookupRequest)
+#: Body types /lookup reads (``Content-Type``; anything else is read as JSON, LMCache's contract).
+MSGPACK = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+RAW_UINT32 = "application/octet-stream"
+
+
+def parse_request(body: bytes, max_tokens: int, content_type: str = "",
+                  query: dict[str, list[str]] | None = None) -> LookupRequest:
+    """Validate a /lookup body; raises ApiError 400 naming the problem, 413 when too long.
+
+    content_type: ``application/json`` (or none: LMCache's JSON object), ``application/msgpack``
+    (the same object in MessagePack), ``application/octet-stream`` (the token ids as packed
+    little-endian uint32, 4 bytes each, for routers that tokenize anyway: no per-id parsing;
+    ``lora_name`` / ``cache_salt`` then come from the query string).
+    """
+    kind = content_type.partition(";")[0].strip().lower()
+    if kind == RAW_UINT32:
+        req = _raw_uint32(body, query or {})
+    elif kind in MSGPACK:
+        req = _msgpack(body)
+    else:
+        req = decode_body(body, LookupRequest)
     if len(req.tokens) > max_tokens:
         raise ApiError(413, f"'tokens' has {len(req.tokens)} ids, more than the maximum {max_tokens}")
     return req
+
+
+def _raw_uint32(body: bytes, query: dict[str, list[str]]) -> LookupRequest:
+    if len(body) % 4:
+        raise ApiError(400, f"an application/octet-stream body is packed uint32 token ids: {len(body)} bytes "
+                            "is not a multiple of 4")
+    ids = array("I")
+    ids.frombytes(body)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return LookupRequest(ids.tolist(), query.get("lora_name", [None])[0] or None,
+                         query.get("cache_salt", [None])[0] or None)
+
+
+def _msgpack(body: bytes) -> LookupRequest:
+    try:
+        return msgspec.msgpack.decode(body, type=LookupRequest)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"body is not valid MessagePack: {exc}") from None
 
 
 def response_body(matches: list[InstanceMatch], fmt: str, detail: bool) -> dict:
@@ -92,7 +135,8 @@ class LookupRoute:
         if not self.serves(path):
             return self.app(environ, start_response)
         status, body, headers = self.respond(path, environ.get("REQUEST_METHOD", ""),
-                                             environ.get("QUERY_STRING", ""), environ["wsgi.input"].read(), environ)
+                                             environ.get("QUERY_STRING", ""), environ["wsgi.input"].read(), environ,
+                                             environ.get("CONTENT_TYPE", ""))
         self.count(environ)
         if body is None:
             start_response("200 OK", headers)
@@ -103,8 +147,8 @@ class LookupRoute:
         """Is ``path`` answered here (not by the Flask app)?"""
         return path == PATH or (path == EXPLAIN_PATH and self.explainer is not None)
 
-    def respond(self, path: str, method: str, query_string: str, data: bytes,
-                keep: dict) -> tuple[int, dict | None, list[tuple[str, str]]]:
+    def respond(self, path: str, method: str, query_string: str, data: bytes, keep: dict,
+                content_type: str = "") -> tuple[int, dict | None, list[tuple[str, str]]]:
         """One request to ``path`` (PATH or EXPLAIN_PATH): ``(status, JSON body or None, extra
         headers)``, errors in the API's JSON shape. ``keep`` gets the decoded request under
         :data:`REQUEST_KEY`, for the caller to free after the answer is sent (a 32k-token list
@@ -115,7 +159,7 @@ class LookupRoute:
         if method != "POST":
             return 405, {"error": "The method is not allowed for the requested URL."}, [("Allow", ALLOW)]
         try:
-            body, req = self._lookup(query_string, data, keep)
+            body, req = self._lookup(query_string, data, keep, content_type)
             if path == EXPLAIN_PATH:
                 body = self.explain(req, body)
             return 200, body, []
@@ -135,7 +179,7 @@ class LookupRoute:
         fleet_metrics.EXPLAINED.labels(out["cause"]).inc()
         return out
 
-    def _lookup(self, query_string: str, data: bytes, keep: dict) -> tuple[dict, LookupRequest]:
+    def _lookup(self, query_string: str, data: bytes, keep: dict, content_type: str) -> tuple[dict, LookupRequest]:
         query = parse_qs(query_string, keep_blank_values=True) if query_string else {}
         fmt = query.get("format", [self.default_format])[0]
         if fmt not in FORMATS:
@@ -143,7 +187,7 @@ class LookupRoute:
         detail_arg = query.get("detail", ["0"])[0].lower()
         if detail_arg not in TRUE + FALSE:
             raise ApiError(400, "query parameter 'detail' must be 1/true/yes/on or 0/false/no/off")
-        req = parse_request(data, self.max_tokens)
+        req = parse_request(data, self.max_tokens, content_type, query)
         keep[REQUEST_KEY] = req  # freed by the caller once the answer is sent
         start = time.perf_counter()
         causes: list[str] = []

@@ -22,6 +22,8 @@ from kvlookup.workersim import WorkerSim
 
 #: Seconds of load on each target before each measured point (not counted).
 WARMUP_S = 1.0
+#: Seconds of load on each target before the first point.
+FIRST_WARMUP_S = 3.0
 
 LUA = """wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
@@ -89,6 +91,10 @@ def run(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds: float
         ws = feed_prompts(lm_pull, lm_reply, list(prompts.values()), instances)
         ws += feed_prompts(kv_pull, kv_reply, list(prompts.values()), instances)
         time.sleep(3)
+        first = procs.tmp / "warmup.json"
+        first.write_text(json.dumps({"tokens": next(iter(prompts.values()))}))
+        for url in filter(None, (lm_url, kv_url, ref_url)):  # fresh processes: their first seconds are slow
+            wrk(url, first, 1, FIRST_WARMUP_S, procs.tmp)
         for n, tokens in prompts.items():
             body = procs.tmp / f"body{n}.json"
             body.write_text(json.dumps({"tokens": tokens}))

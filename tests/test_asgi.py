@@ -81,3 +81,12 @@ def test_keep_alive_connection_serves_lookups_back_to_back(ctrl):
             answers.append(_json(_response(s)))
     assert {(st, json.dumps({k: v for k, v in b.items() if k != "event_id"})) for st, b in answers} == {
         ("HTTP/1.1 200 OK", '{"inst": ["LocalCPUBackend", 12]}')}
+
+
+def test_packed_uint32_body_through_the_server(ctrl):
+    import struct
+
+    resp = ctrl.session.post(ctrl.http + "/lookup", data=struct.pack(f"<{len(SEED_TOKENS)}I", *SEED_TOKENS),
+                             headers={"Content-Type": "application/octet-stream"}, timeout=5)
+    assert resp.status_code == 200
+    assert {k: v for k, v in resp.json().items() if k != "event_id"} == {"inst": ["LocalCPUBackend", 12]}

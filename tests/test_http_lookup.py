@@ -149,3 +149,43 @@ def test_health_when_redis_is_down(make_app):
                                ("get", "/controller/key-stats", None)]:
         resp = getattr(http, method)(path, json=body)
         assert resp.status_code == 503 and resp.get_json()["error"].startswith("index unavailable: "), path
+
+
+def _without_event_id(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k != "event_id"}
+
+
+def test_binary_bodies_answer_as_json_does(http):
+    """application/msgpack (the same object) and application/octet-stream (packed little-endian
+    uint32 ids) give the JSON answer; a raw body's namespace comes from the query string."""
+    import struct
+
+    import msgpack
+
+    from app.lookup import parse_request
+
+    raw = struct.pack(f"<{len(SEED_TOKENS)}I", *SEED_TOKENS)
+    answers = []
+    for ctype, data in (("application/json", json.dumps({"tokens": SEED_TOKENS})),
+                        ("application/msgpack", msgpack.packb({"tokens": SEED_TOKENS})),
+                        ("application/octet-stream", raw)):
+        resp = http.post("/lookup", data=data, headers={"Content-Type": ctype})
+        answers.append((resp.status_code, _without_event_id(resp.get_json())))
+    assert answers == [(200, {"lmcache_default_instance": ["LocalCPUBackend", 12]})] * 3
+    req = parse_request(raw, 100, "application/octet-stream", {"lora_name": ["sql"], "cache_salt": ["s1"]})
+    assert (req.tokens, req.lora_name, req.cache_salt) == (SEED_TOKENS, "sql", "s1")
+    big = struct.pack("<2I", 2**32 - 1, 0)
+    assert parse_request(big, 100, "application/octet-stream; charset=binary").tokens == [2**32 - 1, 0]
+
+
+@pytest.mark.parametrize(("ctype", "data", "status", "error"), [
+    ("application/octet-stream", b"\x01\x00\x00", 400,
+     "an application/octet-stream body is packed uint32 token ids: 3 bytes is not a multiple of 4"),
+    ("application/octet-stream", b"\x00" * 4 * 11, 413, "'tokens' has 11 ids, more than the maximum 10"),
+    ("application/msgpack", b"\xc1", 400, "body is not valid MessagePack: MessagePack data is malformed: "
+                                          "invalid opcode '\\xc1' (byte 0)"),
+    ("application/msgpack", b"\x81\xa6tokens\x91\xff", 400, "invalid request: Expected `int` >= 0 - at `$.tokens[0]`"),
+])
+def test_bad_binary_bodies_name_the_problem(make_app, ctype, data, status, error):
+    resp = make_app(max_tokens=10).post("/lookup", data=data, headers={"Content-Type": ctype})
+    assert (resp.status_code, resp.get_json()) == (status, {"error": error})
