@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from a2wsgi import WSGIMiddleware
 from flask import Flask
 
+from app.body import declared_length
 from app.errors import ApiError, json_bytes
 from app.lookup import EXPLAIN_PATH, LookupRoute
 
@@ -75,12 +76,7 @@ class AsgiController:
         """The whole body; ApiError 400 (bad Content-Length), 408 (too slow), 413 (too large)."""
         length = _header(scope, b"content-length")
         if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                raise ApiError(400, "Content-Length is not a number") from None
-            if declared > self.max_bytes:
-                raise ApiError(413, "request body too large")
+            declared_length(length, self.max_bytes)
         chunks: list[bytes] = []
         size = 0
         try:

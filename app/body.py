@@ -49,13 +49,7 @@ class RequestBody:
         """The body; ApiError 400 (bad length, malformed chunks), 408 (too slow), 413 (too large)."""
         length = environ.get("CONTENT_LENGTH")
         if length:
-            try:
-                n = int(length)
-            except ValueError:
-                raise ApiError(400, "Content-Length is not a number") from None
-            if n > self.max_bytes:
-                raise ApiError(413, "request body too large")
-            size = max(n, 0)
+            size = declared_length(length, self.max_bytes)
         elif environ.get("wsgi.input_terminated"):
             size = self.max_bytes + 1  # chunked: the server ends the stream (gunicorn sets the flag)
         else:
@@ -68,6 +62,18 @@ class RequestBody:
         if len(data) > self.max_bytes:
             raise ApiError(413, "request body too large")
         return data
+
+
+def declared_length(length: str | bytes, max_bytes: int) -> int:
+    """A Content-Length value as bytes to read (negative: 0); ApiError 400 when it is not a
+    number, 413 when it is over ``max_bytes``."""
+    try:
+        n = int(length)
+    except ValueError:
+        raise ApiError(400, "Content-Length is not a number") from None
+    if n > max_bytes:
+        raise ApiError(413, "request body too large")
+    return max(n, 0)
 
 
 def _deadline(seconds: float) -> AbstractContextManager:

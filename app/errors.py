@@ -23,22 +23,24 @@ class ApiError(Exception):
         self.message = message
 
 
-def decode_body(body: bytes, model: type):
-    """A JSON request body decoded and validated as ``model`` (a msgspec Struct).
+def decode_body(body: bytes, model: type, codec: str = "JSON"):
+    """A request body decoded and validated as ``model`` (a msgspec Struct); codec: ``JSON`` or
+    ``MessagePack``.
 
-    Raises ApiError 400 naming the bad field (msgspec's ``$.field`` path), the JSON error, or
+    Raises ApiError 400 naming the bad field (msgspec's ``$.field`` path), the decode error, or
     a nesting too deep to decode.
     """
     if not body.strip():
-        raise ApiError(400, "body is not valid JSON: the body is empty (expected a JSON object)")
+        raise ApiError(400, f"body is not valid {codec}: the body is empty (expected a {codec} object)")
+    decode = msgspec.msgpack.decode if codec == "MessagePack" else msgspec.json.decode
     try:
-        return msgspec.json.decode(body, type=model)
+        return decode(body, type=model)
     except msgspec.ValidationError as exc:
         raise ApiError(400, f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise ApiError(400, f"body is not valid JSON: {exc}") from None
+        raise ApiError(400, f"body is not valid {codec}: {exc}") from None
     except RecursionError:
-        raise ApiError(400, "body is not valid JSON: nested too deeply") from None
+        raise ApiError(400, f"body is not valid {codec}: nested too deeply") from None
 
 
 _encoder = msgspec.json.Encoder()

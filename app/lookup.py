@@ -73,7 +73,7 @@ def parse_request(body: bytes, max_tokens: int, content_type: str = "",
     if kind == RAW_UINT32:
         req = _raw_uint32(body, query or {})
     elif kind in MSGPACK:
-        req = _msgpack(body)
+        req = decode_body(body, LookupRequest, "MessagePack")
     else:
         req = decode_body(body, LookupRequest)
     if len(req.tokens) > max_tokens:
@@ -91,15 +91,6 @@ def _raw_uint32(body: bytes, query: dict[str, list[str]]) -> LookupRequest:
         ids.byteswap()
     return LookupRequest(ids.tolist(), query.get("lora_name", [None])[0] or None,
                          query.get("cache_salt", [None])[0] or None)
-
-
-def _msgpack(body: bytes) -> LookupRequest:
-    try:
-        return msgspec.msgpack.decode(body, type=LookupRequest)
-    except msgspec.ValidationError as exc:
-        raise ApiError(400, f"invalid request: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"body is not valid MessagePack: {exc}") from None
 
 
 def response_body(matches: list[InstanceMatch], fmt: str, detail: bool) -> dict:
