@@ -25,6 +25,7 @@ from flask import Flask
 from app.body import declared_length
 from app.errors import ApiError, json_bytes
 from app.lookup import EXPLAIN_PATH, LookupRoute
+from kvlookup.tracking import LOCAL_ONLY, NeedsRedis
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -54,8 +55,8 @@ class AsgiController:
             return None
         try:
             data = await self.read(scope, receive)
-        except ApiError as exc:
-            return await send_json(send, exc.status, {"error": exc.message})
+        except ApiError as exc:  # the rest of the body is never read: the connection closes
+            return await send_json(send, exc.status, {"error": exc.message}, [("Connection", "close")])
         path = scope["path"]
         if not self.route.serves(path):
             return await self.wsgi(_with_length(scope, len(data)), _replay(data), send)
@@ -63,14 +64,26 @@ class AsgiController:
         ctype = _header(scope, b"content-type")
         args = (path, scope["method"], scope["query_string"].decode("latin-1"), data, keep,
                 ctype.decode("latin-1") if ctype else "")
-        if path != EXPLAIN_PATH and self.route.client.store.reads_locally():
-            status, body, headers = self.route.respond(*args)
-        else:
+        status, body, headers = self._respond_here(path, args)
+        if status == 0:
             status, body, headers = await asyncio.get_running_loop().run_in_executor(
                 self.wsgi.executor, self.route.respond, *args)
         await send_json(send, status, body, headers)
         self.route.count(keep)  # counted, and the decoded request freed, after the answer is out
         keep.clear()
+
+    def _respond_here(self, path: str, args: tuple) -> tuple:
+        """The answer from the event loop when it needs nothing from Redis (the chunk sets and
+        holders are in the process's copies); ``(0, None, [])`` when it must be asked in a thread."""
+        if path == EXPLAIN_PATH or not self.route.client.store.reads_locally():
+            return 0, None, []
+        token = LOCAL_ONLY.set(True)
+        try:
+            return self.route.respond(*args)
+        except NeedsRedis:
+            return 0, None, []
+        finally:
+            LOCAL_ONLY.reset(token)
 
     async def read(self, scope: dict, receive: Receive) -> bytes:
         """The whole body; ApiError 400 (bad Content-Length), 408 (too slow), 413 (too large)."""

@@ -37,6 +37,7 @@ import redis
 from app.errors import ApiError, decode_body, send_json
 from kvlookup import fleet_metrics
 from kvlookup.client import Client, InstanceMatch, TokenId, new_event_id
+from kvlookup.tracking import NeedsRedis
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,8 @@ class LookupRoute:
             return 200, body, []
         except ApiError as exc:
             return exc.status, {"error": exc.message}, []
+        except NeedsRedis:
+            raise  # the caller asks again where waiting on Redis is allowed (app.asgi)
         except Exception as exc:  # the API never answers with an HTML page
             log.exception("unhandled error in %s", path)
             return 500, {"error": f"internal error: {type(exc).__name__}"}, []

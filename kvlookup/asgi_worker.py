@@ -17,15 +17,87 @@ from app.errors import json_bytes
 #: The body of the 400 sent for a request that is not HTTP/1.1 (a bad request line, header or
 #: chunk size).
 MALFORMED = {"error": "malformed HTTP request (bad request line, header or chunked encoding)"}
+#: A request's line and headers must arrive within this many seconds of its first byte (or of
+#: the connection, for a client that sends nothing): then 408 and the connection closes. The
+#: controller's app sets it to ``body_timeout_s`` (its ``timeout_s``).
+HEAD_TIMEOUT_S = 10.0
+#: Header limits, as gunicorn's defaults (limit_request_fields, limit_request_field_size): 431.
+MAX_HEADER_FIELDS = 100
+MAX_HEADER_BYTES = 8190
 
 
 class JsonErrorsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, answering unparsable requests with the API's JSON error."""
+    """uvicorn's httptools protocol, answering unparsable requests with the API's JSON error and
+    bounding what a request head may cost: its time (:data:`HEAD_TIMEOUT_S`, so connections that
+    stall before their headers are closed instead of piling up) and its size (431)."""
+
+    _head_timer = None
+    _fields = 0
+    _refused = False
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._fields = 0
+        if self._head_timer is None:
+            self._arm_head_timer()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields += 1
+        if self._fields > MAX_HEADER_FIELDS or len(name) + len(value) > MAX_HEADER_BYTES:
+            self._refuse(431, {"error": f"request header fields too large (at most {MAX_HEADER_FIELDS} "
+                                        f"fields of {MAX_HEADER_BYTES} bytes)"})
+            return
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm_head_timer()
+        if not self._refused:
+            super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refused:
+            super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
-        data = json_bytes(MALFORMED)
+        self._refuse(400, MALFORMED)
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self._head_timeout_s(), self._head_too_slow)
+
+    def _head_timeout_s(self) -> float:
+        return getattr(self.app, "timeout_s", HEAD_TIMEOUT_S)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self.cycle is None or self.cycle.response_complete:  # not while a request is being answered
+            self._refuse(408, {"error": f"request headers not received within {self._head_timeout_s():g} s"})
+
+    def _refuse(self, status: int, body: dict) -> None:
+        if self._refused or self.transport.is_closing():
+            return
+        self._refused = True
+        self._disarm_head_timer()
+        data = json_bytes(body)
+        phrase = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
         self.transport.write(b"".join([
-            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n",
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n" % (status, phrase),
             b"content-length: ", str(len(data)).encode(), b"\r\nconnection: close\r\n\r\n", data]))
         self.transport.close()
 
@@ -33,12 +105,10 @@ class JsonErrorsProtocol(HttpToolsProtocol):
 class UvicornWorker(_UvicornWorker):
     """``worker_class = "kvlookup.asgi_worker.UvicornWorker"``: uvloop, httptools, no access
     log, no lifespan, no ``server`` header, no proxy headers (the API never uses the client's
-    address), gunicorn's ``worker_connections`` as the limit."""
+    address). No connection limit: stalled heads (:data:`HEAD_TIMEOUT_S`), bodies
+    (``body_timeout_s``) and idle keep-alive connections (5 s) are closed instead, so a flood of
+    silent connections cannot lock out the others (a limit answered them all 503)."""
 
     CONFIG_KWARGS = {"loop": "uvloop", "http": JsonErrorsProtocol, "lifespan": "off", "access_log": False,
                      "server_header": False, "ws": "none", "proxy_headers": False}
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # at most gunicorn's worker_connections (1,000) connections and requests; uvicorn answers 503 beyond
-        self.config.limit_concurrency = self.cfg.worker_connections

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from kvlookup.hashing import HashProfile
 from kvlookup.records import Chain, Match
 from kvlookup.redis_server import connect
 from kvlookup.store import Store
+from kvlookup.tracking import LOCAL_ONLY, NeedsRedis
 
 log = logging.getLogger(__name__)
 
@@ -126,15 +128,31 @@ class VllmChains:
         self.check_alive = check_alive
         self._sizes: list[int] = []
         self._read_at = float("-inf")
+        self._refreshing = threading.Event()
 
     def block_sizes(self) -> list[int]:
         """The block sizes to walk: at most :data:`MAX_BLOCK_SIZES` (smallest first), so a
         publisher cycling through sizes cannot make every lookup hash without bound."""
         now = time.monotonic()
         if now - self._read_at >= self.refresh_s:
-            self._sizes = self._read_sizes()
-            self._read_at = now
+            if not LOCAL_ONLY.get():
+                self._sizes = self._read_sizes()
+                self._read_at = now
+            elif self._read_at == float("-inf"):
+                raise NeedsRedis()  # never read yet
+            elif not self._refreshing.is_set():  # no waiting on Redis here: the last sizes serve meanwhile
+                self._refreshing.set()
+                threading.Thread(target=self._refresh, name="kvlookup-block-sizes", daemon=True).start()
         return self._sizes
+
+    def _refresh(self) -> None:
+        try:
+            self._sizes = self._read_sizes()
+            self._read_at = time.monotonic()
+        except redis.RedisError as exc:
+            log.debug("vLLM block sizes not refreshed: %s", exc)
+        finally:
+            self._refreshing.clear()
 
     def _read_sizes(self) -> list[int]:
         per_rank = self.r.hgetall(keys.block_sizes_key())  # "<rank>\t<instance>" -> block size

@@ -22,6 +22,7 @@ Only plain commands are cached; everything else (RESOLVE, writes) passes through
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import select
 import threading
@@ -41,6 +42,17 @@ INVALIDATE = "__redis__:invalidate"
 CACHED = ("ZRANGE", "GET")
 #: A broken invalidation connection is tried again after this long.
 RECONNECT_S = 1.0
+
+#: The longest wait for the rest of an invalidation message already arriving (seconds).
+LISTENER_READ_S = 0.1
+
+#: Set (to True) where a read must not wait on Redis (app.asgi's event loop): a read that would
+#: need a round trip raises :class:`NeedsRedis` instead, and the caller runs it elsewhere.
+LOCAL_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("kvlookup_local_only", default=False)
+
+
+class NeedsRedis(Exception):
+    """A read under :data:`LOCAL_ONLY` that only Redis can answer (nothing was sent)."""
 
 
 class CachedReads:
@@ -150,7 +162,7 @@ class CachedReads:
         if self._listener is not None and self._tracked_lost():
             self._reset("a tracked connection was closed")
         if self._listener is None:
-            if time.monotonic() < self._retry_at:
+            if LOCAL_ONLY.get() or time.monotonic() < self._retry_at:  # (reconnecting waits on Redis)
                 return False
             self._reset("no invalidation connection")
             if not self._connect_listener():
@@ -160,7 +172,9 @@ class CachedReads:
             if self.fence:
                 self._listener.send_command("PING")
             while self.fence or self._listener.can_read(timeout=0):
-                msg = self._listener.read_response()
+                # readable: the rest of a message is due at once; a server that stalls mid-message
+                # (hung, SIGSTOP) drops the listener instead of holding the lock (and app.asgi's loop)
+                msg = self._listener.read_response(**({} if self.fence else {"timeout": LISTENER_READ_S}))
                 if isinstance(msg, list) and len(msg) == 3 and msg[0] in ("message", b"message"):
                     self._invalidate(msg[2])
                 elif self.fence and isinstance(msg, list) and msg and msg[0] in ("pong", b"pong"):
@@ -205,8 +219,12 @@ class CachedReads:
 
     def execute(self, commands: Sequence[tuple]) -> list:
         """Results of ``commands`` in order, from copies where they are kept (a round trip only
-        for the rest); errors as SingleIO.execute."""
-        with self._lock:
+        for the rest); errors as SingleIO.execute. Under :data:`LOCAL_ONLY` it never waits: not on
+        Redis, not on another thread holding the copies (which may be waiting on Redis)."""
+        local = LOCAL_ONLY.get()
+        if not self._lock.acquire(blocking=not local):
+            raise NeedsRedis()
+        try:
             caching = self._drain()
             gen = self._gen
             out: list = [None] * len(commands)
@@ -218,8 +236,12 @@ class CachedReads:
                 else:
                     self._copies.move_to_end((cmd[0], cmd[1]))
                     out[i] = copy
+            if missing and local:
+                raise NeedsRedis()
             self.stats["hits"] += len(commands) - len(missing)
             self.stats["misses"] += len(missing)
+        finally:
+            self._lock.release()
         if not missing:
             return out
         sent, where = [], []

@@ -90,3 +90,81 @@ def test_packed_uint32_body_through_the_server(ctrl):
                              headers={"Content-Type": "application/octet-stream"}, timeout=5)
     assert resp.status_code == 200
     assert {k: v for k, v in resp.json().items() if k != "event_id"} == {"inst": ["LocalCPUBackend", 12]}
+
+
+
+def test_stalled_heads_and_huge_headers_are_refused(r, redis_args):
+    """A connection that sends nothing, or dribbles its headers, gets 408 after body_timeout_s
+    and is closed (silent connections used to fill uvicorn's connection limit: every other client
+    got 503); over 100 header fields gets 431; a 413 closes the connection."""
+    _seed(r, [8001])
+    ctrl = ControllerProc(*redis_args, "--workers", "1", "--instance-ttl", "0",
+                          env={"KVLOOKUP_BODY_TIMEOUT_S": "1", "KVLOOKUP_MAX_BODY_BYTES": "4096"})
+    try:
+        ctrl.wait_ready()
+        silent = [socket.create_connection(("127.0.0.1", ctrl.port), timeout=5) for _ in range(50)]
+        dribbling = socket.create_connection(("127.0.0.1", ctrl.port), timeout=5)
+        dribbling.sendall(b"POST /lookup HTTP/1.1\r\nHost: x\r\n")
+        assert ctrl.layout(SEED_TOKENS) == {"inst": ["LocalCPUBackend", 12]}  # served meanwhile
+        for s in [*silent, dribbling]:
+            assert _json(_response(s)) == ("HTTP/1.1 408 Request Timeout",
+                                           {"error": "request headers not received within 1 s"})
+            assert s.recv(1) == b""  # closed
+            s.close()
+        many = b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(101)) + b"\r\n"
+        assert _json(_raw(ctrl.port, many)) == ("HTTP/1.1 431 Request Header Fields Too Large", {
+            "error": "request header fields too large (at most 100 fields of 8190 bytes)"})
+        with socket.create_connection(("127.0.0.1", ctrl.port), timeout=5) as s:
+            s.sendall(b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: 20000000\r\n\r\n")
+            assert _json(_response(s)) == ("HTTP/1.1 413 Request Entity Too Large",
+                                           {"error": "request body too large"})
+            assert s.recv(1) == b""
+    finally:
+        ctrl.stop()
+
+
+@pytest.mark.single_node
+def test_a_hung_redis_never_holds_the_event_loop(tmp_path):
+    """Redis stopped (SIGSTOP) while lookups wait on it: they wait in threads (then 503), and the
+    worker's event loop goes on answering what needs no Redis (OPTIONS, a 413, a bad request)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from kvlookup.redis_server import EmbeddedRedis, connect
+
+    server = EmbeddedRedis(tmp_path / "redis", appendonly=False)
+    url = server.start()
+    ctrl = ControllerProc("--redis-url", url, "--workers", "1", "--instance-ttl", "0",
+                          env={"KVLOOKUP_MAX_BODY_BYTES": "4096"})
+    try:
+        _seed(connect(url), [8001])
+        ctrl.wait_ready()
+        assert ctrl.layout(SEED_TOKENS) == {"inst": ["LocalCPUBackend", 12]}
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        waiting: list = []
+
+        def lookup(tokens):
+            import requests
+            waiting.append(requests.post(ctrl.http + "/lookup", json={"tokens": tokens}, timeout=30))
+
+        threads = [threading.Thread(target=lookup, args=(t,)) for t in (list(range(300)), SEED_TOKENS)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        assert ctrl.session.options(ctrl.http + "/lookup", timeout=5).headers["Allow"] == "OPTIONS, POST"
+        assert _json(_raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: 9999\r\n\r\n"))[0] \
+            == "HTTP/1.1 413 Request Entity Too Large"
+        assert _json(_raw(ctrl.port, b"GARBAGE\r\n\r\n"))[0] == "HTTP/1.1 400 Bad Request"
+        assert time.monotonic() - start < 1.0
+        assert any(t.is_alive() for t in threads)
+        for t in threads:
+            t.join(30)
+        assert {w.status_code for w in waiting} <= {200, 503}
+        assert any(w.status_code == 503 and w.json()["error"].startswith("index unavailable") for w in waiting)
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        ctrl.stop()
+        server.stop()
