@@ -10,7 +10,8 @@ and a lookup costs less than either (docs/benchmarks-notes.md "Per-request cost"
 Every request body is read here first, within ``max_body_bytes`` (413) and ``body_timeout_s``
 (408), as :class:`app.body.RequestBody` does for WSGI. A lookup answered from the controller's
 cached reads does no I/O, so it runs in the loop; one that must ask Redis (``lookup_cache:
-off``, Redis Cluster, Sentinel) and every explain run in the thread pool, so a slow round trip
+off``, Redis Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup.tracking's
+``LOCAL_ONLY`` / ``NeedsRedis``) and every explain run in the thread pool, so a slow round trip
 never holds the other connections.
 """
 
@@ -64,24 +65,24 @@ class AsgiController:
         ctype = _header(scope, b"content-type")
         args = (path, scope["method"], scope["query_string"].decode("latin-1"), data, keep,
                 ctype.decode("latin-1") if ctype else "")
-        status, body, headers = self._respond_here(path, args)
-        if status == 0:
-            status, body, headers = await asyncio.get_running_loop().run_in_executor(
-                self.wsgi.executor, self.route.respond, *args)
+        answer = self._respond_here(path, args)
+        if answer is None:  # the request decoded in the loop (in ``keep``) is not decoded again
+            answer = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self.route.respond, *args)
+        status, body, headers = answer
         await send_json(send, status, body, headers)
         self.route.count(keep)  # counted, and the decoded request freed, after the answer is out
         keep.clear()
 
-    def _respond_here(self, path: str, args: tuple) -> tuple:
+    def _respond_here(self, path: str, args: tuple) -> tuple | None:
         """The answer from the event loop when it needs nothing from Redis (the chunk sets and
-        holders are in the process's copies); ``(0, None, [])`` when it must be asked in a thread."""
+        holders are in the process's copies); None when it must be asked in a thread."""
         if path == EXPLAIN_PATH or not self.route.client.store.reads_locally():
-            return 0, None, []
+            return None
         token = LOCAL_ONLY.set(True)
         try:
             return self.route.respond(*args)
         except NeedsRedis:
-            return 0, None, []
+            return None
         finally:
             LOCAL_ONLY.reset(token)
 

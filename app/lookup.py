@@ -16,9 +16,11 @@ Instances are listed longest match first. ``?detail=1`` adds ``"detail": {instan
 {location, matched_prefix_length, locations, ranks?}}``. No match: only ``event_id``
 (and an empty ``layout_info``).
 
-/lookup is the hot path, so it is served by :class:`LookupRoute`, a WSGI layer in front of
-Flask (Flask's request and response machinery cost ~0.15 ms a call, measured in
-docs/benchmarks-notes.md); every other path goes on to Flask. Errors keep the API's JSON shape.
+/lookup is the hot path, so it is served by :class:`LookupRoute` in front of Flask (Flask's
+request and response machinery cost ~0.15 ms a call, measured in docs/benchmarks-notes.md):
+:meth:`LookupRoute.respond` is called by the ASGI front (app.asgi, the default uvicorn workers)
+and by the route's own WSGI layer (gunicorn's WSGI workers); every other path goes on to Flask.
+Errors keep the API's JSON shape.
 """
 
 from __future__ import annotations
@@ -181,8 +183,10 @@ class LookupRoute:
         detail_arg = query.get("detail", ["0"])[0].lower()
         if detail_arg not in TRUE + FALSE:
             raise ApiError(400, "query parameter 'detail' must be 1/true/yes/on or 0/false/no/off")
-        req = parse_request(data, self.max_tokens, content_type, query)
-        keep[REQUEST_KEY] = req  # freed by the caller once the answer is sent
+        req = keep.get(REQUEST_KEY)  # decoded already when a first try needed Redis (app.asgi)
+        if req is None:
+            req = parse_request(data, self.max_tokens, content_type, query)
+            keep[REQUEST_KEY] = req  # freed by the caller once the answer is sent
         start = time.perf_counter()
         causes: list[str] = []
         try:

@@ -19,7 +19,7 @@ from app.errors import json_bytes
 MALFORMED = {"error": "malformed HTTP request (bad request line, header or chunked encoding)"}
 #: A request's line and headers must arrive within this many seconds of its first byte (or of
 #: the connection, for a client that sends nothing): then 408 and the connection closes. The
-#: controller's app sets it to ``body_timeout_s`` (its ``timeout_s``).
+#: controller's app (app.asgi) has its own ``timeout_s`` (``body_timeout_s``), used instead.
 HEAD_TIMEOUT_S = 10.0
 #: Header limits, as gunicorn's defaults (limit_request_fields, limit_request_field_size): 431.
 MAX_HEADER_FIELDS = 100
