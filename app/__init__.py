@@ -14,7 +14,7 @@ from flask import Flask
 
 from kvlookup import config as kvconfig
 from kvlookup.client import Client, VllmChains
-from kvlookup.redis_server import connect
+from kvlookup.proc.redis_server import connect
 
 
 def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) -> Flask:
@@ -40,10 +40,10 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
                     instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s,
                     cache_reads=settings.cache_reads(),
                     extra_chains=[VllmChains(redis_client, check_alive=settings.instance_ttl_s > 0)])
-    from app import control, dashboard, errors, health, lookup, metrics_view, overview, registry, tokenizer
-    from app.body import RequestBody
-    from kvlookup.fleet import Fleet
-    from kvlookup.lmcache_control import ControlClient
+    from kvlookup.app import control, dashboard, errors, health, lookup, metrics_view, overview, registry, tokenizer
+    from kvlookup.app.body import RequestBody
+    from kvlookup.index.fleet import Fleet
+    from kvlookup.wire.lmcache_control import ControlClient
 
     fleet = Fleet(client.store)
     app.extensions["kvlookup"] = {
@@ -76,7 +76,7 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
 def create_asgi_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None):
     """The controller as an ASGI app (:class:`app.asgi.AsgiController` around
     :func:`create_app`'s Flask app): what the default uvicorn workers serve."""
-    from app.asgi import AsgiController
+    from kvlookup.app.asgi import AsgiController
 
     flask_app = create_app(settings)
     ext = flask_app.extensions["kvlookup"]

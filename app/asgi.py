@@ -10,7 +10,7 @@ and a lookup costs less than either (docs/benchmarks-notes.md "Per-request cost"
 Every request body is read here first, within ``max_body_bytes`` (413) and ``body_timeout_s``
 (408), as :class:`app.body.RequestBody` does for WSGI. A lookup answered from the controller's
 cached reads does no I/O, so it runs in the loop; one that must ask Redis (``lookup_cache:
-off``, Redis Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup.tracking's
+off``, Redis Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup.index.tracking's
 ``LOCAL_ONLY`` / ``NeedsRedis``) and every explain run in the thread pool, so a slow round trip
 never holds the other connections.
 """
@@ -23,10 +23,10 @@ from collections.abc import Awaitable, Callable
 from a2wsgi import WSGIMiddleware
 from flask import Flask
 
-from app.body import declared_length
-from app.errors import ApiError, json_bytes
-from app.lookup import EXPLAIN_PATH, LookupRoute
-from kvlookup.tracking import LOCAL_ONLY, NeedsRedis
+from kvlookup.app.body import declared_length
+from kvlookup.app.errors import ApiError, json_bytes
+from kvlookup.app.lookup import EXPLAIN_PATH, LookupRoute
+from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]

@@ -2,7 +2,7 @@
 
 Request and response shapes are LMCache 0.5.6's (../shared/research/lmcache-controller.md §3);
 the controller fans each call out to every worker of the instance (sorted by worker id)
-through :class:`kvlookup.lmcache_control.ControlClient`, with a deadline. Differences from
+through :class:`kvlookup.wire.lmcache_control.ControlClient`, with a deadline. Differences from
 LMCache, all on error paths: bad bodies get 400 ``{"error"}`` instead of 422; an instance
 with no workers gets 404 instead of 500; a worker that does not answer gets 504 (or
 health code -1004) within the timeout instead of hanging; workers that disagree get 502.
@@ -18,12 +18,12 @@ import msgspec
 import redis
 from flask import Blueprint, current_app, jsonify, request
 
-from app.auth import require_token
-from app.errors import ApiError, decode_body
-from kvlookup import keys
-from kvlookup import lmcache_control as ctl
+from kvlookup.app.auth import require_token
+from kvlookup.app.errors import ApiError, decode_body
+from kvlookup.index import keys
+from kvlookup.wire import lmcache_control as ctl
 from kvlookup.client import TokenId, new_event_id
-from kvlookup.fleet import WorkerInfo
+from kvlookup.index.fleet import WorkerInfo
 
 bp = Blueprint("control", __name__)
 

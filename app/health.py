@@ -4,7 +4,7 @@ The answer is built from a list of *checks* per app (``health_checks(app)``; app
 add components). A check is ``check(app) -> iterable of (name, detail, ok)``: ``detail`` is a
 JSON-able dict, ``ok`` says whether the component is up. A name reported by several checks is
 up only if every one says so; their details merge. The defaults: this worker's own Redis PING,
-the states the controller's supervisor publishes (kvlookup.supervise: the embedded Redis
+the states the controller's supervisor publishes (kvlookup.proc.supervise: the embedded Redis
 keeper, the embedded sidecar) through the file named by ``$KVLOOKUP_STATUS_FILE``, and every
 sidecar's lease and status in the registry (standalone sidecars on other hosts included).
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 import redis
 from flask import Blueprint, Flask, current_app, jsonify
 
-from kvlookup.fleet import sidecar_leases
-from kvlookup.supervise import STATUS_ENV
+from kvlookup.index.fleet import sidecar_leases
+from kvlookup.proc.supervise import STATUS_ENV
 
 bp = Blueprint("health", __name__)
 

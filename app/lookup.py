@@ -36,10 +36,10 @@ from urllib.parse import parse_qs
 import msgspec
 import redis
 
-from app.errors import ApiError, decode_body, send_json
-from kvlookup import fleet_metrics
+from kvlookup.app.errors import ApiError, decode_body, send_json
+from kvlookup.app import fleet_metrics
 from kvlookup.client import Client, InstanceMatch, TokenId, new_event_id
-from kvlookup.tracking import NeedsRedis
+from kvlookup.index.tracking import NeedsRedis
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Counters and histograms (lookups, ingest ops, rejected frames, seq gaps, resyncs
 workers, control calls) live in each process. When ``PROMETHEUS_MULTIPROC_DIR`` is set
 (``kvlookup controller`` sets it for its gunicorn workers and embedded sidecar) they are
 summed over every process writing there; otherwise this process's own values are served.
-Fleet gauges come from Redis at scrape time (kvlookup.fleet_metrics).
+Fleet gauges come from Redis at scrape time (kvlookup.app.fleet_metrics).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 from flask import Blueprint, Response, current_app
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
-from kvlookup.fleet_metrics import FleetCollector
+from kvlookup.app.fleet_metrics import FleetCollector
 
 bp = Blueprint("metrics", __name__)
 

@@ -1,7 +1,7 @@
 """``GET /controller/overview``: the fleet at a glance, for the dashboard (``GET /``).
 
 One JSON document, read from the registry in Redis in a few pipelined round trips (no SCAN):
-instances with their workers, liveness and records per location (kvlookup.fleet), the
+instances with their workers, liveness and records per location (kvlookup.index.fleet), the
 sidecars' leases (``keys.sidecars_key``) and the index's size and memory (``DBSIZE`` and
 ``INFO memory``, summed over every master on a Redis Cluster). A Redis error answers 503
 ``{"error": "index unavailable: ..."}`` (app.errors).
@@ -14,8 +14,8 @@ from typing import Any
 
 from flask import Blueprint, current_app, jsonify
 
-from kvlookup import keys
-from kvlookup.fleet import Fleet, WorkerInfo, sidecar_leases
+from kvlookup.index import keys
+from kvlookup.index.fleet import Fleet, WorkerInfo, sidecar_leases
 
 bp = Blueprint("overview", __name__)
 

@@ -14,10 +14,10 @@ from typing import Annotated
 import msgspec
 from flask import Blueprint, current_app, jsonify, request
 
-from app.control import Name, parse
-from app.errors import ApiError
+from kvlookup.app.control import Name, parse
+from kvlookup.app.errors import ApiError
 from kvlookup.client import new_event_id
-from kvlookup.fleet import Fleet, WorkerInfo
+from kvlookup.index.fleet import Fleet, WorkerInfo
 
 bp = Blueprint("registry", __name__)
 

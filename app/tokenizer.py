@@ -18,7 +18,7 @@ from typing import Annotated
 import msgspec
 from flask import Blueprint, jsonify
 
-from app.control import parse
+from kvlookup.app.control import parse
 
 bp = Blueprint("tokenize", __name__)
 MAX_CHARS = 1_000_000
@@ -35,7 +35,7 @@ def available() -> bool:
 
 @functools.cache
 def _tokenizer():
-    from kvlookup.demo import load_tokenizer
+    from kvlookup.devtools.demo import load_tokenizer
 
     return load_tokenizer()
 

@@ -18,17 +18,17 @@ import subprocess
 import sys
 import time
 
-from bench import feed, progress
-from bench.ingest import make_streams
-from bench.procs import Procs
-from bench.workload import CPU, ChunkHasher, Fleet, load_trace, replay
-from kvlookup import keys
+from kvlookup.bench import feed, progress
+from kvlookup.bench.ingest import make_streams
+from kvlookup.bench.procs import Procs
+from kvlookup.bench.workload import CPU, ChunkHasher, Fleet, load_trace, replay
+from kvlookup.index import keys
 from kvlookup.client import Client
-from kvlookup.hashing import HashProfile
-from kvlookup.local_cluster import LocalCluster
-from kvlookup.redis_server import connect, free_port
-from kvlookup.store import ADMIT, EVICT, Store
-from kvlookup.workersim import WorkerSim
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.devtools.local_cluster import LocalCluster
+from kvlookup.proc.redis_server import connect, free_port
+from kvlookup.index.store import ADMIT, EVICT, Store
+from kvlookup.devtools.workersim import WorkerSim
 
 BACKENDS = ("single", "cluster")
 

@@ -1,6 +1,6 @@
 """The cluster backend's cost model, measured (docs/scaling.md quotes this script's output).
 
-``python -m bench.cluster_cost`` starts a 3-master + 3-replica cluster (kvlookup.local_cluster)
+``python -m kvlookup.bench.cluster_cost`` starts a 3-master + 3-replica cluster (kvlookup.devtools.local_cluster)
 and prints, as Markdown tables:
 
 - lookups: round trips (ClusterIO batches) and commands per lookup against prompt length, for a
@@ -22,12 +22,12 @@ import tempfile
 import time
 from collections import Counter
 
-from kvlookup import keys
+from kvlookup.index import keys
 from kvlookup.client import Client
-from kvlookup.hashing import HashProfile
-from kvlookup.local_cluster import LocalCluster
-from kvlookup.redis_server import EmbeddedRedis, connect
-from kvlookup.store import ADMIT, EVICT, Store
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.devtools.local_cluster import LocalCluster
+from kvlookup.proc.redis_server import EmbeddedRedis, connect
+from kvlookup.index.store import ADMIT, EVICT, Store
 
 CPU = "LocalCPUBackend"
 PROFILE = HashProfile()

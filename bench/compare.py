@@ -16,10 +16,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from bench import feed, progress
-from bench.agree import Agreement, truth_tokens
-from bench.procs import Procs, lmcache_python
-from bench.workload import ChunkHasher, Fleet, chunk_ends, load_trace, replay, request_tokens
+from kvlookup.bench import feed, progress
+from kvlookup.bench.agree import Agreement, truth_tokens
+from kvlookup.bench.procs import Procs, lmcache_python
+from kvlookup.bench.workload import ChunkHasher, Fleet, chunk_ends, load_trace, replay, request_tokens
 
 log = logging.getLogger("bench")
 
@@ -123,7 +123,7 @@ def _agreement(reqs, idx, fleet, hasher, kv_url, lm_url) -> dict:
 
 
 def _load(url: str, bodies, concurrency: int, duration: float) -> dict:
-    cmd = [sys.executable, "-m", "bench.loadgen", "--url", url + "/lookup", "--bodies", str(bodies),
+    cmd = [sys.executable, "-m", "kvlookup.bench.loadgen", "--url", url + "/lookup", "--bodies", str(bodies),
            "--concurrency", str(concurrency), "--duration", str(duration)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 120, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -3,7 +3,7 @@
 Each instance registers over DEALER (RegisterMsg -> RegisterRetMsg) and then PUSHes
 multipart messages of up to 50 ``BatchedKVOperationMsg`` frames, each with up to 50
 operations of one location (LMCache's ``kv_msg_batch_size`` 50) and a per-location
-``seq_num``, encoded by kvlookup.lmcache_protocol (checked byte-exact against LMCache's own
+``seq_num``, encoded by kvlookup.wire.lmcache (checked byte-exact against LMCache's own
 classes, see docs). The same pre-encoded messages go to every controller.
 
 Completion: every instance's stream ends with an admit of its own *sentinel* chunk (the first
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from bench.workload import CHUNK, CPU, Op, synthetic_block
-from kvlookup import lmcache_protocol as proto
-from kvlookup.hashing import HashProfile
-from kvlookup.workersim import WorkerSim
+from kvlookup.bench.workload import CHUNK, CPU, Op, synthetic_block
+from kvlookup.wire import lmcache as proto
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.devtools.workersim import WorkerSim
 
 OPS_PER_MSG = 50
 FRAMES_PER_SEND = 50

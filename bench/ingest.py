@@ -17,12 +17,12 @@ import time
 
 import zmq
 
-from bench import feed, progress
-from bench.procs import Procs
-from bench.workload import CPU, Op
-from kvlookup import keys
-from kvlookup.hashing import HashProfile
-from kvlookup.redis_server import connect
+from kvlookup.bench import feed, progress
+from kvlookup.bench.procs import Procs
+from kvlookup.bench.workload import CPU, Op
+from kvlookup.index import keys
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.proc.redis_server import connect
 
 
 def make_streams(workers: int, ops_per_worker: int, evict_frac: float = 0.2, seed: int = 3) -> list[list[Op]]:
@@ -76,7 +76,7 @@ def run(workers: int = 4, ops_per_worker: int = 250_000, pushers: int = 2) -> di
         pull, reply = procs.start_sidecar(url)
         ws = []
         for e in encoded:  # registration first, over DEALER, as LMCache does
-            from kvlookup.workersim import WorkerSim
+            from kvlookup.devtools.workersim import WorkerSim
             w = WorkerSim(e.instance_id, 0, era="0.5", pull_url=pull, reply_url=reply, port=e.port)
             w.register()
             ws.append(w)

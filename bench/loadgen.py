@@ -1,4 +1,4 @@
-"""HTTP load generator, run as its own process: ``python -m bench.loadgen ARGS``.
+"""HTTP load generator, run as its own process: ``python -m kvlookup.bench.loadgen ARGS``.
 
 C threads, each with one keep-alive ``http.client`` connection, POST /lookup bodies taken in
 turn from a pickle file (list of JSON bodies) for a fixed duration, bounded by a request cap.

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import random
 
-from bench import progress
-from bench.procs import Procs
-from bench.workload import CPU
-from kvlookup import keys
-from kvlookup.redis_server import connect
-from kvlookup.store import ADMIT, Store
+from kvlookup.bench import progress
+from kvlookup.bench.procs import Procs
+from kvlookup.bench.workload import CPU
+from kvlookup.index import keys
+from kvlookup.proc.redis_server import connect
+from kvlookup.index.store import ADMIT, Store
 
 BATCH = 2500
 

@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvlookup.redis_server import EmbeddedRedis, free_port, ping
+from kvlookup.proc.redis_server import EmbeddedRedis, free_port, ping
 
 log = logging.getLogger("bench")
 

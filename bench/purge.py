@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import time
 
-from bench import progress
-from bench.memory import fill
-from bench.procs import Procs
-from bench.workload import CPU
-from kvlookup import keys
-from kvlookup.redis_server import connect
-from kvlookup.store import Store
-from sidecar.service import PURGE_BUDGET
+from kvlookup.bench import progress
+from kvlookup.bench.memory import fill
+from kvlookup.bench.procs import Procs
+from kvlookup.bench.workload import CPU
+from kvlookup.index import keys
+from kvlookup.proc.redis_server import connect
+from kvlookup.index.store import Store
+from kvlookup.sidecar.service import PURGE_BUDGET
 
 
 def purge_case(store: Store, records: int, name: str = "purge") -> dict:

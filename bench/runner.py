@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench import progress
-from bench.procs import REPO
+from kvlookup.bench import progress
+from kvlookup.bench.procs import REPO
 
 RESULTS = REPO / "bench" / "results"
 
@@ -63,7 +63,7 @@ def machine() -> dict:
                       if x.startswith("MemTotal"))
     except (OSError, StopIteration):
         mem_kb = 0
-    from kvlookup.redis_server import find_server_binary
+    from kvlookup.proc.redis_server import find_server_binary
 
     server = subprocess.run([find_server_binary(), "--version"], capture_output=True, text=True).stdout.strip()
     return {"nproc": os.cpu_count(), "cpu": model, "memory_gib": round(mem_kb / 2**20, 1),
@@ -74,40 +74,40 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
     start = time.monotonic()
     progress.note(f"== {name}")
     if name == "compare":
-        from bench.compare import CompareConfig, run
+        from kvlookup.bench.compare import CompareConfig, run
 
         cfg = CompareConfig(**params, lmcache_venv=args.lmcache_venv, create_venv=args.create_venv)
         res = run(cfg)
     elif name == "ingest":
-        from bench.ingest import run
+        from kvlookup.bench.ingest import run
 
         res = run(**params)
         progress.note(f"  ingest: {res['ops_per_s']:,} chunk ops/s")
     elif name == "memory":
-        from bench.memory import run
+        from kvlookup.bench.memory import run
 
         res = run(**params)
         for c in res["cases"]:
             progress.note(f"  {c['holders_per_chunk']} holder(s)/chunk: {c['bytes_per_record']} B/record")
     elif name == "sweeps":
-        from bench.sweeps import run
+        from kvlookup.bench.sweeps import run
 
         res = run(**params)
     elif name == "cluster":
-        from bench.cluster import run
+        from kvlookup.bench.cluster import run
 
         res = run(**params)
     elif name == "wrk":
-        from bench.wrkload import run
+        from kvlookup.bench.wrkload import run
 
         res = run(**params, lmcache_venv=args.lmcache_venv)
     elif name == "purge":
-        from bench.purge import run
+        from kvlookup.bench.purge import run
 
         res = run(**params)
         progress.note(f"  purge: {res['records_per_s']:,} records/s")
     else:
-        from bench.stages import run
+        from kvlookup.bench.stages import run
 
         res = run(**params)
     res["wall_s"] = round(time.monotonic() - start, 1)
@@ -147,14 +147,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     out_path.write_text(json.dumps(results, indent=1) + "\n")
     progress.note(f"results: {out_path}")
     if not args.no_docs:
-        from bench import report
+        from kvlookup.bench import report
 
         report.render(results, out_path)
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from bench import report
+    from kvlookup.bench import report
 
     path = Path(args.results or RESULTS / "results.json")
     report.render(json.loads(path.read_text()), path)

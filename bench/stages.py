@@ -19,12 +19,12 @@ import os
 import pickle
 import sys
 
-from bench import progress
-from bench.compare import _load
-from bench.procs import Procs, free_port, wait_http
-from bench.sweeps import hold, prompt
-from kvlookup.redis_server import connect
-from kvlookup.store import Store
+from kvlookup.bench import progress
+from kvlookup.bench.compare import _load
+from kvlookup.bench.procs import Procs, free_port, wait_http
+from kvlookup.bench.sweeps import hold, prompt
+from kvlookup.proc.redis_server import connect
+from kvlookup.index.store import Store
 
 STAGES = ("read", "decode", "hash", "walk")
 
@@ -43,7 +43,7 @@ _handler = None
 
 
 def _make_handler(stage: str, redis_url: str):
-    from app.lookup import parse_request
+    from kvlookup.app.lookup import parse_request
     from kvlookup.client import Client, VllmChains
 
     r = connect(redis_url)
@@ -69,8 +69,8 @@ def _stage_server(procs: Procs, redis_url: str, stage: str) -> str:
     port = free_port()
     env = dict(os.environ, KVLOOKUP_STAGE=stage, KVLOOKUP_REDIS_URL=redis_url)
     procs.spawn(f"stage-{stage}", [sys.executable, "-m", "gunicorn", "-w", "1", "-k",
-                                   "kvlookup.gevent_worker.GeventWorker", "-b", f"127.0.0.1:{port}",
-                                   "--log-level", "warning", "bench.stages:app"], env=env)
+                                   "kvlookup.app.gevent_worker.GeventWorker", "-b", f"127.0.0.1:{port}",
+                                   "--log-level", "warning", "kvlookup.bench.stages:app"], env=env)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/lookup", f"stage-{stage}", procs, post=b'{"tokens": []}')
     return url

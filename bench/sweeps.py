@@ -18,16 +18,16 @@ import json
 import pickle
 import time
 
-from bench import progress
-from bench.compare import _load
-from bench.loadgen import percentile
-from bench.memory import fill
-from bench.procs import Procs
-from bench.workload import CPU, synthetic_block
+from kvlookup.bench import progress
+from kvlookup.bench.compare import _load
+from kvlookup.bench.loadgen import percentile
+from kvlookup.bench.memory import fill
+from kvlookup.bench.procs import Procs
+from kvlookup.bench.workload import CPU, synthetic_block
 from kvlookup.client import Client
-from kvlookup.hashing import HashProfile
-from kvlookup.redis_server import connect
-from kvlookup.store import ADMIT, Store
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.proc.redis_server import connect
+from kvlookup.index.store import ADMIT, Store
 
 
 def prompt(tokens: int, seed: int) -> list[int]:
@@ -120,8 +120,7 @@ def run(lengths=(1024, 4096, 16384, 32768, 65536, 131072), instance_counts=(1, 4
 
 def _records(store: Store, r) -> int:
     """Records in the index: the sum of every holder's reverse-index set."""
-    from kvlookup import keys
-
+    from kvlookup.index import keys
     n = 0
     for inst in r.smembers(keys.instances_key()):
         hid = r.hget(keys.worker_key(inst, "0"), keys.location_field(CPU))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvlookup.hashing import HashProfile
+from kvlookup.hashing.lmcache import HashProfile
 
 _TRACE_NAME = "traces/mooncake_conversation_trace.jsonl"
 

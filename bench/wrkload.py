@@ -15,10 +15,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench import progress
-from bench.procs import Procs, lmcache_python
-from kvlookup.hashing import HashProfile
-from kvlookup.workersim import WorkerSim
+from kvlookup.bench import progress
+from kvlookup.bench.procs import Procs, lmcache_python
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.devtools.workersim import WorkerSim
 
 #: Seconds of load on each target before each measured point (not counted).
 WARMUP_S = 1.0

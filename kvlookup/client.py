@@ -13,13 +13,13 @@ from typing import Annotated
 import msgspec
 import redis
 
-from kvlookup import keys
-from kvlookup import vllm_hash as vh
-from kvlookup.hashing import HashProfile
-from kvlookup.records import Chain, Match
-from kvlookup.redis_server import connect
-from kvlookup.store import Store
-from kvlookup.tracking import LOCAL_ONLY, NeedsRedis
+from kvlookup.index import keys
+from kvlookup.hashing import vllm as vh
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index.records import Chain, Match
+from kvlookup.proc.redis_server import connect
+from kvlookup.index.store import Store
+from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ MAX_BLOCK_SIZES = 8
 
 
 class VllmChains:
-    """Chain source for vLLM instances: kvlookup's own chain (kvlookup.vllm_hash) at every
+    """Chain source for vLLM instances: kvlookup's own chain (kvlookup.hashing.vllm) at every
     block size a live vLLM rank uses (``keys.block_sizes_key``; read at most every
     ``refresh_s`` seconds), in the request's namespace (base model unless ``lora_name`` /
     ``cache_salt`` are given). check_alive: count only ranks of instances with a current
@@ -184,7 +184,7 @@ class Client:
     Cluster). profile: the engines' :class:`HashProfile`.
     extra_chains: callables adding chains of other hash spaces (vLLM instances).
     max_tokens: prompts longer than this raise OverflowError. cache_reads: keep the chunk sets it
-    reads, coherent with Redis (kvlookup.tracking; one Redis only): True, "fenced" or False.
+    reads, coherent with Redis (kvlookup.index.tracking; one Redis only): True, "fenced" or False.
     """
 
     def __init__(self, redis_url: str | None = None, profile: HashProfile | None = None, *,
@@ -219,7 +219,7 @@ class Client:
         validated (the HTTP layer) pass False. lora_name / cache_salt: the request's LoRA
         adapter and vLLM cache salt; vLLM blocks match only within the same namespace
         (LMCache chunks are looked up as before). causes: a list that gets the miss cause the
-        walk knew for free appended (kvlookup.records.Matches.miss; '' on a hit or unknown).
+        walk knew for free appended (kvlookup.index.records.Matches.miss; '' on a hit or unknown).
         """
         if validate:
             validate_tokens(tokens, self.max_tokens)

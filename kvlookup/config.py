@@ -16,20 +16,20 @@ from typing import Any
 
 import yaml
 
-from kvlookup.hashing import EXTRA_KEYS_MODES, HashProfile, profile_from_lmcache_yaml
+from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, profile_from_lmcache_yaml
 from kvlookup.netpolicy import LOOPBACK, Networks, address_allowed, parse_networks, split_list
-from kvlookup.redis_urls import is_sentinel, parse_sentinel
-from kvlookup.zmqaddr import endpoint
+from kvlookup.proc.redis_urls import is_sentinel, parse_sentinel
+from kvlookup.wire.zmqaddr import endpoint
 
 ENV_PREFIX = "KVLOOKUP_"
 LOOKUP_RESPONSES = ("flat", "layout_info")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-#: Controller read caching (kvlookup.tracking): on (copies Redis keeps coherent, no round trip
+#: Controller read caching (kvlookup.index.tracking): on (copies Redis keeps coherent, no round trip
 #: for a lookup whose chunks are known), fenced (one round trip that makes every completed write
 #: visible), off (the LOOKUP script). One Redis only: a cluster or Sentinel URL reads uncached.
 LOOKUP_CACHE = ("on", "fenced", "off")
 #: gunicorn worker classes the controller runs: uvicorn (default: an asyncio loop per process,
-#: uvloop + httptools, /lookup answered in the loop, the rest in threads; kvlookup.asgi_worker),
+#: uvloop + httptools, /lookup answered in the loop, the rest in threads; kvlookup.app.asgi_worker),
 #: gevent (one greenlet per connection), gthread, sync.
 WORKER_CLASSES = ("uvicorn", "gevent", "gthread", "sync")
 
@@ -181,7 +181,7 @@ class Settings:
 
     def limits(self):
         """The sidecar's :class:`sidecar.sockets.Limits` from these settings."""
-        from sidecar.sockets import Limits
+        from kvlookup.sidecar.sockets import Limits
 
         return Limits(max_frame_bytes=int(self.max_frame_bytes), max_message_bytes=int(self.max_message_bytes),
                       max_queued_ops=int(self.max_queued_ops))
@@ -206,7 +206,7 @@ _FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(
 # -- value checks ------------------------------------------------------------------------------
 
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-#: The keys of ``hash`` (kvlookup.hashing.HashProfile.from_settings).
+#: The keys of ``hash`` (kvlookup.hashing.lmcache.HashProfile.from_settings).
 HASH_KEYS = ("chunk_size", "save_unfull_chunk", "none_hash", "hash_seed", "extra_keys", "algorithm")
 MONITOR_PORTS_SHAPE = '{"pull": P, "reply": R} with ports 1..65535'
 
@@ -295,7 +295,7 @@ def _as_ports(name: str, value: Any) -> dict[str, int]:
 
 def _as_hash(name: str, value: Any) -> dict[str, Any]:
     """``hash``: a mapping of HASH_KEYS; ``chunk_size`` and ``save_unfull_chunk`` are typed here,
-    the others are checked by kvlookup.hashing (its messages name them)."""
+    the others are checked by kvlookup.hashing.lmcache (its messages name them)."""
     if not isinstance(value, Mapping):
         raise _bad(name, value, f"a mapping of {', '.join(HASH_KEYS)}")
     out = dict(value)

@@ -9,7 +9,7 @@
    of the instances seen;
 3. the eviction logs of the holders of each chunk where a walk stopped.
 
-Then it walks the chains with :class:`kvlookup.walk.ChainWalk` (``report``) and names, per
+Then it walks the chains with :class:`kvlookup.index.walk.ChainWalk` (``report``) and names, per
 instance, where and why its match stopped (:data:`REASONS`). The answer's shape is in
 docs/operations.md ("Explaining a miss").
 """
@@ -21,11 +21,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from kvlookup import keys, scripts
-from kvlookup import vllm_hash as vh
-from kvlookup.hashing import EXTRA_KEYS_MODES, HashProfile, seeded_str_hash
-from kvlookup.records import Chain, raise_errors, walk_registry_keys
-from kvlookup.walk import ChainWalk, Holder
+from kvlookup.index import keys, scripts
+from kvlookup.hashing import vllm as vh
+from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, seeded_str_hash
+from kvlookup.index.records import Chain, raise_errors, walk_registry_keys
+from kvlookup.index.walk import ChainWalk, Holder
 
 #: Chunk sizes tried for the LMCache space: LMCache's usual sizes and vLLM's block sizes.
 CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)

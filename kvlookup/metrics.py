@@ -2,7 +2,7 @@
 definition each, in prometheus-client's default registry.
 
 The lookup metrics (``LOOKUPS``, ``LOOKUP_SECONDS``, ``LOOKUP_MATCHED_TOKENS``) are the
-controller's alone: they are defined in kvlookup.fleet_metrics, which only the app imports, so
+controller's alone: they are defined in kvlookup.app.fleet_metrics, which only the app imports, so
 a standalone sidecar's ``/metrics`` does not carry them at zero. They can still be reached as
 ``metrics.LOOKUPS`` and so on (the name is resolved on first use).
 """
@@ -13,14 +13,13 @@ from typing import Any
 
 from prometheus_client import Counter
 
-#: Names resolved from kvlookup.fleet_metrics (controller-only metrics).
+#: Names resolved from kvlookup.app.fleet_metrics (controller-only metrics).
 CONTROLLER_ONLY = ("LOOKUPS", "LOOKUP_SECONDS", "LOOKUP_MATCHED_TOKENS")
 
 
 def __getattr__(name: str) -> Any:
     if name in CONTROLLER_ONLY:
-        from kvlookup import fleet_metrics
-
+        from kvlookup.app import fleet_metrics
         return getattr(fleet_metrics, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -38,13 +37,13 @@ PROBES = Counter("kvlookup_worker_probes_total", "Health calls a sidecar made to
 CONTROL_CALLS = Counter("kvlookup_control_calls_total", "Controller -> worker control calls",
                         ["message", "outcome"])
 # Live instances/workers and records per instance and location are computed from Redis at
-# scrape time: see kvlookup.fleet_metrics (kvlookup_live, kvlookup_records).
+# scrape time: see kvlookup.app.fleet_metrics (kvlookup_live, kvlookup_records).
 
 
 def count_ops(ops, outcome: str) -> None:
     """Count a batch of ops in ``kvlookup_ingest_ops_total`` by kind: (op, chunk hash) pairs,
     or a folded {chunk hash text: op} mapping."""
-    from kvlookup.store import ADMIT
+    from kvlookup.index.store import ADMIT
 
     admits = sum(1 for op in ops.values() if op == ADMIT) if isinstance(ops, dict) else \
         sum(1 for op, _ in ops if op == ADMIT)

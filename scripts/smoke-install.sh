@@ -27,7 +27,7 @@ echo "smoke: wheel built and installed without extras in $((SECONDS - start)) s"
 
 cd "$work"  # away from the checkout: only the installed package can be imported
 bin="$work/venv/bin"
-read -r http pull < <("$bin/python" -c "from kvlookup.redis_server import free_port as f; print(f(), f())")
+read -r http pull < <("$bin/python" -c "from kvlookup.proc.redis_server import free_port as f; print(f(), f())")
 "$bin/kvlookup" controller --port "$http" --data-dir "$work/data" --log-level WARNING &
 pids+=($!)
 "$bin/kvlookup" sidecar --pull-url "127.0.0.1:$pull" --data-dir "$work/data" --log-level WARNING &

@@ -31,10 +31,10 @@ from collections.abc import Callable
 
 import zmq
 
-from kvlookup import lmcache_control as ctl
+from kvlookup.wire import lmcache_control as ctl
 from kvlookup import metrics
-from kvlookup.fleet import Fleet, WorkerInfo
-from kvlookup.store import Store
+from kvlookup.index.fleet import Fleet, WorkerInfo
+from kvlookup.index.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ worker gets a ``full_sync`` command (``controller_restart``; ``worker_re_registe
 worker the registry lost) whatever arrived before it, as LMCache's own controller asks.
 A frame that fails to decode or apply is counted and logged; the rest of the batch goes on.
 
-After a failover (a Redis master that served the index was replaced, kvlookup.failover), writes
+After a failover (a Redis master that served the index was replaced, kvlookup.index.failover), writes
 it had not replicated may be lost: the sidecar writes its recent record writes again (the
 store's journal of the last minute) and asks every 0.5-era worker for a full sync at its next
 heartbeat.
@@ -32,11 +32,11 @@ from typing import Any
 
 import redis
 
-from kvlookup import lmcache_protocol as proto
+from kvlookup.wire import lmcache as proto
 from kvlookup import metrics
-from kvlookup.failover import MasterWatch
-from kvlookup.store import ADMIT, EVICT, NotRegistered, Store, chunk_text
-from sidecar.admission import InstancePolicy
+from kvlookup.index.failover import MasterWatch
+from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store, chunk_text
+from kvlookup.sidecar.admission import InstancePolicy
 
 text = chunk_text
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import redis
 
 from kvlookup import metrics
-from kvlookup.lifetime import Backoff
+from kvlookup.proc.lifetime import Backoff
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Apply one decoded vLLM event batch of one (instance, data-parallel rank) to the index.
 
-Records live in kvlookup's own hash space (:mod:`kvlookup.vllm_hash`, chunk keys tagged
+Records live in kvlookup's own hash space (:mod:`kvlookup.hashing.vllm`, chunk keys tagged
 ``v<block_size>``); the holder is (instance, rank, medium). A per-rank Redis hash maps each
 engine block hash to its own chunk hash and the media holding it
 (``keys.engine_map_key``), which resolves BlockRemoved, token-less BlockStored (offloading
@@ -18,10 +18,12 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvlookup import keys, metrics
-from kvlookup import vllm_hash as vh
-from kvlookup.store import ADMIT, EVICT, NotRegistered, Store
-from kvlookup.vllm_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Malformed
+from kvlookup.index import keys
+
+from kvlookup import metrics
+from kvlookup.hashing import vllm as vh
+from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store
+from kvlookup.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored, Event, Malformed
 
 log = logging.getLogger(__name__)
 

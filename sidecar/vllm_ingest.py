@@ -28,10 +28,12 @@ from dataclasses import dataclass
 
 import redis
 
-from kvlookup import keys, metrics
-from kvlookup.store import Store
-from kvlookup.vllm_events import DecodeError, decode_batch, parse_live
-from sidecar.vllm_apply import BatchApplier, RankContext
+from kvlookup.index import keys
+
+from kvlookup import metrics
+from kvlookup.index.store import Store
+from kvlookup.wire.vllm import DecodeError, decode_batch, parse_live
+from kvlookup.sidecar.vllm_apply import BatchApplier, RankContext
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import zmq
 
 from kvlookup import metrics
-from kvlookup.store import Store
-from kvlookup.vllm_events import REPLAY_END, DecodeError, parse_replay
-from kvlookup.zmqaddr import endpoint, with_port_offset
-from sidecar.sockets import Limits, SocketSet
-from sidecar.turns import run_turns
-from sidecar.vllm_ingest import VllmIngest
+from kvlookup.index.store import Store
+from kvlookup.wire.vllm import REPLAY_END, DecodeError, parse_replay
+from kvlookup.wire.zmqaddr import endpoint, with_port_offset
+from kvlookup.sidecar.sockets import Limits, SocketSet
+from kvlookup.sidecar.turns import run_turns
+from kvlookup.sidecar.vllm_ingest import VllmIngest
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from kvlookup.local_cluster import LocalCluster
-from kvlookup.redis_server import EmbeddedRedis, connect
-from kvlookup.store import Store
+from kvlookup.devtools.local_cluster import LocalCluster
+from kvlookup.proc.redis_server import EmbeddedRedis, connect
+from kvlookup.index.store import Store
 
 SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 SEED_HASH = 4690244967161877535
@@ -104,5 +104,5 @@ def r(redis_url, cluster):
 @pytest.fixture(params=["plain", "cached"])
 def store(request, r):
     """The index on this test's Redis; on one server also with lookups through cached reads
-    (kvlookup.tracking, fenced), so the cached walk meets the same contract."""
+    (kvlookup.index.tracking, fenced), so the cached walk meets the same contract."""
     return Store(r, purge_grace_s=0, cache_reads="fenced" if request.param == "cached" else False)

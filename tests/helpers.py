@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvlookup.redis_server import free_port
-from kvlookup.store import Store
-from sidecar.service import Sidecar
+from kvlookup.proc.redis_server import free_port
+from kvlookup.index.store import Store
+from kvlookup.sidecar.service import Sidecar
 
 
 def wait_for(fn: Callable[[], Any], expected: Any, timeout: float = 10.0) -> Any:
@@ -43,8 +43,7 @@ class SidecarThread:
 def index_view(r, hashes) -> dict[tuple[str, str], set[int]]:
     """What the index says each live holder holds among ``hashes``: (instance, location) ->
     chunk hashes, read straight from the chunk sorted sets (retired holders left out)."""
-    from kvlookup import keys
-
+    from kvlookup.index import keys
     hashes = list(hashes)
     pipe = r.pipeline(transaction=False)
     for h in hashes:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import requests
 
-from kvlookup.redis_server import free_port
+from kvlookup.proc.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("KVLOOKUP_SHARED", ROOT.parent / "shared"))

@@ -15,7 +15,7 @@ from tests.procs import ROOT
 USER_SCRIPT = """
 import json, sys
 from kvlookup.config import Settings
-from kvlookup.runtime import ensure_redis
+from kvlookup.proc.runtime import ensure_redis
 lease = ensure_redis(Settings(data_dir=sys.argv[1]))
 print(json.dumps(lease.info), flush=True)
 sys.stdin.read()

@@ -1,4 +1,4 @@
-"""The default worker's HTTP front (app.asgi, kvlookup.asgi_worker) through a real gunicorn +
+"""The default worker's HTTP front (app.asgi, kvlookup.app.asgi_worker) through a real gunicorn +
 uvicorn controller: bodies, chunked encoding, the Flask paths behind a2wsgi, errors as JSON."""
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def test_a_hung_redis_never_holds_the_event_loop(tmp_path):
     import threading
     import time
 
-    from kvlookup.redis_server import EmbeddedRedis, connect
+    from kvlookup.proc.redis_server import EmbeddedRedis, connect
 
     server = EmbeddedRedis(tmp_path / "redis", appendonly=False)
     url = server.start()

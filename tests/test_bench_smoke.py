@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from bench import feed
-from bench.agree import OMITTED, SUFFIX_ONLY, Agreement, classify, truth_tokens
-from bench.memory import one_case
-from bench.workload import TRACE_PATH, ChunkHasher, Fleet, chunk_ends, load_trace, replay, request_tokens
+from kvlookup.bench import feed
+from kvlookup.bench.agree import OMITTED, SUFFIX_ONLY, Agreement, classify, truth_tokens
+from kvlookup.bench.memory import one_case
+from kvlookup.bench.workload import TRACE_PATH, ChunkHasher, Fleet, chunk_ends, load_trace, replay, request_tokens
 from kvlookup.client import Client
-from kvlookup.hashing import HashProfile
-from kvlookup.store import Store
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index.store import Store
 from tests.helpers import SidecarThread, wait_for
 
 needs_trace = pytest.mark.skipif(not TRACE_PATH.exists(), reason=f"no trace at {TRACE_PATH}")
@@ -74,7 +74,7 @@ def test_memory_case_structure():
 
 
 def test_gunicorn_conf_names():
-    from bench.procs import gunicorn_conf
+    from kvlookup.bench.procs import gunicorn_conf
 
     assert gunicorn_conf("gevent:2") == ("gevent", 2, 1)
     assert gunicorn_conf("gthread:2x4") == ("gthread", 2, 4)
@@ -84,8 +84,8 @@ def test_gunicorn_conf_names():
 
 @pytest.mark.single_node  # bench stages measures the single-node path
 def test_stage_handlers_stop_where_told(redis_url, store):
-    from bench.stages import _make_handler
-    from kvlookup.store import ADMIT, Match
+    from kvlookup.bench.stages import _make_handler
+    from kvlookup.index.store import ADMIT, Match
     from tests.conftest import SEED_HASH, SEED_TOKENS
 
     store.register_worker("a", 0)
@@ -98,7 +98,7 @@ def test_stage_handlers_stop_where_told(redis_url, store):
 
 
 def test_purge_part_deletes_every_record_of_the_retired_holder(store):
-    from bench.purge import purge_case
+    from kvlookup.bench.purge import purge_case
 
     res = purge_case(store, 5_000)
     assert (res["records"], res["removed"], res["records_left"]) == (5_000, 5_000, 0)

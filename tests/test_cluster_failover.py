@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from kvlookup import keys
+from kvlookup.index import keys
 from kvlookup.client import Client
-from kvlookup.cluster_io import slot_of
-from kvlookup.local_cluster import LocalCluster
-from kvlookup.redis_server import connect
-from kvlookup.store import ADMIT, Store
+from kvlookup.index.cluster_io import slot_of
+from kvlookup.devtools.local_cluster import LocalCluster
+from kvlookup.proc.redis_server import connect
+from kvlookup.index.store import ADMIT, Store
 from tests.conftest import BACKENDS
 from tests.ha_fleet import (
     CPU,

@@ -6,11 +6,11 @@ import re
 
 import pytest
 
-from app import create_app
-from kvlookup import keys
-from kvlookup import lmcache_control as ctl
-from kvlookup.lmcache_protocol import ErrorMsg
-from kvlookup.store import Store
+from kvlookup.app import create_app
+from kvlookup.index import keys
+from kvlookup.wire import lmcache_control as ctl
+from kvlookup.wire.lmcache import ErrorMsg
+from kvlookup.index.store import Store
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.repworker import RepWorker
 

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from app import create_app, tokenizer
-from kvlookup.redis_server import free_port
-from kvlookup.store import ADMIT
+from kvlookup.app import create_app, tokenizer
+from kvlookup.proc.redis_server import free_port
+from kvlookup.index.store import ADMIT
 from tests.procs import ROOT
 
 STATIC = ROOT / "app" / "static"

@@ -16,10 +16,10 @@ import time
 import pytest
 import requests
 
-from app import tokenizer
-from kvlookup.hashing import HashProfile
-from kvlookup.redis_server import free_port
-from kvlookup.workersim import SimEngine, WorkerSim
+from kvlookup.app import tokenizer
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.proc.redis_server import free_port
+from kvlookup.devtools.workersim import SimEngine, WorkerSim
 from tests import browser as chromium
 from tests.helpers import wait_for
 from tests.procs import ControllerProc

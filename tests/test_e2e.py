@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kvlookup.hashing import HashProfile
-from kvlookup.redis_server import free_port
-from kvlookup.workersim import WorkerSim
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.proc.redis_server import free_port
+from kvlookup.devtools.workersim import WorkerSim
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import wait_for
 from tests.procs import ControllerProc
@@ -69,7 +69,7 @@ def test_both_eras_several_instances_tiers_and_tp(redis_args):
 
 def _seed(r, ports: list[int]) -> None:
     """Instance ``inst`` with one worker per port, each holding the seed chunk in CPU."""
-    from kvlookup.store import ADMIT, Store
+    from kvlookup.index.store import ADMIT, Store
 
     store = Store(r, instance_ttl_s=0)
     for wid, port in enumerate(ports):

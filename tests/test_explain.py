@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from app import create_app
-from kvlookup import keys
+from kvlookup.app import create_app
+from kvlookup.index import keys
 from kvlookup.explain import iso
-from kvlookup.hashing import HashProfile
-from kvlookup.store import ADMIT, EVICT
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index.store import ADMIT, EVICT
 
 CPU = "LocalCPUBackend"
 TOKENS = list(range(1000, 1600))  # 600 tokens: chunks 256/256/88
@@ -231,8 +231,7 @@ def test_nothing_anywhere(store, explain):
 
 
 def test_other_namespace(r, store, explain):
-    from kvlookup import vllm_hash as vh
-
+    from kvlookup.hashing import vllm as vh
     store.register_worker("vl", 0, "127.0.0.1", 8001, kind="vllm", worker_rule="any")
     r.hset(keys.block_sizes_key(), keys.worker_member("vl", 0), 16)
     base = vh.chain(vh.request_root(16), TOKENS, 16)
@@ -259,8 +258,7 @@ def test_bad_bodies_are_the_lookup_errors(redis_settings, store):
 
 
 def test_miss_cause_metrics(redis_settings, store):
-    from kvlookup import fleet_metrics
-
+    from kvlookup.app import fleet_metrics
     def count(*labels):
         return fleet_metrics.OUTCOMES.labels(*labels)._value.get()
 

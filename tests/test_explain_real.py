@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from kvlookup.hashing import HashProfile
+from kvlookup.hashing.lmcache import HashProfile
 from tests.helpers import wait_for
 from tests.procs import ROOT
 from tests.test_lmcache_real import (  # noqa: F401  (the fixture)

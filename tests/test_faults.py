@@ -35,14 +35,14 @@ import pytest
 import requests
 import zmq
 
-from kvlookup import keys
-from kvlookup import lmcache_protocol as proto
-from kvlookup.embedded import served_by
-from kvlookup.hashing import HashProfile
-from kvlookup.redis_server import connect, free_port, ping, port_free
-from kvlookup.workersim import SimEngine
-from kvlookup.zmqaddr import endpoint
-from sidecar.sockets import Limits
+from kvlookup.index import keys
+from kvlookup.wire import lmcache as proto
+from kvlookup.proc.embedded import served_by
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.proc.redis_server import connect, free_port, ping, port_free
+from kvlookup.devtools.workersim import SimEngine
+from kvlookup.wire.zmqaddr import endpoint
+from kvlookup.sidecar.sockets import Limits
 from tests.helpers import index_view
 from tests.procs import ROOT, SidecarProc
 from tests.procs_embedded import alive, servers_of, until
@@ -938,7 +938,7 @@ def test_7_a_maximal_frame_in_a_full_sync_lets_no_lease_lapse(fresh):
 
 FLOOD = r"""
 import json, sys, time, zmq
-from kvlookup import lmcache_protocol as proto
+from kvlookup.wire import lmcache as proto
 pull, inst, seconds, n, base = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 ctx = zmq.Context()
 socks = []

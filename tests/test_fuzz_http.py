@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from werkzeug.serving import make_server
 
-from app import create_app
+from kvlookup.app import create_app
 from tests.conftest import SEED_TOKENS
 
 NAME, TOKENS, PAIR, IP = "name", "tokens", "pair", "ip"

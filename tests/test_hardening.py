@@ -11,16 +11,16 @@ import pytest
 import redis
 import zmq
 
-from app import create_app
-from kvlookup import keys
-from kvlookup import lmcache_protocol as proto
-from kvlookup import records as records_mod
+from kvlookup.app import create_app
+from kvlookup.index import keys
+from kvlookup.wire import lmcache as proto
+from kvlookup.index import records as records_mod
 from kvlookup.client import MAX_BLOCK_SIZES, Client, VllmChains
-from kvlookup.hashing import HashProfile
-from kvlookup.redis_server import free_port
-from kvlookup.store import ADMIT, Store
-from sidecar.lmcache_ingest import MAX_REDIS_FAILURES, LMCacheIngest
-from sidecar.vllm_zmq import ReplayClient
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.proc.redis_server import free_port
+from kvlookup.index.store import ADMIT, Store
+from kvlookup.sidecar.lmcache_ingest import MAX_REDIS_FAILURES, LMCacheIngest
+from kvlookup.sidecar.vllm_zmq import ReplayClient
 from tests.conftest import SEED_HASH, SEED_TOKENS
 
 CPU = "LocalCPUBackend"

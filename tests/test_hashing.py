@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvlookup.config import load
-from kvlookup.hashing import HASH_OF_NONE, HashProfile, profile_from_lmcache_yaml, seeded_str_hash
+from kvlookup.hashing.lmcache import HASH_OF_NONE, HashProfile, profile_from_lmcache_yaml, seeded_str_hash
 from tests.conftest import SEED_TOKENS
 
 SEED_YAML = """\

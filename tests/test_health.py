@@ -9,9 +9,9 @@ import time
 import pytest
 import requests
 
-from app import create_app
-from kvlookup.redis_server import free_port
-from kvlookup.workersim import SimEngine
+from kvlookup.app import create_app
+from kvlookup.proc.redis_server import free_port
+from kvlookup.devtools.workersim import SimEngine
 from tests.helpers import wait_for
 from tests.procs import SidecarProc
 
@@ -64,7 +64,7 @@ def test_a_stopped_sidecar_signs_off_and_a_dead_one_is_gone_once_its_instances_l
     """SIGTERM: a deliberate stop is not a failure (the sidecar drops its own lease; what it owns
     stays, and a restart resumes it). kill -9: 503 while its instances' leases may still count,
     then ``gone`` (listed, not failing) once they have lapsed (instance_ttl_s, GONE_AFTER_S at least)."""
-    from app import health
+    from kvlookup.app import health
 
     monkeypatch.setattr(health, "GONE_AFTER_S", 0.0)
     pull, reply = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from app import create_app
-from kvlookup.store import ADMIT
+from kvlookup.app import create_app
+from kvlookup.index.store import ADMIT
 from tests.conftest import SEED_HASH, SEED_TOKENS
 
 
@@ -162,7 +162,7 @@ def test_binary_bodies_answer_as_json_does(http):
 
     import msgpack
 
-    from app.lookup import parse_request
+    from kvlookup.app.lookup import parse_request
 
     raw = struct.pack(f"<{len(SEED_TOKENS)}I", *SEED_TOKENS)
     answers = []

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from kvlookup.redis_server import free_port
+from kvlookup.proc.redis_server import free_port
 from tests.conftest import SEED_TOKENS
 from tests.helpers import wait_for
 from tests.procs import ControllerProc, RealLMCacheWorker

@@ -8,11 +8,11 @@ import subprocess
 
 import pytest
 
-from app import create_app
-from kvlookup import keys
+from kvlookup.app import create_app
+from kvlookup.index import keys
 from kvlookup.client import Client
-from kvlookup.redis_server import free_port
-from kvlookup.store import Store
+from kvlookup.proc.redis_server import free_port
+from kvlookup.index.store import Store
 from tests.conftest import SEED_TOKENS
 from tests.helpers import SidecarThread, wait_for
 from tests.procs import SHARED

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kvlookup.redis_server import free_port
+from kvlookup.proc.redis_server import free_port
 from tests.conftest import SEED_TOKENS
 from tests.helpers import index_view, wait_for
 from tests.procs import RealLMCacheWorker, SidecarProc

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from kvlookup.demo import wait_http
-from kvlookup.redis_cli import connection_flags
-from kvlookup.redis_server import EmbeddedRedis, free_port
+from kvlookup.devtools.demo import wait_http
+from kvlookup.cli.redis_cli import connection_flags
+from kvlookup.proc.redis_server import EmbeddedRedis, free_port
 from tests.procs import ROOT, ControllerProc, SidecarProc
 
 KVLOOKUP = [sys.executable, "-m", "kvlookup"]
@@ -178,8 +178,8 @@ def test_venv_sh_rebuilds_a_venv_that_is_too_old_or_broken(tmp_path, broken):
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
 def test_demo_prints_curl_lines_that_run_as_pasted(redis_args, capsys):
-    from kvlookup.demo import start_engines
-    from kvlookup.hashing import HashProfile
+    from kvlookup.devtools.demo import start_engines
+    from kvlookup.hashing.lmcache import HashProfile
 
     pull = free_port()
     ctrl = ControllerProc(*redis_args, "--monitor-port", str(pull)).wait_ready()
@@ -269,7 +269,7 @@ def test_paths_named_in_the_docs_exist(doc):
 
 
 def test_shlex_quoted_bodies_survive_bash():
-    from kvlookup.demo import curl_command
+    from kvlookup.devtools.demo import curl_command
 
     cmd = curl_command("http://x", "seed", [1, 2])
     assert shlex.split(cmd)[-1] == '{"tokens": [1, 2]}'
@@ -294,8 +294,8 @@ def test_the_demo_engines_stay_indexed_while_it_runs(redis_args, capsys):
     """The demo's simulated engines answer the controller's health calls and stay registered, so
     its curl lines and the dashboard keep their answers (they used to be probed, found silent and
     reaped ~10 s after the demo printed)."""
-    from kvlookup.demo import start_engines
-    from kvlookup.hashing import HashProfile
+    from kvlookup.devtools.demo import start_engines
+    from kvlookup.hashing.lmcache import HashProfile
     from tests.conftest import SEED_TOKENS
 
     pull = free_port()

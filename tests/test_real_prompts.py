@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kvlookup.client import Client
-from kvlookup.demo import CONVERSATION_A, CONVERSATION_B, SYSTEM_PROMPT, chat_tokens, load_tokenizer
-from kvlookup.hashing import HashProfile
-from kvlookup.store import Store
-from kvlookup.workersim import WorkerSim
+from kvlookup.devtools.demo import CONVERSATION_A, CONVERSATION_B, SYSTEM_PROMPT, chat_tokens, load_tokenizer
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index.store import Store
+from kvlookup.devtools.workersim import WorkerSim
 from tests.helpers import SidecarThread, wait_for
 
 TOKENIZER = load_tokenizer()

@@ -10,12 +10,12 @@ import time
 import pytest
 import redis
 
-from kvlookup import embedded, redis_server
+from kvlookup.proc import embedded, redis_server
 from kvlookup.cli import build_parser
 from kvlookup.config import Settings
-from kvlookup.embedded import served_by
-from kvlookup.redis_server import EmbeddedRedis, connect, ping, running_url
-from kvlookup.runtime import ensure_redis
+from kvlookup.proc.embedded import served_by
+from kvlookup.proc.redis_server import EmbeddedRedis, connect, ping, running_url
+from kvlookup.proc.runtime import ensure_redis
 from tests.procs import ROOT
 from tests.procs_embedded import UserProc, alive, keepers_of, kill9, servers_of, until
 
@@ -210,7 +210,7 @@ def test_a_new_keeper_shuts_down_an_orphaned_server_of_its_dir_and_takes_its_por
 
 
 def test_backoff_doubles_to_its_cap_and_resets_after_a_stable_run():
-    from kvlookup.lifetime import Backoff
+    from kvlookup.proc.lifetime import Backoff
 
     b = Backoff(0.2, 1.0, 10.0)
     assert [b.next(), b.next(), b.next(), b.next(), b.next(3.0), b.next(10.0), b.next()] == \

@@ -15,12 +15,12 @@ import time
 import pytest
 import zmq
 
-from kvlookup import keys
-from kvlookup import lmcache_protocol as proto
+from kvlookup.index import keys
+from kvlookup.wire import lmcache as proto
 from kvlookup.client import Client
-from kvlookup.hashing import HashProfile
-from kvlookup.redis_server import free_port
-from kvlookup.workersim import SimEngine
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.proc.redis_server import free_port
+from kvlookup.devtools.workersim import SimEngine
 from tests.helpers import index_view, wait_for
 from tests.procs import ControllerProc, SidecarProc
 

@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from kvlookup.client import Client
-from kvlookup.local_sentinel import LocalSentinel
-from kvlookup.redis_server import connect
-from kvlookup.redis_urls import BlockingSentinelConnectionPool, SentinelURL, parse_sentinel
+from kvlookup.devtools.local_sentinel import LocalSentinel
+from kvlookup.proc.redis_server import connect
+from kvlookup.proc.redis_urls import BlockingSentinelConnectionPool, SentinelURL, parse_sentinel
 from tests.ha_fleet import ROOT, Fleet, HttpClient, Lookups
 from tests.procs import ControllerProc
 

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlookup import keys
+from kvlookup.index import keys
 from kvlookup.client import Client, pick_location
-from kvlookup.hashing import HashProfile
-from kvlookup.store import ADMIT, EVICT, NotRegistered, Store
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store
 from tests.conftest import SEED_HASH, SEED_TOKENS
 
 CPU, DISK = "LocalCPUBackend", "LocalDiskBackend"

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from kvlookup.hashing import HashProfile
-from kvlookup.redis_server import free_port, port_free
-from kvlookup.supervise import Child, StartError, Supervisor
-from kvlookup.workersim import WorkerSim
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.proc.redis_server import free_port, port_free
+from kvlookup.proc.supervise import Child, StartError, Supervisor
+from kvlookup.devtools.workersim import WorkerSim
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import wait_for
 from tests.procs import ControllerProc
@@ -248,9 +248,9 @@ def test_supervisor_start_names_a_child_that_exits_before_listening(tmp_path):
 
 
 def test_health_runs_every_check_and_is_503_while_one_component_is_down(redis_url, tmp_path, monkeypatch):
-    from app import create_app
-    from app.health import health_checks
-    from kvlookup.supervise import STATUS_ENV
+    from kvlookup.app import create_app
+    from kvlookup.app.health import health_checks
+    from kvlookup.proc.supervise import STATUS_ENV
 
     status_file = tmp_path / "status.json"
     monkeypatch.setenv(STATUS_ENV, str(status_file))

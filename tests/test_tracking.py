@@ -1,4 +1,4 @@
-"""Cached reads (kvlookup.tracking): a controller keeps the chunk sets it reads, and Redis tells
+"""Cached reads (kvlookup.index.tracking): a controller keeps the chunk sets it reads, and Redis tells
 it when one changes (CLIENT TRACKING ... REDIRECT). A lookup whose chunks are known costs no
 round trip; a change reaches it as soon as its invalidation arrives (fenced: before it begins)."""
 
@@ -9,10 +9,10 @@ import time
 import pytest
 import redis
 
-from kvlookup import keys
+from kvlookup.index import keys
 from kvlookup.client import Client
-from kvlookup.redis_server import EmbeddedRedis, connect
-from kvlookup.store import ADMIT, EVICT, Store
+from kvlookup.proc.redis_server import EmbeddedRedis, connect
+from kvlookup.index.store import ADMIT, EVICT, Store
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import wait_for
 

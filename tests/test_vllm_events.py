@@ -11,8 +11,8 @@ import sys
 import msgspec
 import pytest
 
-from kvlookup import vllm_hash as vh
-from kvlookup.vllm_events import (
+from kvlookup.hashing import vllm as vh
+from kvlookup.wire.vllm import (
     REPLAY_END,
     AllBlocksCleared,
     BlockRemoved,
@@ -140,7 +140,7 @@ def test_frames():
 
 
 def test_own_chain_is_process_independent():
-    code = ("from kvlookup import vllm_hash as vh; "
+    code = ("from kvlookup.hashing import vllm as vh; "
             "print(vh.chain(vh.request_root(16, 'sql-lora', 'salt'), list(range(1000, 1032)), 16))")
     outs = set()
     for seed in ("0", "1", "random"):

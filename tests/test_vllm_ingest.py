@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvlookup import keys
-from kvlookup import vllm_hash as vh
+from kvlookup.index import keys
+from kvlookup.hashing import vllm as vh
 from kvlookup.client import Client, VllmChains
-from kvlookup.store import Store
-from sidecar.vllm_ingest import VllmIngest
+from kvlookup.index.store import Store
+from kvlookup.sidecar.vllm_ingest import VllmIngest
 from tests.vllm_helpers import cleared, payload, removed, stored
 
 A = list(range(1000, 1032))  # 2 blocks of 16

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-import app
-from kvlookup import keys
+import kvlookup.app as app
+from kvlookup.index import keys
 from kvlookup.client import Client, VllmChains
-from kvlookup.redis_server import free_port
-from kvlookup.workersim import WorkerSim
-from sidecar.vllm_zmq import VllmSource
+from kvlookup.proc.redis_server import free_port
+from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.helpers import wait_for
 from tests.test_sidecar_lmcache import S600, S600_HASHES
 from tests.test_vllm_sidecar import Running

@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-import app
-from kvlookup import keys
+import kvlookup.app as app
+from kvlookup.index import keys
 from kvlookup.client import Client, VllmChains
-from kvlookup.store import Store
-from kvlookup.workersim import WorkerSim
-from sidecar.service import Sidecar
-from sidecar.vllm_zmq import VllmSource
+from kvlookup.index.store import Store
+from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.sidecar.service import Sidecar
+from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import wait_for
 from tests.test_sidecar_lmcache import S600, S600_HASHES
@@ -114,7 +114,7 @@ def test_data_parallel_ranks_and_detail(r, redis_settings):
 def test_mixed_fleet_one_lookup(r, redis_settings):
     """An LMCache instance and a vLLM instance, both answered by one POST /lookup."""
     pub = LoopbackPublisher()
-    from kvlookup.redis_server import free_port
+    from kvlookup.proc.redis_server import free_port
 
     pull_url = f"127.0.0.1:{free_port()}"
     sc = Running(r, VllmSource("vllm-pod", pub.endpoint, pub.replay_endpoint), pull_url=pull_url)

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlookup import keys, staged
-from kvlookup.store import ADMIT, Chain, Store
+from kvlookup.index import keys, staged
+from kvlookup.index.store import ADMIT, Chain, Store
 
 LOCATIONS = ("LocalCPUBackend", "LocalDiskBackend", "GPU")
 CHUNK = 4

@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from kvlookup.redis_server import free_port
+from kvlookup.proc.redis_server import free_port
 from tests.procs import SHARED
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ answers each quit signal with a greenlet that calls ``sys.exit(0)``; the second 
 the worker is already exiting, and gevent prints its SystemExit as a traceback. The worker here
 quits on the first signal and ignores the ones after it.
 
-A lookup answered from the controller's cached reads (kvlookup.tracking) does no I/O, so its
+A lookup answered from the controller's cached reads (kvlookup.index.tracking) does no I/O, so its
 greenlet never yields: on a busy keep-alive connection it would go on serving its own requests
 while the others wait (measured with wrk, 12-token prompts, c=4: p99 450-700 ms, p50 0.8 ms).
 The worker yields after every request, so connections take turns (p99 2-3 ms).
@@ -37,7 +37,7 @@ def patched() -> bool:
 
 
 class GeventWorker(_GunicornGeventWorker):
-    """``worker_class = "kvlookup.gevent_worker.GeventWorker"``."""
+    """``worker_class = "kvlookup.app.gevent_worker.GeventWorker"``."""
 
     quitting = False
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import redis
 
-from kvlookup.cluster_io import slot_of
-from kvlookup.redis_server import find_server_binary, free_port
+from kvlookup.index.cluster_io import slot_of
+from kvlookup.proc.redis_server import find_server_binary, free_port
 
 
 def find_cli_binary() -> str:

@@ -12,9 +12,9 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
-from kvlookup import embedded, redis_server
+from kvlookup.proc import embedded, redis_server
 from kvlookup.config import Settings
-from kvlookup.lifetime import set_parent_death_signal
+from kvlookup.proc.lifetime import set_parent_death_signal
 
 log = logging.getLogger("kvlookup")
 
@@ -29,7 +29,7 @@ def ensure_redis(settings: Settings, *, watch: bool = True) -> embedded.Lease | 
     """Make sure ``settings.redis_url`` points at a server; sets it.
 
     With no URL configured, this process becomes a user of the embedded Redis of the data dir
-    (kvlookup.embedded): the server is started under a detached keeper if none serves the dir,
+    (kvlookup.proc.embedded): the server is started under a detached keeper if none serves the dir,
     and stops once its last user has gone. Returns the lease (call ``.stop()`` on exit); with
     ``watch`` a thread starts a new keeper if the old one dies. None when a URL was given.
     Raises RuntimeError / TimeoutError when the server cannot be started.
@@ -45,7 +45,7 @@ def ensure_redis(settings: Settings, *, watch: bool = True) -> embedded.Lease | 
 
 
 #: gunicorn ``worker_class`` per ``gunicorn_worker_class`` (gthread and sync are gunicorn's own names).
-WORKERS = {"uvicorn": "kvlookup.asgi_worker.UvicornWorker", "gevent": "kvlookup.gevent_worker.GeventWorker"}
+WORKERS = {"uvicorn": "kvlookup.app.asgi_worker.UvicornWorker", "gevent": "kvlookup.app.gevent_worker.GeventWorker"}
 
 
 def worker_dies_with_master(server, worker) -> None:
@@ -115,6 +115,6 @@ class GunicornController(BaseApplication):
             self.cfg.set(key, value)
 
     def load(self):
-        from app import create_app, create_asgi_app
+        from kvlookup.app import create_app, create_asgi_app
 
         return (create_asgi_app if self.settings.gunicorn_worker_class == "uvicorn" else create_app)(self.settings)

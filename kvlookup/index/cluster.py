@@ -5,8 +5,8 @@ and balance across masters. A record is written in two ordered rounds — the re
 bucket first, then the chunk's sorted set (evicts: the other way round) — so a bucket always
 lists at least the records that exist and purge never misses one, without needing both keys
 in one slot. Each round is one pipelined round trip per master, all masters in parallel
-(kvlookup.cluster_io). Lookups read the chunks' holders in stages and walk in Python
-(kvlookup.staged). docs/scaling.md has the cost model.
+(kvlookup.index.cluster_io). Lookups read the chunks' holders in stages and walk in Python
+(kvlookup.index.staged). docs/scaling.md has the cost model.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 from redis.cluster import RedisCluster
 
-from kvlookup import keys, scripts
-from kvlookup.cluster_io import ClusterIO
-from kvlookup.records import Chain, HolderWrite, Liveness, Match, purge_step
-from kvlookup.staged import HolderCache, StagedLookup
+from kvlookup.index import keys, scripts
+from kvlookup.index.cluster_io import ClusterIO
+from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, purge_step
+from kvlookup.index.staged import HolderCache, StagedLookup
 
 
 class ClusterRecords:

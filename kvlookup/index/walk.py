@@ -1,6 +1,6 @@
 """The prefix walk in Python, fed chunk by chunk (the cluster backend reads chunks in stages).
 
-Same rule as the single-node Lua ``LOOKUP`` (kvlookup.scripts): every live group — an
+Same rule as the single-node Lua ``LOOKUP`` (kvlookup.index.scripts): every live group — an
 instance (worker_rule 'all': every registered TP rank must hold a chunk) or one rank of an
 instance (worker_rule 'any', vLLM DP ranks) — is credited with its longest run of
 consecutive chunks from chunk 0; per location, the tokens of those chunks it holds there (a
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvlookup.keys import SEP
+from kvlookup.index.keys import SEP
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class _Group:
 class ChainWalk:
     """The walk of one chain; :meth:`feed` it the member lists of the next chunks.
 
-    chunk_size, n_tokens: as :class:`kvlookup.store.Chain` (chunk i ends at
+    chunk_size, n_tokens: as :class:`kvlookup.index.store.Chain` (chunk i ends at
     ``min((i + 1) * chunk_size, n_tokens)``).
 
     ``miss`` names why chunk 0 extended no group (for the miss counter; '' otherwise):

@@ -20,10 +20,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvlookup.hashing import HashProfile
-from kvlookup.lifetime import dies_with_parent
-from kvlookup.redis_server import port_free
-from kvlookup.workersim import SimEngine
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.proc.lifetime import dies_with_parent
+from kvlookup.proc.redis_server import port_free
+from kvlookup.devtools.workersim import SimEngine
 
 SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 

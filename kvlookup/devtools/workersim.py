@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from kvlookup import lmcache_protocol as proto
-from kvlookup.hashing import ChunkHash
-from kvlookup.zmqaddr import endpoint
+from kvlookup.wire import lmcache as proto
+from kvlookup.hashing.lmcache import ChunkHash
+from kvlookup.wire.zmqaddr import endpoint
 
 MAX_FRAMES = 50
 
@@ -168,7 +168,7 @@ class SimEngine:
         self._thread.start()
 
     def _answer(self) -> None:
-        from kvlookup.lmcache_control import HealthWorkerRetMsg, encode
+        from kvlookup.wire.lmcache_control import HealthWorkerRetMsg, encode
 
         poller = zmq.Poller()
         for rep in self.reps:

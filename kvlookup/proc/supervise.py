@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvlookup.lifetime import Backoff, dies_with_parent
-from kvlookup.redis_server import bind_error
+from kvlookup.proc.lifetime import Backoff, dies_with_parent
+from kvlookup.proc.redis_server import bind_error
 
-log = logging.getLogger("kvlookup.supervise")
+log = logging.getLogger("kvlookup.proc.supervise")
 
 STATUS_ENV = "KVLOOKUP_STATUS_FILE"
 #: Restart backoff of a child (seconds): first delay, cap, and how long it must stay up for the

@@ -4,9 +4,9 @@ A :class:`Records` backend writes admits and evicts, walks a prompt's chains and
 retired holder's records. Two backends keep one contract (tests run the whole semantic suite
 against both): :class:`SingleNodeRecords` for one Redis (or a Sentinel-managed master), Lua
 scripts that do each step in one atomic round trip; and
-:class:`kvlookup.records_cluster.ClusterRecords` for Redis Cluster, plain single-key commands
+:class:`kvlookup.index.cluster.ClusterRecords` for Redis Cluster, plain single-key commands
 sent to every master at once. The registry (instances, workers, holders) is the same for both:
-its keys share one hash slot (kvlookup.keys) and kvlookup.store runs its scripts.
+its keys share one hash slot (kvlookup.index.keys) and kvlookup.index.store runs its scripts.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ import hiredis
 import redis
 from redis.exceptions import NoScriptError, ResponseError
 
-from kvlookup import keys, scripts
-
-#: Chunk operations per APPLY_OPS call: a script blocks Redis while it runs, so a huge batch
+from kvlookup.index import keys, scripts  #: Chunk operations per APPLY_OPS call: a script blocks Redis while it runs, so a huge batch
 #: (a full sync) is applied in slices of this many admits and evicts.
 MAX_OPS_PER_CALL = 5000
 #: Reverse-index buckets read per purge round trip.
@@ -46,7 +44,7 @@ class Match:
 
 class Matches(list):
     """A lookup's :class:`Match` list, with ``miss``: why it matched nothing, when the walk knew
-    at no extra cost (kvlookup.walk.ChainWalk.miss; ``short_prompt`` when no chain had a chunk);
+    at no extra cost (kvlookup.index.walk.ChainWalk.miss; ``short_prompt`` when no chain had a chunk);
     '' when it matched or the walk ran in Lua (which does not say)."""
 
     miss: str = ""
@@ -214,8 +212,8 @@ class SingleNodeRecords:
     """Records on one Redis server: APPLY_OPS and LOOKUP scripts, one round trip each.
 
     cache_reads: True (or ``"fenced"``) to look up through process-local copies of the chunk
-    sets that Redis keeps coherent (kvlookup.tracking.CachedReads) and walk in Python
-    (kvlookup.staged): a lookup whose chunks and holders are known costs no round trip
+    sets that Redis keeps coherent (kvlookup.index.tracking.CachedReads) and walk in Python
+    (kvlookup.index.staged): a lookup whose chunks and holders are known costs no round trip
     (``"fenced"``: one short one, and it sees every write completed before it). False: the
     LOOKUP script.
     """
@@ -227,8 +225,8 @@ class SingleNodeRecords:
         self._lookup = self.io.register(scripts.LOOKUP)
         self.cached = None
         if cache_reads:
-            from kvlookup.staged import HolderCache
-            from kvlookup.tracking import CachedReads
+            from kvlookup.index.staged import HolderCache
+            from kvlookup.index.tracking import CachedReads
 
             self.cached = CachedReads(client, fence=cache_reads == "fenced")
             self._resolve = self.cached.register(scripts.RESOLVE)
@@ -258,7 +256,7 @@ class SingleNodeRecords:
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> list[Match]:
         if self.cached is not None:
-            from kvlookup.staged import StagedLookup
+            from kvlookup.index.staged import StagedLookup
 
             return StagedLookup(self.cached.execute, self._resolve, self.holder_cache, chains, live).run()
         chunk_keys: list[str] = []

@@ -18,13 +18,13 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvlookup.fleet import Fleet
+from kvlookup.index.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
 #: outcome: hit, miss, redis_error.
 LOOKUPS = Counter("kvlookup_lookups_total", "Lookups answered", ["outcome"])
-#: Every /lookup by outcome and the miss cause its walk knew at no extra read (kvlookup.walk):
+#: Every /lookup by outcome and the miss cause its walk knew at no extra read (kvlookup.index.walk):
 #: (hit, hit); (miss, no_holder | dead_instance | ranks | short_prompt | unclassified).
 #: ``unclassified``: the walk ran in Lua (lookup_cache: off on one Redis), which does not say.
 OUTCOMES = Counter("kvlookup_lookup_outcomes_total", "Lookups by outcome and miss cause", ["outcome", "cause"])

@@ -7,7 +7,7 @@ skips them) and :meth:`Store.purge` deletes their records later in bounded steps
 deregistration nor a lookup ever waits on a large delete, and nothing scans the keyspace.
 
 The registry lives in one hash slot and is the same on every deployment; records go through a
-:class:`kvlookup.records.Records` backend chosen from the client: one Redis (or a Sentinel
+:class:`kvlookup.index.records.Records` backend chosen from the client: one Redis (or a Sentinel
 master) or Redis Cluster.
 """
 
@@ -21,9 +21,9 @@ from collections.abc import Iterable, Sequence
 import redis
 from redis.cluster import RedisCluster
 
-from kvlookup import keys, scripts
-from kvlookup.failover import Journal
-from kvlookup.records import Chain, HolderWrite, Liveness, Match, Matches, Records, SingleNodeRecords
+from kvlookup.index import keys, scripts
+from kvlookup.index.failover import Journal
+from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches, Records, SingleNodeRecords
 
 __all__ = ["ADMIT", "EVICT", "Chain", "Match", "NotRegistered", "Store", "fold_ops"]
 
@@ -51,7 +51,7 @@ def make_records(client, cache_reads: bool = False) -> Records:
     """The records backend for a redis-py client: cluster or single node (cache_reads: see
     SingleNodeRecords; a cluster keeps holder answers only)."""
     if isinstance(client, RedisCluster):
-        from kvlookup.records_cluster import ClusterRecords
+        from kvlookup.index.cluster import ClusterRecords
 
         return ClusterRecords(client)
     return SingleNodeRecords(client, cache_reads=cache_reads)
@@ -67,7 +67,7 @@ class Store:
     purge_grace_s: retired holders are purged only this long after retirement (default: 0 on
     one Redis, whose writes check retirement atomically; 5 s on a cluster, where a write racing
     a retirement lands within one round trip). cache_reads: lookups read through copies Redis
-    keeps coherent (kvlookup.tracking; one Redis only; for a controller, not for writers).
+    keeps coherent (kvlookup.index.tracking; one Redis only; for a controller, not for writers).
     """
 
     def __init__(self, client, *, instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0,
@@ -333,7 +333,7 @@ class Store:
     # -- after a failover -----------------------------------------------------------------
 
     def keep_journal(self, journal: Journal | None = None) -> None:
-        """Keep the record writes of the last minute (kvlookup.failover.Journal), so that
+        """Keep the record writes of the last minute (kvlookup.index.failover.Journal), so that
         :meth:`rewrite_journal` can write them again after a failover."""
         self.journal = journal or Journal()
 
@@ -346,7 +346,7 @@ class Store:
     def rewrite_journal(self, max_ops_per_call: int = 20_000) -> tuple[int, float]:
         """Write the journal's record writes again, each to the holder it was written for (a
         write for a holder retired since counts for nothing, as before), after a failover that
-        may have lost some (kvlookup.failover). A holder the registry no longer describes (its
+        may have lost some (kvlookup.index.failover). A holder the registry no longer describes (its
         allocation was lost too) is retired first, so purge deletes its records. The writes are
         folded per holder in order; re-admitted records take the newest write's time.
 
@@ -427,7 +427,7 @@ class Store:
 
     def lookup(self, chains: Sequence[Chain], now_ms: int | None = None) -> Matches:
         """Walk the chains and return every match, in no particular order (``.miss``: see
-        :class:`kvlookup.records.Matches`).
+        :class:`kvlookup.index.records.Matches`).
 
         chains: one :class:`Chain` per hash space (LMCache profile, each vLLM block size).
         """

@@ -13,10 +13,10 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kvlookup import config as kvconfig
-from kvlookup.runtime import GunicornController, ensure_redis, master_temp_dir, setup_logging
+from kvlookup.proc.runtime import GunicornController, ensure_redis, master_temp_dir, setup_logging
 
 if TYPE_CHECKING:
-    from kvlookup.supervise import Child
+    from kvlookup.proc.supervise import Child
 
 log = logging.getLogger("kvlookup")
 
@@ -66,7 +66,6 @@ def _overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, An
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlookup", description="kvlookup: where LLM KV-cache chunks live.")
     from kvlookup import __version__
-
     parser.add_argument("--version", action="version", version=f"kvlookup {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -168,8 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--monitor-port", type=_port, default=9001, help="LMCache controller_pull_url port (9001)")
     q.add_argument("--data-dir", help="embedded Redis data dir (default ~/.local/share/kvlookup)")
     q.set_defaults(func=cmd_quickstart)
-    from kvlookup import explain_cli
-
+    from kvlookup.cli import explain as explain_cli
     explain_cli.add_parser(sub)
     _add_bench(sub)
     return parser
@@ -178,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_bench(sub) -> None:
     """``kvlookup bench ...`` lives in bench/ (needs the ``bench`` extra: matplotlib, tqdm)."""
     try:
-        from bench.runner import add_parser
+        from kvlookup.bench.runner import add_parser
     except ImportError as exc:
         reason = str(exc)
         b = sub.add_parser("bench", help="benchmarks (needs: pip install 'kvlookup[bench]')")
@@ -210,7 +208,7 @@ CONTROLLER_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from kvlookup.supervise import StartError, Supervisor, check_ports, new_status_file
+    from kvlookup.proc.supervise import StartError, Supervisor, check_ports, new_status_file
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, CONTROLLER_SETTINGS))
     setup_logging(settings.log_level)
@@ -245,7 +243,7 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> Child:
     ``python -P``: the working directory is not put on sys.path, so a ``kvlookup/`` folder there
     (the checkout, run from the directory above it) cannot shadow the installed package.
     """
-    from kvlookup.supervise import Child
+    from kvlookup.proc.supervise import Child
 
     cmd = [sys.executable, "-P", "-m", "kvlookup", "sidecar", "--redis-url", settings.redis_url,
            "--pull-url", f"{settings.host}:{settings.pull_port()}", "--log-level", settings.log_level]
@@ -269,10 +267,10 @@ SIDECAR_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", 
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
-    from kvlookup.redis_server import connect
-    from kvlookup.store import Store
-    from sidecar.service import Sidecar
-    from sidecar.vllm_zmq import VllmSource
+    from kvlookup.proc.redis_server import connect
+    from kvlookup.index.store import Store
+    from kvlookup.sidecar.service import Sidecar
+    from kvlookup.sidecar.vllm_zmq import VllmSource
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, SIDECAR_SETTINGS))
     setup_logging(settings.log_level)
@@ -295,7 +293,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
                       address_allowed=settings.worker_address_allowed)
     _stop_on_signals(sidecar.stop)
     if settings.metrics_port:
-        from sidecar.http import serve
+        from kvlookup.sidecar.http import serve
 
         serve(sidecar, settings.host, settings.metrics_port)
     log.info("sidecar %s: PULL %s, ROUTER %s, vLLM %s, Redis %s; peers %s, instances %s", sidecar.sidecar_id,
@@ -310,9 +308,9 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
-    from kvlookup.fleet import reap
-    from kvlookup.redis_server import connect
-    from kvlookup.store import Store
+    from kvlookup.index.fleet import reap
+    from kvlookup.proc.redis_server import connect
+    from kvlookup.index.store import Store
 
     names = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "worker_ttl_s", "log_level")
     settings = kvconfig.load(args.config, overrides=_overrides(args, names))
@@ -332,7 +330,7 @@ def cmd_reap(args: argparse.Namespace) -> int:
 def running_redis_url(settings: kvconfig.Settings) -> str:
     """``redis_url`` if set, else the URL of the embedded Redis serving ``data_dir`` (default
     data dir); ValueError when that one is not running (nothing is started here)."""
-    from kvlookup.redis_server import default_data_dir, running_url
+    from kvlookup.proc.redis_server import default_data_dir, running_url
 
     if settings.redis_url:
         return settings.redis_url
@@ -345,7 +343,7 @@ def running_redis_url(settings: kvconfig.Settings) -> str:
 
 
 def cmd_redis_cli(args: argparse.Namespace) -> int:
-    from kvlookup.redis_cli import cli_command
+    from kvlookup.cli.redis_cli import cli_command
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, ("redis_url", "redis_cluster", "data_dir")))
     extra = args.cli_args[1:] if args.cli_args[:1] == ["--"] else args.cli_args
@@ -356,8 +354,8 @@ def cmd_redis_cli(args: argparse.Namespace) -> int:
 
 
 def cmd_redis(args: argparse.Namespace) -> int:
-    from kvlookup.embedded import AlreadyServed, serve
-    from kvlookup.redis_server import default_data_dir
+    from kvlookup.proc.embedded import AlreadyServed, serve
+    from kvlookup.proc.redis_server import default_data_dir
 
     setup_logging("INFO")
     try:
@@ -397,14 +395,14 @@ def cmd_hash(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvlookup.demo import run_demo
+    from kvlookup.devtools.demo import run_demo
 
     settings = kvconfig.load(None, overrides=_overrides(args, ("lmcache_config",)))
     return run_demo(args.pull_url, args.reply_url, args.http, args.era, settings.profile(), keep=not args.exit)
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
-    from kvlookup.demo import quickstart
+    from kvlookup.devtools.demo import quickstart
 
     return quickstart(args.port, args.monitor_port, args.data_dir)
 

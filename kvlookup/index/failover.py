@@ -7,7 +7,7 @@ two ways (docs/scaling.md, "Failover"):
 
 - :class:`MasterWatch` notices that a master which served the index is no longer serving it
   (a replica was promoted, or the server restarted), by the masters' ``run_id``.
-- :class:`Journal` keeps the recent record writes (kvlookup.store.Store.keep_journal), so
+- :class:`Journal` keeps the recent record writes (kvlookup.index.store.Store.keep_journal), so
   they can be written again once some may be lost. Admits and evicts are idempotent (ZADD/ZREM
   of one holder), so rewriting a suffix of the writes, in order, to the holders they were
   written for, leaves exactly the state the writes meant.

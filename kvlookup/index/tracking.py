@@ -32,8 +32,8 @@ from collections.abc import Sequence
 
 import redis
 
-from kvlookup import keys
-from kvlookup.records import SingleIO
+from kvlookup.index import keys
+from kvlookup.index.records import SingleIO
 
 log = logging.getLogger(__name__)
 

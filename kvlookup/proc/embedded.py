@@ -32,10 +32,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvlookup.lifetime import Backoff, FileLock, LockTimeout
-from kvlookup.redis_server import PORT_FILE, EmbeddedRedis, connect, ping, port_free
+from kvlookup.proc.lifetime import Backoff, FileLock, LockTimeout
+from kvlookup.proc.redis_server import PORT_FILE, EmbeddedRedis, connect, ping, port_free
 
-log = logging.getLogger("kvlookup.embedded")
+log = logging.getLogger("kvlookup.proc.embedded")
 
 START_LOCK = "start.lock"
 SERVER_LOCK = "server.lock"

@@ -29,8 +29,8 @@ import zmq
 import zmq.green
 
 from kvlookup import metrics
-from kvlookup.gevent_worker import patched
-from kvlookup.lmcache_protocol import ErrorMsg
+from kvlookup.app.gevent_worker import patched
+from kvlookup.wire.lmcache import ErrorMsg
 from kvlookup.netpolicy import LOOPBACK_NETWORKS, Networks, address_allowed
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,2 @@
+"""Processes: the embedded Redis and its keeper, supervision of children, locks, ports, the
+gunicorn runner."""
