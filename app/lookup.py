@@ -195,6 +195,11 @@ class LookupRoute:
         except redis.RedisError as exc:
             _child(fleet_metrics.LOOKUPS, "redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None
+        if detail_arg in TRUE:
+            try:
+                self.client.add_reusable(req.tokens, matches, req.lora_name, req.cache_salt)
+            except redis.RedisError as exc:
+                raise ApiError(503, f"index unavailable: {exc}") from None
         body = response_body(matches, fmt, detail_arg in TRUE)
         keep[COUNT_KEY] = (matches[0].matched_prefix_length if matches else -1, causes[0],
                            time.perf_counter() - start)

@@ -20,6 +20,7 @@ from kvlookup.index.records import Chain, Match
 from kvlookup.proc.redis_server import connect
 from kvlookup.index.store import Store
 from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
+from kvlookup.vllm_reuse import fill_reusable
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,18 @@ class InstanceMatch:
     matched_prefix_length: int
     locations: dict[str, int] = field(default_factory=dict)
     ranks: dict[str, int] = field(default_factory=dict)
+    reusable: dict[str, int] = field(default_factory=dict)
 
     def detail(self) -> dict:
-        """JSON-ready detail: location, matched_prefix_length, locations, ranks (when any)."""
+        """JSON-ready detail: location, matched_prefix_length, locations, ranks (when any),
+        reusable_prefix_length (vLLM instances, once :meth:`Client.add_reusable` ran: the best
+        rank's hit as vLLM's coordinator computes it, kvlookup.vllm_groups)."""
         out: dict = {"location": self.location, "matched_prefix_length": self.matched_prefix_length,
                      "locations": self.locations}
         if self.ranks:
             out["ranks"] = self.ranks
+        if self.reusable:
+            out["reusable_prefix_length"] = max(self.reusable.values())
         return out
 
 
@@ -89,10 +95,23 @@ def pick_location(locations: dict[str, int]) -> str:
 def merge_matches(matches: Sequence[Match]) -> list[InstanceMatch]:
     """Fold per-rank matches into one entry per instance, longest first.
 
-    An instance walked rank by rank answers with its best rank's length and location.
+    A rank matched in several chains (vLLM GPU blocks of 16 beside CPU chunks of 256) is credited
+    with its longest, and with the tokens each location holds at its own granularity (the most
+    over its chains). An instance walked rank by rank answers with its best rank's length and
+    locations.
     """
-    by_inst: dict[str, InstanceMatch] = {}
+    per_rank: dict[tuple[str, str], Match] = {}
     for m in matches:
+        key = (m.instance_id, m.worker_id)
+        cur = per_rank.get(key)
+        if cur is None:
+            per_rank[key] = Match(m.instance_id, m.worker_id, m.matched_prefix_length, dict(m.locations))
+            continue
+        cur.matched_prefix_length = max(cur.matched_prefix_length, m.matched_prefix_length)
+        for loc, n in m.locations.items():
+            cur.locations[loc] = max(cur.locations.get(loc, 0), n)
+    by_inst: dict[str, InstanceMatch] = {}
+    for m in per_rank.values():
         cur = by_inst.get(m.instance_id)
         cand = InstanceMatch(m.instance_id, pick_location(m.locations), m.matched_prefix_length, m.locations)
         if m.worker_id:
@@ -115,9 +134,9 @@ MAX_BLOCK_SIZES = 8
 
 class VllmChains:
     """Chain source for vLLM instances: kvlookup's own chain (kvlookup.hashing.vllm) at every
-    block size a live vLLM rank uses (``keys.block_sizes_key``; read at most every
-    ``refresh_s`` seconds), in the request's namespace (base model unless ``lora_name`` /
-    ``cache_salt`` are given). check_alive: count only ranks of instances with a current
+    block size a live vLLM rank uses, and with the lookahead its EAGLE blocks are hashed with
+    (``keys.block_sizes_key``; read at most every ``refresh_s`` seconds), in the request's
+    namespace (base model unless ``lora_name`` / ``cache_salt`` are given). check_alive: count only ranks of instances with a current
     liveness lease (the store's ``instance_ttl_s`` > 0), so a block size no live rank uses
     leaves the walk.
     """
@@ -126,13 +145,17 @@ class VllmChains:
         self.r = redis
         self.refresh_s = refresh_s
         self.check_alive = check_alive
-        self._sizes: list[int] = []
+        self._sizes: list[tuple[int, int]] = []
         self._read_at = float("-inf")
         self._refreshing = threading.Event()
 
     def block_sizes(self) -> list[int]:
-        """The block sizes to walk: at most :data:`MAX_BLOCK_SIZES` (smallest first), so a
-        publisher cycling through sizes cannot make every lookup hash without bound."""
+        """The distinct block sizes of :meth:`chains_in_use`."""
+        return sorted({bs for bs, _la in self.chains_in_use()})
+
+    def chains_in_use(self) -> list[tuple[int, int]]:
+        """The (block size, lookahead) chains to walk: at most :data:`MAX_BLOCK_SIZES` (smallest
+        first), so a publisher cycling through sizes cannot make every lookup hash without bound."""
         now = time.monotonic()
         if now - self._read_at >= self.refresh_s:
             if not LOCAL_ONLY.get():
@@ -154,15 +177,15 @@ class VllmChains:
         finally:
             self._refreshing.clear()
 
-    def _read_sizes(self) -> list[int]:
-        per_rank = self.r.hgetall(keys.block_sizes_key())  # "<rank>\t<instance>" -> block size
+    def _read_sizes(self) -> list[tuple[int, int]]:
+        per_rank = self.r.hgetall(keys.block_sizes_key())  # "<rank>\t<instance>" -> "16,256,16+1"
         if self.check_alive and per_rank:
             insts = sorted({m.split(keys.SEP, 1)[1] for m in per_rank})
             now_ms = time.time() * 1000
             live = {i for i, s in zip(insts, self.r.zmscore(keys.alive_key(), insts), strict=True)
                     if s is not None and s >= now_ms}
             per_rank = {m: bs for m, bs in per_rank.items() if m.split(keys.SEP, 1)[1] in live}
-        sizes = sorted({int(b) for b in per_rank.values()})
+        sizes = sorted({c for text in per_rank.values() for c in keys.parse_vllm_chains(text)})
         if len(sizes) > MAX_BLOCK_SIZES:
             log.warning("%d vLLM block sizes in use; lookups walk the first %d", len(sizes), MAX_BLOCK_SIZES)
         return sizes[:MAX_BLOCK_SIZES]
@@ -170,8 +193,8 @@ class VllmChains:
     def __call__(self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None,
                  **_other) -> list[Chain]:
         chains = []
-        for bs in self.block_sizes():
-            hashes = vh.chain(vh.request_root(bs, lora_name, cache_salt), tokens, bs)
+        for bs, lookahead in self.chains_in_use():
+            hashes = vh.chain(vh.request_root(bs, lora_name, cache_salt), tokens, bs, lookahead=lookahead)
             space = keys.vllm_space(bs)
             chains.append(Chain(keys.chunk_prefix(space), hashes, bs, bs * len(hashes)))
         return chains
@@ -229,6 +252,16 @@ class Client:
         if causes is not None:
             causes.append(found.miss)
         return merge_matches(found)
+
+    def add_reusable(self, tokens: Sequence[int], matches: list[InstanceMatch], lora_name: str | None = None,
+                     cache_salt: str | None = None) -> None:
+        """Fill ``reusable`` of the vLLM matches (kvlookup.vllm_reuse); reads Redis, so under
+        LOCAL_ONLY it raises NeedsRedis."""
+        if not any(m.ranks for m in matches):
+            return
+        if LOCAL_ONLY.get():
+            raise NeedsRedis()
+        fill_reusable(self.store.r, tokens, matches, lora_name, cache_salt)
 
     def lookup(self, tokens: list[int]) -> tuple[str, dict[str, tuple[str, int]]]:
         """LMCache's ``lookup(tokens) -> (event_id, layout_info)``.

@@ -24,7 +24,7 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -34,6 +34,7 @@ from kvlookup import metrics
 from kvlookup.index.store import Store
 from kvlookup.wire.vllm import DecodeError, decode_batch, parse_live
 from kvlookup.sidecar.vllm_apply import BatchApplier, RankContext
+from kvlookup.vllm_groups import GroupSpec
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,11 @@ ReplayFn = Callable[[int, int], list[tuple[int, bytes]] | None]
 class RankState:
     last: int | None = None  # last applied seq; None: nothing applied since the last clear/start
     live_high: int = -1  # highest seq seen on the live stream
-    block_size: int | None = None
     contacted: bool = False
+    last_digest: str | None = None  # digest of the batch at ``last``
+    chains: set[tuple[int, int]] = field(default_factory=set)  # prefix chains (block size, lookahead)
+    groups: dict[int, GroupSpec] = field(default_factory=dict)  # KV cache groups learned from stores
+    legacy_space: str = ""  # space of engine map entries written without one
 
 
 def digest(payload: bytes) -> str:
@@ -118,15 +122,37 @@ class VllmIngest:
         self._apply(rank, st, seq, payload)
 
     def _first_contact(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
-        ik = keys.instance_key(self.instance_id)
-        fields = [keys.rank_field(name, rank) for name in ("seq", "digest", "block_size")]
-        p_seq, p_digest, p_bs = self.store.r.hmget(ik, fields)
-        if p_seq is not None and self.store.is_registered(self.instance_id, rank):
-            st.last, st.block_size = int(p_seq), int(p_bs) if p_bs else None
+        p_digest = self._load(rank, st)
+        if st.last is not None:
             if self._resume(rank, st, seq, p_digest):
                 self._on_live(rank, seq, payload)  # now an ordinary live message: dup, next or gap
                 return
         self._start_fresh(rank, st, seq, payload)
+
+    def _load(self, rank: int, st: RankState) -> str | None:
+        """Load the rank's persisted state (seq, chains, groups) when it is still registered;
+        returns the persisted digest. st.last stays None when there is nothing to resume."""
+        fields = self.store.r.hgetall(keys.instance_key(self.instance_id))
+        p_seq = fields.get(keys.rank_field("seq", rank))
+        if p_seq is None or not self.store.is_registered(self.instance_id, rank):
+            return None
+        worker = self.store.r.hkeys(keys.worker_key(self.instance_id, rank))
+        if any(f.startswith(keys.LOCATION_FIELD_PREFIX) and "@" not in f for f in worker):
+            log.info("%s rank %d: records of an earlier layout (one holder per medium); rebuilding",
+                     self.instance_id, rank)
+            return None
+        st.last = int(p_seq)
+        chains = keys.parse_vllm_chains(fields.get(keys.rank_field("block_size", rank)) or "")
+        st.chains = set(chains)
+        st.legacy_space = keys.vllm_space(chains[0][0]) if len(chains) == 1 else ""
+        prefix = keys.group_field(rank, 0)[:-1]
+        for name, value in fields.items():
+            if name.startswith(prefix) and name[len(prefix):].isdigit():
+                spec = GroupSpec.parse(value)
+                if spec is not None:
+                    st.groups[int(name[len(prefix):])] = spec
+        st.last_digest = fields.get(keys.rank_field("digest", rank))
+        return st.last_digest
 
     def _resume(self, rank: int, st: RankState, seq: int, p_digest: str | None) -> bool:
         """Continue a persisted stream when the engine is provably the same one."""
@@ -168,18 +194,19 @@ class VllmIngest:
     # -- writes ---------------------------------------------------------------------------
 
     def _apply(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
-        persist = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): digest(payload)}
-        ctx = RankContext(self.store, self.instance_id, rank, st.block_size, lambda: self._wipe(rank),
-                          lambda: self._register_rank(rank),
-                          self.rejected, self.skipped)
+        d = digest(payload)
+        persist = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): d}
+        ctx = RankContext(self.store, self.instance_id, rank, lambda: self._wipe(rank, st),
+                          lambda: self._register_rank(rank), self.rejected, self.skipped,
+                          chains=st.chains, groups=st.groups, legacy_space=st.legacy_space)
         try:
             events = decode_batch(payload).events
         except DecodeError as exc:
             self._reject(exc.reason, f"rank {rank} seq {seq}: {exc}")
             events = ()
         BatchApplier(ctx).run(events, persist)
-        st.block_size = ctx.block_size
-        st.last = seq
+        st.legacy_space = ctx.legacy_space
+        st.last, st.last_digest = seq, d
 
     def _register_rank(self, rank: int) -> None:
         """A new epoch of the rank in the registry, owned by this sidecar."""
@@ -187,18 +214,23 @@ class VllmIngest:
         if self.owner:
             self.store.own(self.owner, self.instance_id)
 
-    def _wipe(self, rank: int) -> None:
-        """New epoch for the rank (its records stop counting), empty engine map."""
+    def _wipe(self, rank: int, st: RankState) -> None:
+        """New epoch for the rank (its records stop counting), empty engine map, no learned
+        chains or groups."""
         self._register_rank(rank)
         pipe = self.store.r.pipeline(transaction=False)
         pipe.unlink(keys.engine_map_key(self.instance_id, rank))
         pipe.hdel(keys.instance_key(self.instance_id),
-                  *[keys.rank_field(name, rank) for name in ("seq", "digest", "block_size")])
+                  *[keys.rank_field(name, rank) for name in ("seq", "digest", "block_size", "session")],
+                  *[keys.group_field(rank, g) for g in st.groups])
         pipe.execute()
+        st.chains.clear()
+        st.groups.clear()
+        st.legacy_space = ""
 
     def _clear(self, rank: int, st: RankState, resync: str | None) -> None:
-        self._wipe(rank)
-        st.last, st.block_size = None, None
+        self._wipe(rank, st)
+        st.last, st.last_digest = None, None
         if resync:
             self._mark_resync(rank, resync)
         else:

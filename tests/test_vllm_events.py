@@ -81,7 +81,7 @@ def test_map_batch_and_trailing_fields():
     assert batch.events == (
         BlockStored((1,), None, tuple(range(16)), 16),
         BlockRemoved((2,), None),
-        BlockStored((3,), None, (), 16, None, "CPU", None, (("a", ("mm", 0)),), 0),
+        BlockStored((3,), None, (), 16, None, "CPU", None, (("a", ("mm", 0)),), 0, locality="x"),
         AllBlocksCleared(),
     )
 

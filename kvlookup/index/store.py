@@ -264,7 +264,7 @@ class Store:
     # -- records --------------------------------------------------------------------------
 
     def holder_id(self, instance_id: str, worker_id: int | str, location: str, space: str = "") -> str:
-        """Current holder id of (instance, worker, location); raises NotRegistered."""
+        """Current holder id of (instance, worker, location, space); raises NotRegistered."""
         wid = str(worker_id)
         cached = self._holders.setdefault((instance_id, wid), {})
         hid = cached.get((location, space))
@@ -272,7 +272,7 @@ class Store:
             hid = self._scripts["HOLDER"](
                 keys=[keys.worker_key(instance_id, wid), keys.holder_seq_key(), keys.holders_key(),
                       keys.holder_gen_key()],
-                args=[keys.location_field(location), keys.holder_value(instance_id, wid, location, space),
+                args=[keys.location_field(location, space), keys.holder_value(instance_id, wid, location, space),
                       HOLDER_ID_GAP],
             )
             if hid is None:
