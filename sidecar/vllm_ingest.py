@@ -121,6 +121,64 @@ class VllmIngest:
                 return
         self._apply(rank, st, seq, payload)
 
+    # -- catch-up on (re)connect ----------------------------------------------------------------
+
+    def catch_up(self, rank: int) -> str:
+        """Ask the replay endpoint for what ``rank`` missed, without waiting for a live batch:
+        called at sidecar start and whenever its SUB socket (re)connects (a publisher that
+        restarts and sends one batch before the SUB has joined, then goes quiet, is otherwise
+        never caught up). At most three replays, each bounded by the replay client. Returns
+        and counts the outcome (``kvlookup_vllm_catchups_total``). Raises only Redis errors."""
+        outcome = self._catch_up(rank) if self.replay is not None else "no_answer"
+        metrics.CATCHUPS.labels(outcome).inc()
+        if outcome not in ("current", "no_answer"):
+            log.info("%s rank %d: catch-up on connect: %s (last seq %s)", self.instance_id, rank, outcome,
+                     self.ranks[rank].last)
+        return outcome
+
+    def _catch_up(self, rank: int) -> str:
+        assert self.replay is not None
+        st = self.ranks.setdefault(rank, RankState())
+        if not st.contacted:
+            self._load(rank, st)
+        if st.last is not None:
+            msgs = self.replay(rank, st.last)
+            if msgs is None:
+                return "no_answer"
+            if msgs and msgs[0][0] == st.last and digest(msgs[0][1]) == st.last_digest:
+                fresh = [(q, p) for q, p in msgs[1:] if q > st.last]
+                for q, p in fresh:
+                    self._apply(rank, st, q, p)
+                resumed = not st.contacted
+                st.contacted = True
+                return "resumed" if resumed else ("caught_up" if fresh else "current")
+            if msgs and msgs[0][0] > st.last:  # the same stream, its buffer no longer reaches back
+                st.contacted = True
+                self._clear(rank, st, resync="replay_miss")
+                for q, p in msgs:
+                    self._apply(rank, st, q, p)
+                return "replay_miss"
+        return self._rebuild(rank, st)
+
+    def _rebuild(self, rank: int, st: RankState) -> str:
+        """A new engine (or a stream never seen): everything from seq 0, or nothing yet."""
+        had = st.last is not None
+        msgs = self.replay(rank, 0)
+        if msgs is None:
+            return "no_answer"
+        if not msgs and not had:
+            return "current"  # nothing published, nothing held
+        if had:
+            self._count_resync("engine_restart")
+        st.contacted = True
+        st.live_high = -1
+        self._clear(rank, st, resync=None if not msgs or msgs[0][0] == 0 else "replay_miss")
+        for q, p in msgs:
+            self._apply(rank, st, q, p)
+        if not msgs:
+            return "cleared"
+        return "rebuilt" if msgs[0][0] == 0 else "replay_miss"
+
     def _first_contact(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
         p_digest = self._load(rank, st)
         if st.last is not None:

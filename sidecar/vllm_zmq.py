@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 MAX_REPLAY_BATCHES = 10_000
 #: A whole replay may take this many per-reply timeouts.
 TOTAL_TIMEOUTS = 5
+#: When a SUB socket (re)connects, catch up after each of these delays (seconds).
+CATCH_UP_DELAYS_S = (0.05, 1.0)
 
 
 class ReplayClient:
@@ -132,6 +134,7 @@ class VllmLoop:
         self.ingests: dict[str, VllmIngest] = {}
         self.replays: list[ReplayClient] = []
         self.down: dict[tuple[str, int], float] = {}  # (instance, rank) -> when to record it gone
+        self.catchups: dict[tuple[str, int], list[float]] = {}  # (instance, rank) -> when to catch up
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="kvlookup-vllm", daemon=True)
         for source in sources:
@@ -156,10 +159,13 @@ class VllmLoop:
                     self.down.setdefault(key, time.monotonic() + self.grace_s)
                 elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
                     self.down.pop(key, None)
+                    self._schedule_catch_up(key)
 
             self.sockets.add(zmq.SUB, handler, bind=url if source.bind else None,
                              connect=None if source.bind else url, on_event=on_event,
                              setup=lambda sock: sock.setsockopt(zmq.SUBSCRIBE, source.topic.encode()))
+            if replay is not None:
+                self.catchups[key] = [0.0]  # at start: whatever was published while no sidecar listened
         log.info("vLLM instance %s: %s %s (ranks %d), replay %s", source.instance_id,
                  "bind" if source.bind else "connect", source.endpoint, source.dp_size, source.replay_endpoint)
         return ingest
@@ -175,9 +181,29 @@ class VllmLoop:
         self.sockets.close()
 
     def _turn(self) -> None:
-        for sock in self.sockets.poll(200):
+        for sock in self.sockets.poll(200 if not self.catchups else 50):
             self.sockets.handlers[sock](sock)
+        self._catch_up()
         self._record_gone()
+
+    def _schedule_catch_up(self, key: tuple[str, int]) -> None:
+        """Catch up shortly after a (re)connect, and once more after the slow-joiner window (a
+        batch published while the subscription was still on its way is in the replay buffer by
+        then). At most :data:`CATCH_UP_DELAYS_S` per connection event."""
+        if self.ingests[key[0]].replay is None:
+            return
+        now = time.monotonic()
+        self.catchups[key] = sorted({*self.catchups.get(key, []), *(now + d for d in CATCH_UP_DELAYS_S)})
+
+    def _catch_up(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, due in self.catchups.items() if due and due[0] <= now]:
+            due = [t for t in self.catchups[key] if t > now]
+            if due:
+                self.catchups[key] = due
+            else:
+                del self.catchups[key]
+            self.ingests[key[0]].catch_up(key[1])
 
     def _record_gone(self) -> None:
         now = time.monotonic()

@@ -119,7 +119,8 @@ def test_dp_rank_and_mixed_fleet_over_http(r, redis_settings):
 
         assert wait_for(lambda: ask({"tokens": S600}), want) == want
         assert ask({"tokens": S600}, "?detail=1")["detail"]["vllm-pod"] == {
-            "location": "GPU", "matched_prefix_length": 48, "locations": {"GPU": 48}, "ranks": {"1": 48}}
+            "location": "GPU", "matched_prefix_length": 48, "locations": {"GPU": 48}, "ranks": {"1": 48},
+            "reusable_prefix_length": 48}
         assert ask({"tokens": S600[:20], "lora_name": "sql-lora"}) == {"vllm-pod": ["GPU", 16]}
         assert ask({"tokens": S600[:20], "lora_name": "other"}) == {}
     finally:

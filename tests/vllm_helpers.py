@@ -68,7 +68,7 @@ class LoopbackPublisher:
     """
 
     def __init__(self, topic: bytes = b"kv@test", replay: bool = True, replay_topic: bool = True,
-                 buffer: int = 10_000, port: int | None = None):
+                 buffer: int = 10_000, port: int | None = None, replay_port: int | None = None):
         self.ctx = zmq.Context()
         self.port = port or free_port()
         self.pub = self.ctx.socket(zmq.PUB)
@@ -77,7 +77,7 @@ class LoopbackPublisher:
         self.topic, self.replay_topic, self.buffer_size = topic, replay_topic, buffer
         self.seq, self.buffer = 0, []
         self.lock = threading.Lock()
-        self.replay_port = free_port() if replay else None
+        self.replay_port = (replay_port or free_port()) if replay else None
         self._stop = threading.Event()
         if replay:
             self.thread = threading.Thread(target=self._serve, daemon=True)
