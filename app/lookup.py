@@ -1,7 +1,8 @@
 """``POST /lookup``: which instance holds the longest prefix of a prompt, and where.
 
-Request ``{"tokens": [int, ...], "lora_name"?: str, "cache_salt"?: str}`` (the last two select
-the namespace of vLLM blocks: a LoRA adapter, vLLM's per-request cache salt), as JSON (LMCache's
+Request ``{"tokens": [int, ...], "lora_name"?: str, "cache_salt"?: str, "model_name"?: str}``
+(lora_name and cache_salt select the namespace of vLLM blocks: a LoRA adapter, vLLM's per-request
+cache salt; model_name skips discovered vLLM servers serving another model), as JSON (LMCache's
 contract), MessagePack (``application/msgpack``) or, for routers that tokenize anyway, the token
 ids packed as little-endian uint32 (``application/octet-stream``; the namespace in the query).
 Response (``lookup_response: flat``, the default)::
@@ -13,7 +14,8 @@ or LMCache's own wire shape with ``lookup_response: layout_info`` / ``?format=la
     {"event_id": "Lookup<uuid4>", "layout_info": {"<instance_id>": ["<location>", <length>]}}
 
 Instances are listed longest match first. ``?detail=1`` adds ``"detail": {instance_id:
-{location, matched_prefix_length, locations, ranks?}}``. No match: only ``event_id``
+{location, matched_prefix_length, locations, ranks?, reusable_prefix_length?}}`` (the last for
+vLLM instances: the hit vLLM's own coordinator would take, kvlookup.vllm_groups). No match: only ``event_id``
 (and an empty ``layout_info``).
 
 /lookup is the hot path, so it is served by :class:`LookupRoute` in front of Flask (Flask's
@@ -56,6 +58,7 @@ class LookupRequest(msgspec.Struct):
     tokens: list[TokenId]
     lora_name: str | None = None
     cache_salt: str | None = None
+    model_name: str | None = None
 
 
 #: Body types /lookup reads (``Content-Type``; anything else is read as JSON, LMCache's contract).
@@ -93,7 +96,7 @@ def _raw_uint32(body: bytes, query: dict[str, list[str]]) -> LookupRequest:
     if sys.byteorder == "big":
         ids.byteswap()
     return LookupRequest(ids.tolist(), query.get("lora_name", [None])[0] or None,
-                         query.get("cache_salt", [None])[0] or None)
+                         query.get("cache_salt", [None])[0] or None, query.get("model_name", [None])[0] or None)
 
 
 def response_body(matches: list[InstanceMatch], fmt: str, detail: bool) -> dict:
@@ -191,7 +194,7 @@ class LookupRoute:
         causes: list[str] = []
         try:
             matches = self.client.matches(req.tokens, validate=False, lora_name=req.lora_name,
-                                          cache_salt=req.cache_salt, causes=causes)
+                                          cache_salt=req.cache_salt, causes=causes, model_name=req.model_name)
         except redis.RedisError as exc:
             _child(fleet_metrics.LOOKUPS, "redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None

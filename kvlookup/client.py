@@ -136,9 +136,9 @@ class VllmChains:
     """Chain source for vLLM instances: kvlookup's own chain (kvlookup.hashing.vllm) at every
     block size a live vLLM rank uses, and with the lookahead its EAGLE blocks are hashed with
     (``keys.block_sizes_key``; read at most every ``refresh_s`` seconds), in the request's
-    namespace (base model unless ``lora_name`` / ``cache_salt`` are given). check_alive: count only ranks of instances with a current
-    liveness lease (the store's ``instance_ttl_s`` > 0), so a block size no live rank uses
-    leaves the walk.
+    namespace (base model unless ``lora_name`` / ``cache_salt`` are given). check_alive: count
+    only ranks of instances with a current liveness lease (the store's ``instance_ttl_s`` > 0),
+    so a block size no live rank uses leaves the walk.
     """
 
     def __init__(self, redis: redis.Redis, refresh_s: float = 1.0, check_alive: bool = True):
@@ -235,13 +235,15 @@ class Client:
         return chains
 
     def matches(self, tokens: Sequence[int], *, validate: bool = True, lora_name: str | None = None,
-                cache_salt: str | None = None, causes: list[str] | None = None) -> list[InstanceMatch]:
+                cache_salt: str | None = None, causes: list[str] | None = None,
+                model_name: str | None = None) -> list[InstanceMatch]:
         """Every instance holding a prefix of ``tokens``, longest first.
 
         validate: check tokens first (see :func:`validate_tokens`); callers that already
         validated (the HTTP layer) pass False. lora_name / cache_salt: the request's LoRA
         adapter and vLLM cache salt; vLLM blocks match only within the same namespace
-        (LMCache chunks are looked up as before). causes: a list that gets the miss cause the
+        (LMCache chunks are looked up as before). model_name: only instances serving that model
+        (or naming none). causes: a list that gets the miss cause the
         walk knew for free appended (kvlookup.index.records.Matches.miss; '' on a hit or unknown).
         """
         if validate:
@@ -251,7 +253,19 @@ class Client:
         found = self.store.lookup(chains, now_ms=int(time.time() * 1000))
         if causes is not None:
             causes.append(found.miss)
-        return merge_matches(found)
+        merged = merge_matches(found)
+        return self._of_model(merged, model_name) if model_name and merged else merged
+
+    def _of_model(self, matches: list[InstanceMatch], model_name: str) -> list[InstanceMatch]:
+        """The matches of instances serving ``model_name`` or naming no model (LMCache instances,
+        vLLM sources given by endpoint): a discovered vLLM server's ``model`` must equal it."""
+        if LOCAL_ONLY.get():
+            raise NeedsRedis()
+        pipe = self.store.r.pipeline(transaction=False)
+        for m in matches:
+            pipe.hget(keys.instance_key(m.instance_id), "model")
+        models = pipe.execute()
+        return [m for m, model in zip(matches, models, strict=True) if not model or model == model_name]
 
     def add_reusable(self, tokens: Sequence[int], matches: list[InstanceMatch], lora_name: str | None = None,
                      cache_salt: str | None = None) -> None:

@@ -85,6 +85,7 @@ class Settings:
     vllm_bind: bool = False
     vllm_topic: str = ""
     vllm_replay_timeout_s: float = 2.0
+    vllm_url: str | None = None
     log_level: str = "INFO"
     allowed_peers: list[str] = field(default_factory=lambda: list(LOOPBACK))
     allowed_instance_ids: list[str] = field(default_factory=list)
@@ -116,6 +117,8 @@ class Settings:
                     endpoint(value)
                 except ValueError:
                     raise ValueError(f"{name}: {value!r} is not host:port or a ZMQ endpoint") from None
+        if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm_url: {self.vllm_url!r} is not http://HOST:PORT (the vLLM server's API)")
         if self.vllm_endpoint and not self.instance_id:
             raise ValueError("vllm_endpoint needs instance_id (the name lookups report for that instance)")
         if self.vllm_replay_endpoint and not self.vllm_endpoint:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from kvlookup.hashing import vllm as vh
 from kvlookup.index import keys
-from kvlookup.vllm_groups import GroupSpec, is_prefix_group, reusable_length
+from kvlookup.vllm_groups import GroupSpec, held_from, is_prefix_group, reusable_length
 
 GPU = "GPU"
 
@@ -76,5 +76,5 @@ def _rank_reusable(r, instance_id: str, rank: str, fields: dict, tokens: Sequenc
         for g, n in asked:
             bits[g] = [s is not None for s in scores[at:at + n]]
             at += n
-        best = max(best, reusable_length(layout, lambda g, i: i < len(bits.get(g, ())) and bits[g][i], len(tokens)))
+        best = max(best, reusable_length(layout, held_from(bits), len(tokens)))
     return best

@@ -78,6 +78,15 @@ class VllmIngest:
         self.skipped: Counter = Counter()
         self.resyncs: Counter = Counter()
         self.duplicates = 0
+        self.model: str | None = None
+
+    def set_model(self, model: str | None) -> None:
+        """The served model's name (discovered): written to the instance hash (``model``) now when
+        the instance is registered, else when a rank registers; lookups naming another model skip it."""
+        self.model = model
+        ik = keys.instance_key(self.instance_id)
+        if model and self.store.r.hget(ik, "kind") == "vllm":
+            self.store.r.hset(ik, "model", model)
 
     def handle_live(self, rank: int, frames: list[bytes]) -> None:
         """One live SUB message of ``rank``. Never raises except for Redis outages."""
@@ -269,6 +278,8 @@ class VllmIngest:
     def _register_rank(self, rank: int) -> None:
         """A new epoch of the rank in the registry, owned by this sidecar."""
         self.store.register_worker(self.instance_id, rank, kind="vllm", worker_rule="any")
+        if self.model:
+            self.store.r.hset(keys.instance_key(self.instance_id), "model", self.model)
         if self.owner:
             self.store.own(self.owner, self.instance_id)
 

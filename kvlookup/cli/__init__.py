@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--vllm-topic", help="topic prefix to subscribe to (default: all)")
     s.add_argument("--vllm-replay-timeout", type=float, dest="vllm_replay_timeout_s",
                    help="seconds to wait for each replay reply (2)")
+    s.add_argument("--vllm-url", help="a vLLM 0.33+ server, http://HOST:8000: subscribe to every DP rank it lists "
+                   "in /kv_event_sources and scope lookups by its /v1/models model (instead of --vllm-endpoint)")
     _access_flags(s)
     s.set_defaults(func=cmd_sidecar)
 
@@ -263,7 +265,23 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> Child:
 SIDECAR_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "log_level", "instance_id", "pull_url",
                     "reply_url", "advertise_reply", "worker_ttl_s", "metrics_port", "sidecar_id", "disconnect_grace_s",
                     "vllm_endpoint", "vllm_replay_endpoint", "vllm_dp_size", "vllm_bind", "vllm_topic",
-                    "vllm_replay_timeout_s", "allowed_peers", "allowed_instance_ids")
+                    "vllm_replay_timeout_s", "vllm_url", "allowed_peers", "allowed_instance_ids")
+
+
+def _discovered_source(settings) -> tuple:
+    """The vLLM source ``vllm_url`` describes; with ``vllm_endpoint`` also set, a server that cannot
+    tell (older than 0.33) falls back to it with a one-line warning, else DiscoveryError stops."""
+    from kvlookup.sidecar.vllm_discovery import DiscoveryError, discover
+    from kvlookup.sidecar.vllm_zmq import VllmSource
+
+    try:
+        found = discover(settings.vllm_url)
+    except DiscoveryError as exc:
+        if not settings.vllm_endpoint:
+            raise
+        log.warning("%s; using --vllm-endpoint %s", exc, settings.vllm_endpoint)
+        return ()
+    return (VllmSource.discovered(settings.instance_id, settings.vllm_url, found, settings.vllm_replay_timeout_s),)
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
@@ -274,10 +292,12 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, SIDECAR_SETTINGS))
     setup_logging(settings.log_level)
-    if not settings.pull_url and not settings.reply_url and not settings.vllm_endpoint:
-        raise ValueError("a sidecar needs --pull-url, --reply-url and/or --vllm-endpoint")
+    if not settings.pull_url and not settings.reply_url and not settings.vllm_endpoint and not settings.vllm_url:
+        raise ValueError("a sidecar needs --pull-url, --reply-url, --vllm-endpoint and/or --vllm-url")
     vllm = ()
-    if settings.vllm_endpoint:
+    if settings.vllm_url:
+        vllm = _discovered_source(settings)
+    if settings.vllm_endpoint and not vllm:
         vllm = (VllmSource(settings.instance_id, settings.vllm_endpoint, settings.vllm_replay_endpoint,
                            settings.vllm_dp_size, settings.vllm_bind, settings.vllm_topic,
                            settings.vllm_replay_timeout_s),)

@@ -180,7 +180,9 @@ def instances_key() -> str:
 
 
 def instance_key(instance_id: str) -> str:
-    """Hash of instance facts: kind (lmcache|vllm), worker_rule (all|any), vLLM rank fields."""
+    """Hash of instance facts: kind (lmcache|vllm), worker_rule (all|any), vLLM rank fields
+    (:func:`rank_field`, :func:`group_field`), ``model`` (a discovered vLLM server's model:
+    lookups naming another ``model_name`` skip the instance)."""
     return f"{REGISTRY}instance:{key_name(instance_id)}"
 
 
