@@ -36,8 +36,8 @@ from urllib.parse import parse_qs
 import msgspec
 import redis
 
-from kvlookup.app.errors import ApiError, decode_body, send_json
 from kvlookup.app import fleet_metrics
+from kvlookup.app.errors import ApiError, decode_body, send_json
 from kvlookup.client import Client, InstanceMatch, TokenId, new_event_id
 from kvlookup.index.tracking import NeedsRedis
 

@@ -13,13 +13,13 @@ from typing import Annotated
 import msgspec
 import redis
 
-from kvlookup.index import keys
 from kvlookup.hashing import vllm as vh
 from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index import keys
 from kvlookup.index.records import Chain, Match
-from kvlookup.proc.redis_server import connect
 from kvlookup.index.store import Store
 from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
+from kvlookup.proc.redis_server import connect
 
 log = logging.getLogger(__name__)
 

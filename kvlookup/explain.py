@@ -21,10 +21,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from kvlookup.index import keys, scripts
 from kvlookup.hashing import vllm as vh
 from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, seeded_str_hash
-from kvlookup.index.records import Chain, raise_errors, walk_registry_keys
+from kvlookup.index import keys, scripts
+from kvlookup.index.io import raise_errors
+from kvlookup.index.records import Chain, walk_registry_keys
 from kvlookup.index.walk import ChainWalk, Holder
 
 #: Chunk sizes tried for the LMCache space: LMCache's usual sizes and vLLM's block sizes.

@@ -32,11 +32,11 @@ from typing import Any
 
 import redis
 
-from kvlookup.wire import lmcache as proto
 from kvlookup import metrics
 from kvlookup.index.failover import MasterWatch
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store, chunk_text
 from kvlookup.sidecar.admission import InstancePolicy
+from kvlookup.wire import lmcache as proto
 
 text = chunk_text
 

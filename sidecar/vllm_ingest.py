@@ -28,12 +28,11 @@ from dataclasses import dataclass
 
 import redis
 
+from kvlookup import kinds, metrics
 from kvlookup.index import keys
-
-from kvlookup import metrics
 from kvlookup.index.store import Store
-from kvlookup.wire.vllm import DecodeError, decode_batch, parse_live
 from kvlookup.sidecar.vllm_apply import BatchApplier, RankContext
+from kvlookup.wire.vllm import DecodeError, decode_batch, parse_live
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +182,7 @@ class VllmIngest:
 
     def _register_rank(self, rank: int) -> None:
         """A new epoch of the rank in the registry, owned by this sidecar."""
-        self.store.register_worker(self.instance_id, rank, kind="vllm", worker_rule="any")
+        self.store.register_worker(self.instance_id, rank, kind=kinds.VLLM)
         if self.owner:
             self.store.own(self.owner, self.instance_id)
 

@@ -18,11 +18,11 @@ import zmq
 
 from kvlookup import metrics
 from kvlookup.index.store import Store
-from kvlookup.wire.vllm import REPLAY_END, DecodeError, parse_replay
-from kvlookup.wire.zmqaddr import endpoint, with_port_offset
 from kvlookup.sidecar.sockets import Limits, SocketSet
 from kvlookup.sidecar.turns import run_turns
 from kvlookup.sidecar.vllm_ingest import VllmIngest
+from kvlookup.wire.vllm import REPLAY_END, DecodeError, parse_replay
+from kvlookup.wire.zmqaddr import endpoint, with_port_offset
 
 log = logging.getLogger(__name__)
 

@@ -21,20 +21,20 @@ import yaml
 import zmq
 from prometheus_client import REGISTRY
 
-from kvlookup.app import create_app
 from kvlookup import cli
-from kvlookup.index import keys
-from kvlookup.wire import lmcache_control as ctl
-from kvlookup.wire import lmcache as proto
+from kvlookup.app import create_app
 from kvlookup.cli import main
 from kvlookup.client import Client, VllmChains
 from kvlookup.config import load
+from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.index import keys
+from kvlookup.index.store import Store
 from kvlookup.netpolicy import LOOPBACK_NETWORKS, address_allowed, parse_networks
 from kvlookup.proc.redis_server import free_port
-from kvlookup.index.store import Store
-from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.sidecar.service import Sidecar
 from kvlookup.sidecar.vllm_zmq import VllmSource
+from kvlookup.wire import lmcache as proto
+from kvlookup.wire import lmcache_control as ctl
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import SidecarThread, wait_for
 from tests.vllm_helpers import payload, stored

@@ -12,15 +12,15 @@ import redis
 import zmq
 
 from kvlookup.app import create_app
-from kvlookup.index import keys
-from kvlookup.wire import lmcache as proto
-from kvlookup.index import records as records_mod
 from kvlookup.client import MAX_BLOCK_SIZES, Client, VllmChains
 from kvlookup.hashing.lmcache import HashProfile
-from kvlookup.proc.redis_server import free_port
+from kvlookup.index import keys
+from kvlookup.index import single as records_mod
 from kvlookup.index.store import ADMIT, Store
+from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.lmcache_ingest import MAX_REDIS_FAILURES, LMCacheIngest
 from kvlookup.sidecar.vllm_zmq import ReplayClient
+from kvlookup.wire import lmcache as proto
 from tests.conftest import SEED_HASH, SEED_TOKENS
 
 CPU = "LocalCPUBackend"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvlookup.wire import lmcache as proto
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.wire import lmcache as proto
 from tests.conftest import SEED_HASH
 
 REGISTER_056 = ("86a474797065ab52656769737465724d7367ab696e7374616e63655f6964a6696e73742d61a9776f726b65725f69"

@@ -12,14 +12,13 @@ import time
 from pathlib import Path
 
 import requests
+from procs import ControllerProc
 
 from kvlookup import cli
 from kvlookup.config import Settings, load
 from kvlookup.config.options import EMBEDDED, SIDECAR, declared, markdown_table
 from kvlookup.devtools.workersim import SimEngine
 from kvlookup.proc.redis_server import free_port
-
-from procs import ControllerProc
 
 ROOT = Path(__file__).resolve().parents[1]
 

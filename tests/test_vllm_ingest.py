@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvlookup.index import keys
-from kvlookup.hashing import vllm as vh
 from kvlookup.client import Client, VllmChains
+from kvlookup.hashing import vllm as vh
+from kvlookup.index import keys
 from kvlookup.index.store import Store
 from kvlookup.sidecar.vllm_ingest import VllmIngest
 from tests.vllm_helpers import cleared, payload, removed, stored

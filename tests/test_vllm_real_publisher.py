@@ -9,10 +9,10 @@ import time
 import pytest
 
 import kvlookup.app as app
-from kvlookup.index import keys
 from kvlookup.client import Client, VllmChains
-from kvlookup.proc.redis_server import free_port
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.index import keys
+from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.helpers import wait_for
 from tests.test_sidecar_lmcache import S600, S600_HASHES

@@ -9,10 +9,10 @@ import time
 import pytest
 
 import kvlookup.app as app
-from kvlookup.index import keys
 from kvlookup.client import Client, VllmChains
-from kvlookup.index.store import Store
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.index import keys
+from kvlookup.index.store import Store
 from kvlookup.sidecar.service import Sidecar
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.conftest import SEED_HASH, SEED_TOKENS

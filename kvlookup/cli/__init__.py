@@ -213,8 +213,8 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings, settings_dir: str) -> C
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
-    from kvlookup.proc.redis_server import connect
     from kvlookup.index.store import Store
+    from kvlookup.proc.redis_server import connect
     from kvlookup.sidecar.service import Sidecar
     from kvlookup.sidecar.vllm_zmq import VllmSource
 
@@ -255,8 +255,8 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
 def cmd_reap(args: argparse.Namespace) -> int:
     from kvlookup.index.fleet import reap
-    from kvlookup.proc.redis_server import connect
     from kvlookup.index.store import Store
+    from kvlookup.proc.redis_server import connect
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, options.REAP))
     setup_logging(settings.log_level)

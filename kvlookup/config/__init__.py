@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, profile_from_lmcache_yaml
 from kvlookup.config.options import COMMON, CONTROLLER, EMBEDDED, ENV_PREFIX, SIDECAR, setting
+from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, profile_from_lmcache_yaml
 from kvlookup.netpolicy import LOOPBACK, Networks, address_allowed, parse_networks, split_list
 from kvlookup.proc.redis_urls import is_sentinel, parse_sentinel
 from kvlookup.wire.zmqaddr import endpoint

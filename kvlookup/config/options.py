@@ -74,8 +74,8 @@ def read_by(opt: Option, command: str) -> bool:
 
 
 def add_flags(parser: argparse.ArgumentParser, settings_cls: type, command: str) -> None:
-    """Add a flag for every setting ``command`` reads. Values stay strings (or None when not
-    given); :meth:`Settings.validate` types and checks them, naming the setting."""
+    """Add a flag for every setting ``command`` reads (None when not given). Numbers are parsed
+    by argparse; :meth:`Settings.validate` types and checks the rest, naming the setting."""
     for f, opt in declared(settings_cls):
         if read_by(opt, command):
             add_flag(parser, f, opt)
@@ -89,7 +89,8 @@ def add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field, opt: Option)
     if str(f.type) == "bool":
         parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=opt.help)
     else:
-        parser.add_argument(flag, dest=f.name, choices=opt.choices, help=opt.help)
+        convert = {"int": int, "float": float}.get(str(f.type).partition(" | ")[0])
+        parser.add_argument(flag, dest=f.name, type=convert, choices=opt.choices, help=opt.help)
 
 
 def add_flag_named(parser: argparse.ArgumentParser, settings_cls: type, name: str) -> None:
