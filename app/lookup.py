@@ -38,9 +38,10 @@ from urllib.parse import parse_qs
 import msgspec
 import redis
 
-from kvlookup.app.errors import ApiError, decode_body, send_json
 from kvlookup.app import fleet_metrics
+from kvlookup.app.errors import ApiError, decode_body, send_json
 from kvlookup.client import Client, InstanceMatch, TokenId, new_event_id
+from kvlookup.hashing.namespace import Namespace
 from kvlookup.index.tracking import NeedsRedis
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ class LookupRoute:
         """``POST /lookup/explain``: the same body, query and errors as /lookup; the answer is
         :meth:`kvlookup.explain.Explainer.explain` of the /lookup answer ``body``."""
         try:
-            out = self.explainer.explain(req.tokens, body, lora_name=req.lora_name, cache_salt=req.cache_salt)
+            out = self.explainer.explain(req.tokens, body, Namespace(req.lora_name, req.cache_salt))
         except redis.RedisError as exc:
             raise ApiError(503, f"index unavailable: {exc}") from None
         fleet_metrics.EXPLAINED.labels(out["cause"]).inc()
@@ -193,14 +194,14 @@ class LookupRoute:
         start = time.perf_counter()
         causes: list[str] = []
         try:
-            matches = self.client.matches(req.tokens, validate=False, lora_name=req.lora_name,
-                                          cache_salt=req.cache_salt, causes=causes, model_name=req.model_name)
+            matches = self.client.matches(req.tokens, validate=False, namespace=Namespace(req.lora_name, req.cache_salt),
+                                          causes=causes, model_name=req.model_name)
         except redis.RedisError as exc:
             _child(fleet_metrics.LOOKUPS, "redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None
         if detail_arg in TRUE:
             try:
-                self.client.add_reusable(req.tokens, matches, req.lora_name, req.cache_salt)
+                self.client.add_reusable(req.tokens, matches, Namespace(req.lora_name, req.cache_salt))
             except redis.RedisError as exc:
                 raise ApiError(503, f"index unavailable: {exc}") from None
         body = response_body(matches, fmt, detail_arg in TRUE)

@@ -17,8 +17,8 @@ from kvlookup.bench.memory import fill
 from kvlookup.bench.procs import Procs
 from kvlookup.bench.workload import CPU
 from kvlookup.index import keys
-from kvlookup.proc.redis_server import connect
 from kvlookup.index.store import Store
+from kvlookup.proc.redis_server import connect
 from kvlookup.sidecar.service import PURGE_BUDGET
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvlookup.bench.procs import REPO
+from kvlookup.bench.procs import PARTS, REPO
 
 DOCS = REPO / "docs"
 IMG = DOCS / "img"
@@ -141,8 +141,6 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 
 def _parts(res: dict) -> list[tuple[str, dict]]:
-    from kvlookup.bench.runner import PARTS
-
     return [(name, res[name]) for name in PARTS if name in res]
 
 

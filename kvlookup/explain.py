@@ -21,10 +21,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from kvlookup.index import keys, scripts
 from kvlookup.hashing import vllm as vh
 from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, seeded_str_hash
-from kvlookup.index.records import Chain, raise_errors, walk_registry_keys
+from kvlookup.hashing.namespace import DEFAULT, Namespace
+from kvlookup.index import keys, scripts
+from kvlookup.index.io import raise_errors
+from kvlookup.index.records import Chain, walk_registry_keys
 from kvlookup.index.walk import ChainWalk, Holder
 
 #: Chunk sizes tried for the LMCache space: LMCache's usual sizes and vLLM's block sizes.
@@ -96,10 +98,9 @@ def _differs(mine: HashProfile, other: HashProfile, none_labels: dict[int, str])
     return out
 
 
-def namespace_variants(block_sizes: Sequence[int], tokens: Sequence[int], lora_name: str | None,
-                       cache_salt: str | None) -> list[Variant]:
+def namespace_variants(block_sizes: Sequence[int], tokens: Sequence[int], namespace: Namespace) -> list[Variant]:
     """The request's other vLLM namespaces (base model, LoRA without salt, salt without LoRA)."""
-    wanted = (lora_name or None, cache_salt or None)
+    wanted = (namespace.lora_name, namespace.cache_salt)
     names = {(None, None), (wanted[0], None), (None, wanted[1])} - {wanted}
     out = []
     for bs in block_sizes:
@@ -126,8 +127,8 @@ class Explainer:
         self.io = client.store.records.io
         self.resolve_sha = self.io.register(scripts.RESOLVE)
 
-    def explain(self, tokens: Sequence[int], answer: dict, lora_name: str | None = None,
-                cache_salt: str | None = None, now_ms: int | None = None) -> dict:
+    def explain(self, tokens: Sequence[int], answer: dict, namespace: Namespace = DEFAULT,
+                now_ms: int | None = None) -> dict:
         """The explanation of a lookup of ``tokens`` whose plain answer was ``answer``.
 
         Returns ``{"answer", "profile", "tokens", "chunks", "hashed_tokens", "instances",
@@ -136,10 +137,10 @@ class Explainer:
         """
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         prof = self.client.profile
-        ns = {k: v for k, v in (("lora_name", lora_name), ("cache_salt", cache_salt)) if v}
-        chains = [c for c in self.client.chains(tokens, **ns) if c.hashes]
+        ns = namespace.label()
+        chains = [c for c in self.client.chains(tokens, namespace) if c.hashes]
         variants = profile_variants(prof, tokens, self.hash_seed)
-        variants += namespace_variants(self._block_sizes(), tokens, lora_name, cache_salt) if ns else []
+        variants += namespace_variants(self._block_sizes(), tokens, namespace) if ns else []
         st = _State(self, tokens, chains, variants, now_ms)
         st.read()
         entries = st.entries()

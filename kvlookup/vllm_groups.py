@@ -14,7 +14,7 @@ groups (vLLM <= 0.25, offloading connectors, LMCache's MP connector) is one pref
 :func:`reusable_length` is the hit length vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit``
 (vllm/v1/core/kv_cache_coordinator.py:806-941) computes, for the common configuration: no EAGLE
 drop, no decode-context parallelism, hits aligned to the scheduler block size (the LCM of the
-groups' block sizes, :92-101 and ``_cache_hit_alignment_tokens`` :708-716), capped at
+groups' block sizes, :111-117 and ``_cache_hit_alignment_tokens`` :708-716), capped at
 ``len(prompt) - 1`` tokens (kv_cache_manager.py:296-302). Per group kind
 (vllm/v1/core/single_type_kv_cache_manager.py):
 

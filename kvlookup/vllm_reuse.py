@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvlookup import kinds
 from kvlookup.hashing import vllm as vh
 from kvlookup.index import keys
 from kvlookup.vllm_groups import GroupSpec, held_from, is_prefix_group, reusable_length
@@ -30,7 +31,7 @@ def fill_reusable(r, tokens: Sequence[int], matches, lora_name: str | None = Non
         if not m.ranks:
             continue
         fields = r.hgetall(keys.instance_key(m.instance_id))
-        if fields.get("kind") != "vllm":
+        if kinds.of(fields.get("kind")) is not kinds.VLLM:
             continue
         m.reusable = {rank: _rank_reusable(r, m.instance_id, rank, fields, tokens, lora_name, cache_salt)
                       for rank in m.ranks}

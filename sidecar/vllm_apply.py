@@ -28,12 +28,12 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvlookup.index import keys
-
 from kvlookup import metrics
 from kvlookup.hashing import vllm as vh
+from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store
 from kvlookup.vllm_groups import GroupSpec, is_prefix_group
+from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored, Event, Malformed
 
 log = logging.getLogger(__name__)
@@ -54,12 +54,6 @@ REASONS = {
 }
 DEFAULT_MEDIUM = "GPU"
 REMOTE = "REMOTE"
-
-
-class EventRejected(ValueError):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
 
 
 @dataclass
@@ -132,7 +126,7 @@ class BatchApplier:
         for ev in events:
             try:
                 self._event(ev)
-            except EventRejected as exc:
+            except WireError as exc:
                 self.ctx.rejected[exc.reason] += 1
                 metrics.REJECTED.labels("vllm", exc.reason).inc()
                 log.warning("%s rank %d: rejected %s: %s", self.ctx.instance_id, self.ctx.rank,
@@ -141,7 +135,7 @@ class BatchApplier:
 
     def _event(self, ev: Event) -> None:
         if isinstance(ev, Malformed):
-            raise EventRejected(ev.reason, ev.detail)
+            raise WireError(ev.reason, ev.detail)
         if isinstance(ev, AllBlocksCleared):
             self.flush({})
             self.ctx.wipe()
@@ -183,7 +177,7 @@ class BatchApplier:
         bs = ev.block_size
         tokenless = not ev.token_ids
         if not (tokenless and bs == 0) and (bs is None or not 0 < bs <= MAX_BLOCK_SIZE):
-            raise EventRejected("block_size", f"block_size is {bs!r}")
+            raise WireError("block_size", f"block_size is {bs!r}")
         if not ev.block_hashes:
             return
         if ev.session_id:
@@ -215,16 +209,16 @@ class BatchApplier:
             return 0
         n = len(la[0])
         if len(la) != len(ev.block_hashes) or not 0 < n <= MAX_LOOKAHEAD or any(len(x) != n for x in la):
-            raise EventRejected("lookahead", f"{len(la)} lookahead lists for {len(ev.block_hashes)} blocks")
+            raise WireError("lookahead", f"{len(la)} lookahead lists for {len(ev.block_hashes)} blocks")
         return n
 
     def _own_hashes(self, ev: BlockStored, bs: int, lookahead: int) -> list[int]:
         n = len(ev.block_hashes)
         if len(ev.token_ids) != n * bs:
-            raise EventRejected("token_count", f"{len(ev.token_ids)} tokens for {n} blocks of {bs}")
+            raise WireError("token_count", f"{len(ev.token_ids)} tokens for {n} blocks of {bs}")
         extra_keys = ev.extra_keys
         if extra_keys is not None and len(extra_keys) != n:
-            raise EventRejected("extra_keys", f"{len(extra_keys)} extra_keys entries for {n} blocks")
+            raise WireError("extra_keys", f"{len(extra_keys)} extra_keys entries for {n} blocks")
         per_block = [vh.split_extra_keys(e, ev.lora_name) for e in extra_keys] if extra_keys else [()] * n
         extras = [tuple(e) or None for e in per_block]
         if ev.parent_block_hash is None:
@@ -235,7 +229,7 @@ class BatchApplier:
         else:
             entry = self._get(keys.engine_field(ev.parent_block_hash, ev.group_idx))
             if entry is None:
-                raise EventRejected("unknown_parent", f"parent {ev.parent_block_hash} is not known")
+                raise WireError("unknown_parent", f"parent {ev.parent_block_hash} is not known")
             parent = entry.own
         if lookahead:
             extras = [vh.with_lookahead(e, la) for e, la in zip(extras, ev.lookahead_token_ids, strict=True)]
@@ -245,7 +239,7 @@ class BatchApplier:
         entries = [self._get(keys.engine_field(h, ev.group_idx)) for h in ev.block_hashes]
         missing = [h for h, e in zip(ev.block_hashes, entries, strict=True) if e is None]
         if missing:
-            raise EventRejected("unknown_hashes", f"{len(missing)} of {len(entries)} hashes never stored "
+            raise WireError("unknown_hashes", f"{len(missing)} of {len(entries)} hashes never stored "
                                                   f"with tokens (first {missing[0]})")
         return [e for e in entries if e is not None]
 

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 
 import redis
 
+from kvlookup import kinds, metrics
 from kvlookup.index import keys
-
-from kvlookup import metrics
 from kvlookup.index.store import Store
-from kvlookup.wire.vllm import DecodeError, decode_batch, parse_live
 from kvlookup.sidecar.vllm_apply import BatchApplier, RankContext
 from kvlookup.vllm_groups import GroupSpec
+from kvlookup.wire.errors import WireError
+from kvlookup.wire.vllm import decode_batch, parse_live
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +85,14 @@ class VllmIngest:
         the instance is registered, else when a rank registers; lookups naming another model skip it."""
         self.model = model
         ik = keys.instance_key(self.instance_id)
-        if model and self.store.r.hget(ik, "kind") == "vllm":
+        if model and kinds.of(self.store.r.hget(ik, "kind")) is kinds.VLLM:
             self.store.r.hset(ik, "model", model)
 
     def handle_live(self, rank: int, frames: list[bytes]) -> None:
         """One live SUB message of ``rank``. Never raises except for Redis outages."""
         try:
             _topic, seq, payload = parse_live(frames)
-        except DecodeError as exc:
+        except WireError as exc:
             self._reject(exc.reason, str(exc))
             return
         metrics.MESSAGES.labels("vllm_batch").inc()
@@ -268,7 +268,7 @@ class VllmIngest:
                           chains=st.chains, groups=st.groups, legacy_space=st.legacy_space)
         try:
             events = decode_batch(payload).events
-        except DecodeError as exc:
+        except WireError as exc:
             self._reject(exc.reason, f"rank {rank} seq {seq}: {exc}")
             events = ()
         BatchApplier(ctx).run(events, persist)
@@ -277,7 +277,7 @@ class VllmIngest:
 
     def _register_rank(self, rank: int) -> None:
         """A new epoch of the rank in the registry, owned by this sidecar."""
-        self.store.register_worker(self.instance_id, rank, kind="vllm", worker_rule="any")
+        self.store.register_worker(self.instance_id, rank, kind=kinds.VLLM)
         if self.model:
             self.store.r.hset(keys.instance_key(self.instance_id), "model", self.model)
         if self.owner:

@@ -22,11 +22,11 @@ from pathlib import Path
 import redis
 import zmq
 
-from kvlookup.index import keys
 from kvlookup.client import Client
-from kvlookup.hashing.lmcache import HashProfile
-from kvlookup.proc.redis_server import free_port
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index import keys
+from kvlookup.proc.redis_server import free_port
 
 CPU = "LocalCPUBackend"
 PROFILE = HashProfile()  # 256-token chunks

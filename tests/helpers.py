@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvlookup.proc.redis_server import free_port
 from kvlookup.index.store import Store
+from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.service import Sidecar
 
 

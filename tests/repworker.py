@@ -8,9 +8,9 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from kvlookup.proc.redis_server import free_port
 from kvlookup.wire import lmcache_control as ctl
 from kvlookup.wire.lmcache import ErrorMsg
-from kvlookup.proc.redis_server import free_port
 
 Request = (
     ctl.ClearWorkerMsg

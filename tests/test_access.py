@@ -21,20 +21,20 @@ import yaml
 import zmq
 from prometheus_client import REGISTRY
 
-from kvlookup.app import create_app
 from kvlookup import cli
-from kvlookup.index import keys
-from kvlookup.wire import lmcache_control as ctl
-from kvlookup.wire import lmcache as proto
+from kvlookup.app import create_app
 from kvlookup.cli import main
 from kvlookup.client import Client, VllmChains
 from kvlookup.config import load
+from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.index import keys
+from kvlookup.index.store import Store
 from kvlookup.netpolicy import LOOPBACK_NETWORKS, address_allowed, parse_networks
 from kvlookup.proc.redis_server import free_port
-from kvlookup.index.store import Store
-from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.sidecar.service import Sidecar
 from kvlookup.sidecar.vllm_zmq import VllmSource
+from kvlookup.wire import lmcache as proto
+from kvlookup.wire import lmcache_control as ctl
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import SidecarThread, wait_for
 from tests.vllm_helpers import payload, stored
@@ -314,12 +314,12 @@ def test_cli_refuses_bad_values_before_starting(capsys):
     assert "worker_networks: 'nope' is not an IP address or network" in capsys.readouterr().err
 
 
-def test_embedded_sidecar_gets_the_controllers_allow_lists():
+def test_embedded_sidecar_gets_the_controllers_allow_lists(tmp_path):
     settings = load(None, overrides={"redis_url": "redis://x", "monitor_port": 9001, "allowed_peers": "10.0.0.0/8",
                                      "allowed_instance_ids": "pod-a"}, env={})
-    child = cli._spawn_embedded_sidecar(settings)  # the supervised child's command line, not started
+    child = cli._spawn_embedded_sidecar(settings, str(tmp_path))  # the supervised child, not started
     args = cli.build_parser().parse_args(child.argv[child.argv.index("kvlookup") + 1:])
-    child = load(None, overrides=cli._overrides(args, cli.SIDECAR_SETTINGS), env={})
+    child = load(args.config, overrides=cli._overrides(args, "sidecar"), env={})
     assert (child.allowed_peers, child.allowed_instance_ids, child.pull_url) == (
         ["10.0.0.0/8"], ["pod-a"], "127.0.0.1:9001")
 

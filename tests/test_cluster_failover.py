@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from kvlookup.index import keys
 from kvlookup.client import Client
-from kvlookup.index.cluster_io import slot_of
 from kvlookup.devtools.local_cluster import LocalCluster
-from kvlookup.proc.redis_server import connect
+from kvlookup.index import keys
+from kvlookup.index.cluster_io import slot_of
 from kvlookup.index.store import ADMIT, Store
+from kvlookup.proc.redis_server import connect
 from tests.conftest import BACKENDS
 from tests.ha_fleet import (
     CPU,

@@ -6,11 +6,12 @@ import re
 
 import pytest
 
+from kvlookup import kinds
 from kvlookup.app import create_app
 from kvlookup.index import keys
+from kvlookup.index.store import Store
 from kvlookup.wire import lmcache_control as ctl
 from kvlookup.wire.lmcache import ErrorMsg
-from kvlookup.index.store import Store
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.repworker import RepWorker
 
@@ -159,7 +160,7 @@ def test_disagreeing_workers_and_unknown_instances(http, store, workers):
     assert health["error_codes"] == {}
     unknown = http.post("/check_finish", json={"event_id": "Clearxyz"})
     assert unknown.status_code == 404 and "Clearxyz" in unknown.get_json()["error"]
-    store.register_worker("v", 0, kind="vllm", worker_rule="any")
+    store.register_worker("v", 0, kind=kinds.VLLM)
     vllm = http.post("/clear", json={"instance_id": "v", "location": "GPU"})
     assert vllm.status_code == 409
 

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from kvlookup.app import create_app, tokenizer
-from kvlookup.proc.redis_server import free_port
 from kvlookup.index.store import ADMIT
+from kvlookup.proc.redis_server import free_port
 from tests.procs import ROOT
 
 STATIC = ROOT / "app" / "static"

@@ -17,9 +17,9 @@ import pytest
 import requests
 
 from kvlookup.app import tokenizer
+from kvlookup.devtools.workersim import SimEngine, WorkerSim
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.proc.redis_server import free_port
-from kvlookup.devtools.workersim import SimEngine, WorkerSim
 from tests import browser as chromium
 from tests.helpers import wait_for
 from tests.procs import ControllerProc

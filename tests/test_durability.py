@@ -13,10 +13,10 @@ import pytest
 import requests
 
 from kvlookup.client import Client
-from kvlookup.hashing.lmcache import HashProfile
-from kvlookup.proc.redis_server import EmbeddedRedis, connect, free_port, ping
-from kvlookup.index.store import Store
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index.store import Store
+from kvlookup.proc.redis_server import EmbeddedRedis, connect, free_port, ping
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import SidecarThread, wait_for
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.proc.redis_server import free_port
-from kvlookup.devtools.workersim import WorkerSim
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import wait_for
 from tests.procs import ControllerProc

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvlookup import kinds
 from kvlookup.app import create_app
-from kvlookup.index import keys
 from kvlookup.explain import iso
 from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT
 
 CPU = "LocalCPUBackend"
@@ -232,7 +233,7 @@ def test_nothing_anywhere(store, explain):
 
 def test_other_namespace(r, store, explain):
     from kvlookup.hashing import vllm as vh
-    store.register_worker("vl", 0, "127.0.0.1", 8001, kind="vllm", worker_rule="any")
+    store.register_worker("vl", 0, "127.0.0.1", 8001, kind=kinds.VLLM)
     r.hset(keys.block_sizes_key(), keys.worker_member("vl", 0), 16)
     base = vh.chain(vh.request_root(16), TOKENS, 16)
     store.apply([("vl", 0, "GPU", [(ADMIT, h) for h in base])], space=keys.vllm_space(16))

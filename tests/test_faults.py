@@ -35,14 +35,14 @@ import pytest
 import requests
 import zmq
 
-from kvlookup.index import keys
-from kvlookup.wire import lmcache as proto
-from kvlookup.proc.embedded import served_by
-from kvlookup.hashing.lmcache import HashProfile
-from kvlookup.proc.redis_server import connect, free_port, ping, port_free
 from kvlookup.devtools.workersim import SimEngine
-from kvlookup.wire.zmqaddr import endpoint
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index import keys
+from kvlookup.proc.embedded import served_by
+from kvlookup.proc.redis_server import connect, free_port, ping, port_free
 from kvlookup.sidecar.sockets import Limits
+from kvlookup.wire import lmcache as proto
+from kvlookup.wire.zmqaddr import endpoint
 from tests.helpers import index_view
 from tests.procs import ROOT, SidecarProc
 from tests.procs_embedded import alive, servers_of, until

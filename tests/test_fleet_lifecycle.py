@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from kvlookup.index import keys
 from kvlookup.client import Client
+from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.index import keys
 from kvlookup.index.fleet import reap
 from kvlookup.index.store import Store
-from kvlookup.devtools.workersim import WorkerSim
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import SidecarThread, wait_for
 

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from kvlookup.index import keys
-from kvlookup.wire import lmcache as proto
 from kvlookup.client import Client
-from kvlookup.index.store import Store
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.index import keys
+from kvlookup.index.store import Store
+from kvlookup.wire import lmcache as proto
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import SidecarThread, wait_for
 

@@ -10,8 +10,8 @@ import pytest
 import requests
 
 from kvlookup.app import create_app
-from kvlookup.proc.redis_server import free_port
 from kvlookup.devtools.workersim import SimEngine
+from kvlookup.proc.redis_server import free_port
 from tests.helpers import wait_for
 from tests.procs import SidecarProc
 

@@ -3,6 +3,8 @@
 from redis.crc import key_slot
 
 from kvlookup.index import keys
+
+
 def test_record_keys():
     assert keys.chunk_key(4690244967161877535) == "kvl:v2:chunk:4690244967161877535"
     assert keys.chunk_key(-5, space="v16") == "kvl:v2:chunk:v16:-5"

@@ -9,10 +9,10 @@ import subprocess
 import pytest
 
 from kvlookup.app import create_app
-from kvlookup.index import keys
 from kvlookup.client import Client
-from kvlookup.proc.redis_server import free_port
+from kvlookup.index import keys
 from kvlookup.index.store import Store
+from kvlookup.proc.redis_server import free_port
 from tests.conftest import SEED_TOKENS
 from tests.helpers import SidecarThread, wait_for
 from tests.procs import SHARED

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlookup.devtools.demo import wait_http
 from kvlookup.cli.redis_cli import connection_flags
+from kvlookup.devtools.demo import wait_http
 from kvlookup.proc.redis_server import EmbeddedRedis, free_port
 from tests.procs import ROOT, ControllerProc, SidecarProc
 

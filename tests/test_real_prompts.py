@@ -7,9 +7,9 @@ import pytest
 
 from kvlookup.client import Client
 from kvlookup.devtools.demo import CONVERSATION_A, CONVERSATION_B, SYSTEM_PROMPT, chat_tokens, load_tokenizer
+from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.index.store import Store
-from kvlookup.devtools.workersim import WorkerSim
 from tests.helpers import SidecarThread, wait_for
 
 TOKENIZER = load_tokenizer()

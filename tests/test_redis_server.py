@@ -10,9 +10,9 @@ import time
 import pytest
 import redis
 
-from kvlookup.proc import embedded, redis_server
 from kvlookup.cli import build_parser
 from kvlookup.config import Settings
+from kvlookup.proc import embedded, redis_server
 from kvlookup.proc.embedded import served_by
 from kvlookup.proc.redis_server import EmbeddedRedis, connect, ping, running_url
 from kvlookup.proc.runtime import ensure_redis

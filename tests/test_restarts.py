@@ -15,12 +15,12 @@ import time
 import pytest
 import zmq
 
-from kvlookup.index import keys
-from kvlookup.wire import lmcache as proto
 from kvlookup.client import Client
-from kvlookup.hashing.lmcache import HashProfile
-from kvlookup.proc.redis_server import free_port
 from kvlookup.devtools.workersim import SimEngine
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index import keys
+from kvlookup.proc.redis_server import free_port
+from kvlookup.wire import lmcache as proto
 from tests.helpers import index_view, wait_for
 from tests.procs import ControllerProc, SidecarProc
 

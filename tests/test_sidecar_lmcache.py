@@ -6,11 +6,11 @@ import msgspec
 import pytest
 import zmq
 
-from kvlookup.wire import lmcache as proto
 from kvlookup.client import Client
+from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.index.store import Store
-from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.wire import lmcache as proto
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import SidecarThread, wait_for
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlookup.index import keys
 from kvlookup.client import Client, pick_location
 from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store
 from tests.conftest import SEED_HASH, SEED_TOKENS
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.proc.redis_server import free_port, port_free
 from kvlookup.proc.supervise import Child, StartError, Supervisor
-from kvlookup.devtools.workersim import WorkerSim
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import wait_for
 from tests.procs import ControllerProc

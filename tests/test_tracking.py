@@ -9,10 +9,10 @@ import time
 import pytest
 import redis
 
-from kvlookup.index import keys
 from kvlookup.client import Client
-from kvlookup.proc.redis_server import EmbeddedRedis, connect
+from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT, Store
+from kvlookup.proc.redis_server import EmbeddedRedis, connect
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.helpers import wait_for
 

@@ -133,8 +133,8 @@ def test_placeholder_offload_store_of_a_known_block(store, r, client):
 #   group 1 full_attention; group 2 mamba
 #   held: full {0..5}; sliding {0, 1, 3, 4}; mamba states after blocks {1, 3}
 # iteration 1, cap 99: full -> 6 blocks = 96 (:790-800); sliding scans 5 (miss), 4, 3 -> run of
-#   2 ending at 3+2 -> 80 (:1010-1032); mamba, 80 // 16 = 5 blocks, scans 4 (miss), 3 -> 64 (:1522-1544)
-# iteration 2, cap 64: full trims to 64 (:850-857); sliding scans 3 (run 1), 2 (miss: 0), 1, 0
+#   2 ending at 3+2 -> 80 (:1015-1048); mamba, 80 // 16 = 5 blocks, scans 4 (miss), 3 -> 64 (:1522-1544)
+# iteration 2, cap 64: full trims to 64 (coordinator :850-856); sliding scans 3 (run 1), 2 (miss: 0), 1, 0
 #   -> run of 2 ending at 0+2 -> 32; mamba, 2 blocks, 1 held -> 32
 # iteration 3, cap 32: full 32, sliding 1, 0 -> 32, mamba 1 -> 32: no group lowers it, 32.
 WORKED_GROUPS = {0: GroupSpec("sliding_window", 16, 32), 1: GroupSpec("full_attention", 16),

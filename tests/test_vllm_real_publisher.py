@@ -9,10 +9,11 @@ import time
 import pytest
 
 import kvlookup.app as app
-from kvlookup.index import keys
 from kvlookup.client import Client, VllmChains
-from kvlookup.proc.redis_server import free_port
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.hashing.namespace import Namespace
+from kvlookup.index import keys
+from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.helpers import wait_for
 from tests.test_sidecar_lmcache import S600, S600_HASHES
@@ -31,7 +32,8 @@ def u64(h) -> int:
 
 
 def layout(client, tokens, **ns):
-    return {m.instance_id: (m.location, m.matched_prefix_length) for m in client.matches(tokens, **ns)}
+    found = client.matches(tokens, namespace=Namespace(**ns))
+    return {m.instance_id: (m.location, m.matched_prefix_length) for m in found}
 
 
 @pytest.fixture()
@@ -60,7 +62,8 @@ def test_late_join_live_offload_and_removal(r, client, version, int_hashes):
         ing = sc.ingest("pod-a")
         pub.send({"cleared": {}})
         assert wait_for(lambda: layout(client, A), {}) == {}
-        assert (dict(ing.resyncs), dict(ing.rejected), ing.ranks[0].last) == ({}, {}, 4)
+        state = lambda: (dict(ing.resyncs), dict(ing.rejected), ing.ranks[0].last)  # noqa: E731
+        assert wait_for(state, ({}, {}, 4)) == ({}, {}, 4)  # the clear shows before its seq is recorded
         assert r.hget(keys.instance_key("pod-a"), "resync:0") is None
     finally:
         if sc:
@@ -89,7 +92,9 @@ def test_lossy_gap_replay_then_engine_restart(r, client):
         pub.send({"stored": {"token_ids": B, "block_size": 16}})
         want = {"pod-a": ("GPU", 16)}
         assert wait_for(lambda: layout(client, B), want) == want
-        assert dict(ing.resyncs) == {"engine_restart": 1} and ing.duplicates == 0
+        # a batch a catch-up on connect replayed before its live copy arrived is applied once and
+        # counted as a duplicate when the live copy comes
+        assert dict(ing.resyncs) == {"engine_restart": 1} and ing.duplicates <= 1
         assert r.hlen(keys.engine_map_key("pod-a", 0)) == 1
     finally:
         sc.close()

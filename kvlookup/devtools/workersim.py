@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from kvlookup.wire import lmcache as proto
 from kvlookup.hashing.lmcache import ChunkHash
+from kvlookup.wire import lmcache as proto
 from kvlookup.wire.zmqaddr import endpoint
 
 MAX_FRAMES = 50

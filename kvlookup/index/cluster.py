@@ -18,7 +18,8 @@ from redis.cluster import RedisCluster
 
 from kvlookup.index import keys, scripts
 from kvlookup.index.cluster_io import ClusterIO
-from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, purge_step
+from kvlookup.index.io import purge_step
+from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches
 from kvlookup.index.staged import HolderCache, StagedLookup
 
 
@@ -72,7 +73,7 @@ class ClusterRecords:
 
     # -- lookup ------------------------------------------------------------------------------
 
-    def lookup(self, chains: Sequence[Chain], live: Liveness) -> list[Match]:
+    def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         return StagedLookup(self.io.execute, self.resolve_sha, self.cache, chains, live).run()
 
     # -- purge -------------------------------------------------------------------------------

@@ -21,9 +21,12 @@ from collections.abc import Iterable, Sequence
 import redis
 from redis.cluster import RedisCluster
 
+from kvlookup import kinds
 from kvlookup.index import keys, scripts
 from kvlookup.index.failover import Journal
-from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches, Records, SingleNodeRecords
+from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches, Records
+from kvlookup.index.single import SingleNodeRecords
+from kvlookup.kinds import Kind
 
 __all__ = ["ADMIT", "EVICT", "Chain", "Match", "NotRegistered", "Store", "fold_ops"]
 
@@ -33,8 +36,6 @@ ADMIT = "a"
 EVICT = "e"
 
 #: Worker rules: LMCache TP ranks must all hold a chunk; vLLM DP ranks are walked one by one.
-RULE_ALL = "all"
-RULE_ANY = "any"
 
 #: How many times a registry script is retried when the state it was given changed meanwhile.
 MAX_RETRIES = 8
@@ -97,8 +98,7 @@ class Store:
         port: int = 0,
         peer_init_url: str | None = None,
         *,
-        kind: str = "lmcache",
-        worker_rule: str = RULE_ALL,
+        kind: Kind = kinds.LMCACHE,
         now: float | None = None,
     ) -> int:
         """Register a worker (TP rank) of an instance; returns its epoch (1 = first time).
@@ -120,7 +120,7 @@ class Store:
                       keys.ip_index_key(ip if old_ip is None else old_ip), keys.rules_key(), keys.heartbeats_key(),
                       keys.block_sizes_key(), keys.suspects_key(), keys.registry_version_key()],
                 args=[wid, instance_id, keys.worker_member(instance_id, wid), old_ip or "",
-                      f"{int(port)}:{instance_id}", kind, worker_rule, int(now * 1000), *fields],
+                      f"{int(port)}:{instance_id}", kind.name, kind.worker_rule, int(now * 1000), *fields],
             )
             if int(epoch) != scripts.RETRY:
                 self.touch_instances([instance_id])

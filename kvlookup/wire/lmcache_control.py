@@ -29,9 +29,9 @@ import zmq
 import zmq.green
 
 from kvlookup import metrics
-from kvlookup.app.gevent_worker import patched
-from kvlookup.wire.lmcache import ErrorMsg
 from kvlookup.netpolicy import LOOPBACK_NETWORKS, Networks, address_allowed
+from kvlookup.proc.green import patched
+from kvlookup.wire.lmcache import ErrorMsg
 
 log = logging.getLogger(__name__)
 

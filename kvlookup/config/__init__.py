@@ -10,18 +10,18 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kvlookup.config.options import COMMON, CONTROLLER, EMBEDDED, ENV_PREFIX, SIDECAR, setting
 from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, profile_from_lmcache_yaml
 from kvlookup.netpolicy import LOOPBACK, Networks, address_allowed, parse_networks, split_list
 from kvlookup.proc.redis_urls import is_sentinel, parse_sentinel
 from kvlookup.wire.zmqaddr import endpoint
 
-ENV_PREFIX = "KVLOOKUP_"
 LOOKUP_RESPONSES = ("flat", "layout_info")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 #: Controller read caching (kvlookup.index.tracking): on (copies Redis keeps coherent, no round trip
@@ -41,55 +41,196 @@ def _default_hash() -> dict[str, Any]:
 
 @dataclass
 class Settings:
-    """Every setting of the controller and the sidecar, with its default.
+    """Every setting of the controller and the sidecar, with its default, declared once: each
+    field's :class:`kvlookup.config.options.Option` gives its flag, help, docs text and readers.
 
     Units: seconds (``*_s``), bytes (``*_bytes``), tokens (``max_tokens``).
     """
 
-    redis_url: str | None = None
-    redis_cluster: bool = False
-    data_dir: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 9000
-    monitor_port: int | None = None
-    monitor_ports: dict[str, int] | None = None
-    gunicorn_workers: int = 2
-    gunicorn_threads: int = 4
-    gunicorn_worker_class: str = "uvicorn"
-    lookup_response: str = "flat"
-    lookup_cache: str = "on"
-    max_tokens: int = 1_048_576
-    max_body_bytes: int = 16 * 1024 * 1024
-    body_timeout_s: float = 10.0
-    redis_max_connections: int = 64
-    instance_ttl_s: float = 30.0
-    worker_ttl_s: float = 0.0
-    api_token: str | None = None
-    control_timeout_s: float = 2.0
-    control_retries: int = 1
-    hash: dict[str, Any] = field(default_factory=_default_hash)
-    lmcache_config: str | None = None
-    instance_id: str | None = None
-    pull_url: str | None = None
-    reply_url: str | None = None
-    advertise_reply: str = ""
-    sidecar_id: str | None = None
-    disconnect_grace_s: float = 5.0
-    max_frame_bytes: int = 4 * 1024 * 1024
-    max_message_bytes: int = 8 * 1024 * 1024
-    max_queued_ops: int = 200_000
-    metrics_port: int | None = None
-    vllm_endpoint: str | None = None
-    vllm_replay_endpoint: str | None = None
-    vllm_dp_size: int = 1
-    vllm_bind: bool = False
-    vllm_topic: str = ""
-    vllm_replay_timeout_s: float = 2.0
-    vllm_url: str | None = None
-    log_level: str = "INFO"
-    allowed_peers: list[str] = field(default_factory=lambda: list(LOOPBACK))
-    allowed_instance_ids: list[str] = field(default_factory=list)
-    worker_networks: list[str] = field(default_factory=lambda: list(LOOPBACK))
+    # -- Redis (every process) ------------------------------------------------------------------
+    redis_url: str | None = setting(
+        None, readers=COMMON, default_text="none: embedded Redis",
+        help="redis://, rediss://, unix:// or redis+sentinel:// URL (default: embedded Redis); with "
+             "--redis-cluster, any one node of the cluster",
+        doc="`redis://[:password@]host:port/db`, `rediss://` (TLS), `unix:///path.sock`; with `redis_cluster`, "
+            "any one node of the cluster; or `redis+sentinel://[:password@]host:26379[,host:26379...]/<master "
+            "name>[/<db>]` (below)")
+    redis_cluster: bool = setting(
+        False, readers=COMMON, help="the index lives on a Redis Cluster (redis_cluster: true)",
+        doc="the index lives on a Redis Cluster (`KVLOOKUP_REDIS_CLUSTER=1`); needs `redis_url`, excludes a "
+            "Sentinel URL")
+    data_dir: str | None = setting(
+        None, readers=COMMON, default_text="`$KVLOOKUP_DATA_DIR`, else `~/.local/share/kvlookup`",
+        help="embedded Redis data dir (default ~/.local/share/kvlookup)",
+        doc="embedded Redis data (AOF, fsync every second) and `redis.url`; the processes of one box using it "
+            "share one server, kept while any of them lives (docs/operations.md, \"Supervision and the embedded "
+            "Redis\")")
+    redis_max_connections: int = setting(
+        64, readers=(CONTROLLER,), flag="",
+        help="Redis connections per controller worker process; a burst beyond it waits up to 5 s for one "
+             "(then 503)")
+    # -- liveness ---------------------------------------------------------------------------------
+    instance_ttl_s: float = setting(
+        30.0, readers=COMMON, flag="--instance-ttl",
+        help="seconds an instance stays live without its sidecar's heartbeat (0 = off)",
+        doc="the lease its owning sidecar renews for each instance (every `min(1, instance_ttl_s/3)` s): an "
+            "instance whose lease ran out is left out of lookups, then reaped (0 = no leases)")
+    worker_ttl_s: float = setting(
+        0.0, readers=COMMON, flag="--worker-ttl", default_text="0 (off)",
+        help="seconds a heartbeating worker stays live after its last heartbeat (0 = off)",
+        doc="a worker that sends heartbeats and then stops for this long is left out")
+    log_level: str = setting(
+        "INFO", readers=COMMON,
+        help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    # -- controller -------------------------------------------------------------------------------
+    host: str = setting(
+        "127.0.0.1", readers=(CONTROLLER, SIDECAR),
+        help="HTTP bind host (default 127.0.0.1): the controller's port, a sidecar's metrics port",
+        doc="HTTP bind host of the controller and of a sidecar's `metrics_port` (loopback unless configured)")
+    port: int = setting(9000, readers=(CONTROLLER,), help="controller HTTP port (default 9000)")
+    monitor_port: int | None = setting(
+        None, readers=(CONTROLLER,), help="run an embedded sidecar with its PULL socket on this port",
+        doc="run an embedded sidecar whose PULL socket is `host:monitor_port` (LMCache `--monitor-port`)")
+    monitor_ports: dict[str, int] | None = setting(
+        None, readers=(CONTROLLER,), help='JSON {"pull": P, "reply": R} for the embedded sidecar',
+        doc='`{"pull": P, "reply": R}`: embedded sidecar with PULL and ROUTER (LMCache 0.3.12+)')
+    gunicorn_workers: int = setting(
+        2, readers=(CONTROLLER,), flag="--workers", help="controller processes (gunicorn workers), 1..256")
+    gunicorn_threads: int = setting(
+        4, readers=(CONTROLLER,), flag="--threads", help="threads per worker, `gthread` only")
+    gunicorn_worker_class: str = setting(
+        "uvicorn", readers=(CONTROLLER,), flag="--worker-class", choices=WORKER_CLASSES,
+        help="gunicorn worker class (uvicorn)",
+        doc="`uvicorn` (kvlookup/app/asgi_worker.py): gunicorn forks uvicorn workers (uvloop, httptools); "
+            "`/lookup` is answered in each worker's event loop when its reads are local (cached reads, the "
+            "default on one Redis) and in a thread otherwise; the rest of the API (Flask) runs in 16 threads per "
+            "worker (a2wsgi), so a slow LMCache worker never stalls lookups. `gevent`: one greenlet per "
+            "connection (green ZMQ sockets for control calls); `gthread`: a thread pool of `gunicorn_threads` "
+            "per worker; `sync`: one request at a time, no keep-alive. uvicorn is the default because it "
+            "answers a 12-token lookup in ~0.4 ms where gevent takes ~0.6-0.7 ms (wrk c=1, docs/benchmarks.md "
+            "\"Per-request cost\")")
+    lookup_response: str = setting(
+        "flat", readers=(CONTROLLER,), choices=LOOKUP_RESPONSES, help="flat (default) or layout_info",
+        doc="`flat` (`{\"event_id\", \"<instance>\": [loc, len]}`) or `layout_info` (LMCache's wire shape)")
+    lookup_cache: str = setting(
+        "on", readers=(CONTROLLER,), choices=LOOKUP_CACHE,
+        help="keep the chunk sets lookups read, coherent with Redis: on (default), fenced, off",
+        doc="keep the chunk sets and registry version lookups read, coherent with Redis (server-assisted "
+            "client-side caching, `CLIENT TRACKING ... REDIRECT ... OPTIN`; docs/operations.md, \"Cached "
+            "reads\"): `on` answers a lookup whose chunks are known without a round trip and sees a change as "
+            "soon as its invalidation arrives (microseconds after the write on loopback); `fenced` first takes "
+            "every invalidation Redis has queued (one round trip on the invalidation connection), so a lookup "
+            "sees every write completed before it; `off` runs the `LOOKUP` script (one round trip). One Redis "
+            "only: with `redis_cluster` or a Sentinel URL lookups read uncached")
+    max_tokens: int = setting(1_048_576, readers=(CONTROLLER,), flag="", help="longer prompts get 413")
+    max_body_bytes: int = setting(
+        16 * 1024 * 1024, readers=(CONTROLLER,), flag="", default_text="16 MiB",
+        help="larger bodies get 413 (declared ones are refused unread)")
+    body_timeout_s: float = setting(
+        10.0, readers=(CONTROLLER,), flag="",
+        help="a request body not fully received this long after its headers gets 408 (uvicorn and gevent "
+             "workers)")
+    api_token: str | None = setting(
+        None, readers=(CONTROLLER,), flag="",
+        help="when set, `/clear`, `/pin`, `/compress`, `/decompress`, `/move` need `Authorization: Bearer "
+             "<token>` (no flag: a secret on a command line shows in `ps`)")
+    control_timeout_s: float = setting(
+        2.0, readers=(CONTROLLER, EMBEDDED), flag="--control-timeout",
+        help="seconds each controller -> worker call (and a sidecar's health call) may take",
+        doc="controller -> worker calls (REQ to each worker's `lmcache_worker_ports`) and sidecars' health "
+            "calls: per-attempt timeout")
+    control_retries: int = setting(
+        1, readers=(CONTROLLER, EMBEDDED), flag="", help="extra attempts of each control or health call")
+    worker_networks: list[str] = setting(
+        factory=lambda: list(LOOPBACK), readers=(CONTROLLER, EMBEDDED),
+        help="IPs/CIDR networks of LMCache workers the controller may call, comma list or JSON ('*' = any, "
+             "hostnames too; default 127.0.0.0/8,::1)",
+        doc="LMCache worker addresses the control API (and a sidecar's health calls) may connect to. A worker "
+            "registered elsewhere is never contacted: `POST /health` reports -1006, `/clear`, `/pin`, "
+            "`/compress`, `/decompress`, `/move` answer 403. Registered addresses are compared as IP literals "
+            "(LMCache registers `get_ip()`), never resolved: a hostname is allowed only by `*`")
+    # -- chunk hashes ---------------------------------------------------------------------------
+    hash: dict[str, Any] = setting(
+        factory=_default_hash, readers=(CONTROLLER,), flag="", env_text="KVLOOKUP_HASH__<KEY>",
+        default_text="below", help="the engines' hash profile (\"Hash profile\" below; flags --chunk-size, ...)")
+    lmcache_config: str | None = setting(
+        None, readers=(CONTROLLER,), help="the engines' LMCache YAML (chunk_size, save_unfull_chunk)",
+        doc="the engines' LMCache YAML: `chunk_size`, `save_unfull_chunk`, `pre_caching_hash_algorithm` are "
+            "read from it")
+    # -- sidecar ----------------------------------------------------------------------------------
+    instance_id: str | None = setting(
+        None, readers=(SIDECAR,), help="the instance this sidecar vouches for (traffic adds others)",
+        doc="the instance it vouches for from the start; required with `vllm_endpoint`")
+    pull_url: str | None = setting(
+        None, readers=(SIDECAR,), help="host:port to bind PULL (LMCache controller_pull_url)")
+    reply_url: str | None = setting(
+        None, readers=(SIDECAR,), help="host:port to bind ROUTER (LMCache controller_reply_url, 0.3.12+)")
+    advertise_reply: str = setting(
+        "", readers=(SIDECAR, EMBEDDED), default_text="reply url",
+        help="host:port workers use for heartbeats (default: reply url)",
+        doc="`host:port` workers should use for heartbeats (`heartbeat_url`)")
+    sidecar_id: str | None = setting(
+        None, readers=(SIDECAR,), default_text="`<hostname>/<first bound address>`",
+        help="this sidecar's name in the registry; a restart with the same id resumes its instances",
+        doc="its name in the registry: the owner of the instances whose traffic it ingests; a restart with the "
+            "same id resumes renewing their leases (docs/operations.md, \"Liveness\"). 1..256 printable "
+            "characters")
+    metrics_port: int | None = setting(
+        None, readers=(SIDECAR,), help="serve this sidecar's /metrics and /health on this port")
+    disconnect_grace_s: float = setting(
+        5.0, readers=(SIDECAR, EMBEDDED), flag="--disconnect-grace",
+        help="seconds a worker whose connections closed may stay silent before it is asked (5)",
+        doc="once every connection that carried a worker's messages closed, how long it may stay silent "
+            "before its control port is asked (no answer: it is reaped)")
+    max_frame_bytes: int = setting(
+        4 * 1024 * 1024, readers=(SIDECAR, EMBEDDED), flag="", default_text="4 MiB",
+        help="largest ZMQ frame a peer may send (ZMQ_MAXMSGSIZE; a peer sending more is disconnected). A 4 MiB "
+             "FullSyncBatchMsg holds ~450,000 keys (LMCache sends 2,000)")
+    max_message_bytes: int = setting(
+        8 * 1024 * 1024, readers=(SIDECAR, EMBEDDED), flag="", default_text="8 MiB",
+        help="largest multipart message; larger ones are dropped and counted "
+             "(`kvlookup_rejected_frames_total{reason=\"message_too_large\"}`)")
+    max_queued_ops: int = setting(
+        200_000, readers=(SIDECAR, EMBEDDED), flag="--max-queued-ops",
+        help="chunk operations decoded but not yet written; past it the sidecar stops reading PUSH traffic "
+             "until the queue drains",
+        doc="chunk operations decoded but not yet written; past it the sidecar stops reading PUSH traffic until "
+            "the queue drains (ZMQ then holds up to 1,000 messages per peer, and the senders wait)")
+    allowed_peers: list[str] = setting(
+        factory=lambda: list(LOOPBACK), readers=(SIDECAR, EMBEDDED),
+        help="IPs/CIDR networks that may connect to the sidecar's bound ZMQ sockets, comma list or JSON "
+             "('*' = any; default 127.0.0.0/8,::1)",
+        doc="IP addresses and CIDR networks that may connect to the sidecar's bound ZMQ sockets (LMCache PULL "
+            "and ROUTER, a bound vLLM SUB); any other peer is refused at the ZMQ handshake (ZAP), counted and "
+            "logged. `*` (or `0.0.0.0/0`) = anyone. Loopback only unless configured. A SUB that connects to "
+            "vLLM (the default) is not affected")
+    allowed_instance_ids: list[str] = setting(
+        factory=list, readers=(SIDECAR, EMBEDDED), default_text="empty (any)",
+        help="instance ids whose LMCache messages the sidecar accepts, comma list or JSON (default: any)",
+        doc="instance ids whose LMCache messages are applied; messages naming another id are dropped and "
+            "counted, requests (registration, heartbeat, full sync) answered with `ErrorMsg`. When "
+            "`instance_id` is set too it must be in the list")
+    # -- vLLM (sidecar) ---------------------------------------------------------------------------
+    vllm_endpoint: str | None = setting(
+        None, readers=(SIDECAR,),
+        help="vLLM KV events PUB, tcp://HOST:5557 (rank r: port + r); needs --instance-id")
+    vllm_replay_endpoint: str | None = setting(
+        None, readers=(SIDECAR,), help="vLLM replay ROUTER, tcp://HOST:5558 (rank r: port + r)")
+    vllm_dp_size: int = setting(1, readers=(SIDECAR,), help="data-parallel ranks of the vLLM instance (1)")
+    vllm_bind: bool = setting(
+        False, readers=(SIDECAR,),
+        help="bind the SUB socket(s) instead of connecting (vLLM given a concrete address connects)")
+    vllm_topic: str = setting("", readers=(SIDECAR,), help="topic prefix to subscribe to (default: all)")
+    vllm_replay_timeout_s: float = setting(
+        2.0, readers=(SIDECAR,), flag="--vllm-replay-timeout", help="seconds to wait for each replay reply (2)")
+    vllm_url: str | None = setting(
+        None, readers=(SIDECAR,),
+        help="a vLLM 0.33+ server, http://HOST:8000: subscribe to every DP rank it lists in /kv_event_sources "
+             "and scope lookups by its /v1/models model (instead of --vllm-endpoint)",
+        doc="a vLLM 0.33+ server's API, `http://HOST:8000`: every DP rank's endpoints from `GET /kv_event_sources`, "
+            "the model from `/v1/models` (lookups naming another `model_name` skip it), read again when the engine "
+            "restarts; `instance_id` defaults to `HOST:PORT`; servers before 0.33 stop the sidecar with a one-line "
+            "error unless `vllm_endpoint` is given too (docs/vllm.md)")
 
     def validate(self) -> Settings:
         """Check every setting; raise ValueError ``"<setting>: <value> is not ..."`` naming the
@@ -188,6 +329,18 @@ class Settings:
 
         return Limits(max_frame_bytes=int(self.max_frame_bytes), max_message_bytes=int(self.max_message_bytes),
                       max_queued_ops=int(self.max_queued_ops))
+
+    def embedded_sidecar(self) -> dict[str, Any]:
+        """The settings of this controller's embedded sidecar, as a config-file mapping: every
+        resolved setting (so each one a sidecar reads is the controller's), with ``pull_url`` and
+        ``reply_url`` bound on ``host`` at the monitor ports and no monitor ports of its own."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        out.pop("monitor_port", None)
+        out.pop("monitor_ports", None)
+        out["pull_url"] = f"{self.host}:{self.pull_port()}"
+        if self.reply_port():
+            out["reply_url"] = f"{self.host}:{self.reply_port()}"
+        return out
 
     def pull_port(self) -> int | None:
         """The embedded sidecar's PULL port (``monitor_ports.pull`` or ``monitor_port``)."""
