@@ -113,13 +113,13 @@ def merge_matches(matches: Sequence[Match]) -> list[InstanceMatch]:
             cur.locations[loc] = max(cur.locations.get(loc, 0), n)
     by_inst: dict[str, InstanceMatch] = {}
     for m in per_rank.values():
-        cur = by_inst.get(m.instance_id)
+        best = by_inst.get(m.instance_id)
         cand = InstanceMatch(m.instance_id, pick_location(m.locations), m.matched_prefix_length, m.locations)
         if m.worker_id:
-            ranks = cur.ranks if cur else {}
+            ranks = best.ranks if best else {}
             ranks[m.worker_id] = m.matched_prefix_length
             cand.ranks = ranks
-        if cur is None or cand.matched_prefix_length > cur.matched_prefix_length:
+        if best is None or cand.matched_prefix_length > best.matched_prefix_length:
             by_inst[m.instance_id] = cand
     return sorted(by_inst.values(), key=lambda im: (-im.matched_prefix_length, im.instance_id))
 
@@ -186,7 +186,7 @@ class VllmChains:
             live = {i for i, s in zip(insts, self.r.zmscore(keys.alive_key(), insts), strict=True)
                     if s is not None and s >= now_ms}
             per_rank = {m: bs for m, bs in per_rank.items() if m.split(keys.SEP, 1)[1] in live}
-        sizes = sorted({c for text in per_rank.values() for c in keys.parse_vllm_chains(text)})
+        sizes = sorted({c for text in per_rank.values() for c in keys.parse_vllm_chains(str(text))})
         if len(sizes) > MAX_BLOCK_SIZES:
             log.warning("%d vLLM block sizes in use; lookups walk the first %d", len(sizes), MAX_BLOCK_SIZES)
         return sizes[:MAX_BLOCK_SIZES]

@@ -103,11 +103,14 @@ def reusable_length(groups: Mapping[int, GroupSpec], held: Held, n_tokens: int) 
     while True:
         candidate = length
         for spec, ids in order:
-            hit = _group_hit(spec, lambda i, ids=ids: all(held(g, i) for g in ids), candidate, align)
-            candidate = min(candidate, hit)
+            candidate = min(candidate, _group_hit(spec, _all_held(held, ids), candidate, align))
         if candidate >= length:
             return length
         length = candidate
+
+
+def _all_held(held: Held, ids: list[int]) -> Callable[[int], bool]:
+    return lambda i: all(held(g, i) for g in ids)
 
 
 def _group_hit(spec: GroupSpec, held: Callable[[int], bool], max_length: int, align: int) -> int:

@@ -231,7 +231,7 @@ class BatchApplier:
             if entry is None:
                 raise WireError("unknown_parent", f"parent {ev.parent_block_hash} is not known")
             parent = entry.own
-        if lookahead:
+        if lookahead and ev.lookahead_token_ids:
             extras = [vh.with_lookahead(e, la) for e, la in zip(extras, ev.lookahead_token_ids, strict=True)]
         return vh.chain(parent, ev.token_ids, bs, extras)
 

@@ -171,6 +171,7 @@ class VllmIngest:
 
     def _rebuild(self, rank: int, st: RankState) -> str:
         """A new engine (or a stream never seen): everything from seq 0, or nothing yet."""
+        assert self.replay is not None
         had = st.last is not None
         msgs = self.replay(rank, 0)
         if msgs is None:
@@ -262,7 +263,7 @@ class VllmIngest:
 
     def _apply(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
         d = digest(payload)
-        persist = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): d}
+        persist: dict[str, str | int] = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): d}
         ctx = RankContext(self.store, self.instance_id, rank, lambda: self._wipe(rank, st),
                           lambda: self._register_rank(rank), self.rejected, self.skipped,
                           chains=st.chains, groups=st.groups, legacy_space=st.legacy_space)

@@ -242,8 +242,9 @@ class VllmLoop:
             if due > now:
                 continue
             source = self.sources[iid]
+            url = source.vllm_url or ""
             try:
-                found = discover(source.vllm_url, timeout_s=REDISCOVER_TIMEOUT_S)
+                found = discover(url, timeout_s=REDISCOVER_TIMEOUT_S)
             except DiscoveryError as exc:
                 if tries + 1 >= REDISCOVER_TRIES:
                     log.warning("vLLM %s: %s; keeping its last endpoints", iid, exc)
@@ -252,7 +253,7 @@ class VllmLoop:
                     self.rediscover[iid] = (now + REDISCOVER_EVERY_S, tries + 1)
                 continue
             del self.rediscover[iid]
-            new = VllmSource.discovered(iid, source.vllm_url, found, source.replay_timeout_s)
+            new = VllmSource.discovered(iid, url, found, source.replay_timeout_s)
             if new.ranks != source.ranks:
                 log.warning("vLLM %s: endpoints changed on restart; subscribing again", iid)
                 self._detach(iid)
