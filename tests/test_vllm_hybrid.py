@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvlookup.app import create_app
 from kvlookup.client import Client, VllmChains
 from kvlookup.hashing import vllm as vh
 from kvlookup.index import keys
@@ -108,10 +109,14 @@ def test_ownership_is_a_residency_and_remote_tiers_are_not_credited(store, r, cl
     assert ing.skipped == {"remote_tier": 1}
 
 
-def test_session_id_is_kept_for_explain(store, r):
+def test_session_id_is_kept_for_explain(store, r, redis_settings):
     ing, s = VllmIngest(store, "pod-a"), Stream()
     s.send(ing, stored([1, 2], A, session_id="sess-42"))
     assert r.hget(keys.instance_key("pod-a"), "session:0") == "sess-42"
+    http = create_app({**redis_settings, "instance_ttl_s": 0}).test_client()
+    out = http.post("/lookup/explain", json={"tokens": A + [7]}).json
+    assert [(e["instance_id"], e["worker_id"], e["matched_prefix_length"], e.get("session_id"))
+            for e in out["instances"]] == [("pod-a", "0", 32, "sess-42")]
 
 
 def test_placeholder_offload_store_of_a_known_block(store, r, client):
