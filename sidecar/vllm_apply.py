@@ -162,7 +162,10 @@ class BatchApplier:
         known = self.ctx.groups.get(g)
         if ev.kv_cache_spec_kind is None or not ev.block_size:
             return known
-        spec = GroupSpec(ev.kv_cache_spec_kind, ev.block_size, ev.kv_cache_spec_sliding_window)
+        bs = ev.block_size
+        if known is not None and known.kind == ev.kv_cache_spec_kind:
+            bs = max(bs, known.block_size)  # a partial-tail store at hash_block_size keeps the group's size
+        spec = GroupSpec(ev.kv_cache_spec_kind, bs, ev.kv_cache_spec_sliding_window)
         if spec != known:
             self.ctx.groups[g] = self.new_groups[g] = spec
         return spec
@@ -274,7 +277,9 @@ class BatchApplier:
         return False
 
     def _groups_sharing(self, group_idx: int | None, space: str) -> list[int]:
-        if not space.startswith("v") or "g" in space:
+        """The other groups whose blocks may hold the same record: every group, for a prefix space
+        (``v<digits>``); none for a group space (``v<bs>g<group>``, one group's own)."""
+        if not space[1:].isdigit():
             return []
         return [g for g in {0, *self.ctx.groups} if g != (group_idx or 0)]
 

@@ -16,6 +16,11 @@ in Redis when replay proves the engine is the same one (the persisted batch repl
 same digest); otherwise it is cleared and rebuilt from replay (from seq 0) when possible.
 A cleared rank gets a new epoch (``Store.register_worker``): its old records stop counting at
 once and are purged later.
+
+Catch-up (:meth:`VllmIngest.catch_up`, called by the loop at start and whenever a rank's SUB
+socket (re)connects) does the same without waiting for a live batch: replay from the last
+applied seq; the same digest continues the stream, anything else is a new engine (cleared and
+rebuilt from seq 0) or a buffer that no longer reaches back (cleared, ``replay_miss``).
 """
 
 from __future__ import annotations
@@ -64,8 +69,9 @@ class VllmIngest:
 
     store: the index. instance_id: the name lookups report. replay: see :data:`ReplayFn`
     (None = no replay endpoint). owner: the sidecar id that owns the instance (renews its
-    lease). Counters: ``rejected`` (events/batches per reason), ``skipped`` (other_group,
-    remove_unknown), ``duplicates``, ``resyncs`` (per reason).
+    lease). Counters: ``rejected`` (events/batches per reason), ``skipped`` (remote_tier,
+    remove_unknown), ``duplicates``, ``resyncs`` (per reason). model: the served model, when
+    discovered (:meth:`set_model`). :meth:`catch_up` asks replay for what a rank missed.
     """
 
     def __init__(self, store: Store, instance_id: str, replay: ReplayFn | None = None, owner: str = ""):

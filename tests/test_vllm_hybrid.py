@@ -174,3 +174,12 @@ def test_reusable_prefix_length_in_detail(store, r, client):
     own = vh.chain(vh.request_root(16), T, 16)
     hid = r.hget(keys.worker_key("pod-a", 0), keys.location_field("GPU", "v16g2"))
     assert [r.zscore(keys.chunk_key(h, "v16g2"), hid) is not None for h in own] == WORKED_HELD[2]
+
+
+def test_partial_tail_store_keeps_the_group_block_size(store, r, client):
+    """Hybrid models' partial-tail stores come at hash_block_size: credited at 16, the group stays 32."""
+    ing, s = VllmIngest(store, "pod-a"), Stream()
+    s.send(ing, stored([1], A, bs=32, group_idx=1, **FULL), stored([2], A[:16], bs=16, group_idx=1, **FULL))
+    assert r.hget(keys.instance_key("pod-a"), "group:0:1") == "full_attention|32|"
+    assert layout(client, A + [7]) == {"pod-a": ("GPU", 32, {"GPU": 32})}
+    assert r.hgetall(keys.block_sizes_key()) == {"0\tpod-a": "16,32"}
