@@ -191,7 +191,7 @@ class _State:
     def read(self) -> None:
         io = self.ex.io
         all_chains = self.chains + [v.chain for v in self.variants]
-        cmds = [("ZRANGE", k, 0, -1) for c in all_chains for k in c.chunk_keys()]
+        cmds: list[tuple] = [("ZRANGE", k, 0, -1) for c in all_chains for k in c.chunk_keys()]
         cmds += [("HGETALL", keys.holders_key()), ("ZRANGE", keys.departures_key(), 0, -1, "WITHSCORES")]
         res = raise_errors(io.execute(cmds))
         pos = 0
@@ -269,7 +269,7 @@ class _State:
                     grouped.add((ci, inst, ""))
                     self.stops.append((ci, inst, "", 0, 0, None))
         self.evict_cmds: list[tuple[int, int, str]] = []
-        cmds = []
+        cmds: list[tuple] = []
         for si, (ci, inst, _wid, upto, _end, _short) in enumerate(self.stops):
             c = self.chains[ci]
             if upto >= len(c.hashes):
