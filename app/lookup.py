@@ -168,7 +168,7 @@ class LookupRoute:
 
     def explain(self, req: LookupRequest, body: dict) -> dict:
         """``POST /lookup/explain``: the same body, query and errors as /lookup; the answer is
-        :meth:`kvlookup.explain.Explainer.explain` of the /lookup answer ``body``."""
+        :meth:`kvlookup.index.explain.Explainer.explain` of the /lookup answer ``body``."""
         try:
             out = self.explainer.explain(req.tokens, body, Namespace(req.lora_name, req.cache_salt))
         except redis.RedisError as exc:

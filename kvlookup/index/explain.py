@@ -191,16 +191,16 @@ class _State:
     def read(self) -> None:
         io = self.ex.io
         all_chains = self.chains + [v.chain for v in self.variants]
-        cmds = [("ZRANGE", k, 0, -1) for c in all_chains for k in c.chunk_keys()]
-        cmds += [("HGETALL", keys.holders_key()), ("ZRANGE", keys.departures_key(), 0, -1, "WITHSCORES")]
-        res = raise_errors(io.execute(cmds))
+        held = self.ex.client.store.records.holders([k for c in all_chains for k in c.chunk_keys()])
         pos = 0
         self.members: list[list[list[str]]] = []
         for c in all_chains:
-            self.members.append(res[pos:pos + len(c.hashes)])
+            self.members.append(held[pos:pos + len(c.hashes)])
             pos += len(c.hashes)
-        self.desc = {hid: keys.parse_holder(v) for hid, v in _pairs(res[pos])}
-        self.departures = {m: float(s) for m, s in _pairs(res[pos + 1])}
+        res = raise_errors(io.execute([("HGETALL", keys.holders_key()),
+                                       ("ZRANGE", keys.departures_key(), 0, -1, "WITHSCORES")]))
+        self.desc = {hid: keys.parse_holder(v) for hid, v in _pairs(res[0])}
+        self.departures = {m: float(s) for m, s in _pairs(res[1])}
         hids = sorted({h for lists in self.members for ms in lists for h in ms})
         insts = sorted({self.desc[h][0] for h in hids if h in self.desc})
         workers = sorted({(self.desc[h][0], self.desc[h][1]) for h in hids if h in self.desc})
