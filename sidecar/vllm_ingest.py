@@ -32,7 +32,8 @@ from kvlookup import kinds, metrics
 from kvlookup.index import keys
 from kvlookup.index.store import Store
 from kvlookup.sidecar.vllm_apply import BatchApplier, RankContext
-from kvlookup.wire.vllm import DecodeError, decode_batch, parse_live
+from kvlookup.wire.errors import WireError
+from kvlookup.wire.vllm import decode_batch, parse_live
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class VllmIngest:
         """One live SUB message of ``rank``. Never raises except for Redis outages."""
         try:
             _topic, seq, payload = parse_live(frames)
-        except DecodeError as exc:
+        except WireError as exc:
             self._reject(exc.reason, str(exc))
             return
         metrics.MESSAGES.labels("vllm_batch").inc()
@@ -174,7 +175,7 @@ class VllmIngest:
                           self.rejected, self.skipped)
         try:
             events = decode_batch(payload).events
-        except DecodeError as exc:
+        except WireError as exc:
             self._reject(exc.reason, f"rank {rank} seq {seq}: {exc}")
             events = ()
         BatchApplier(ctx).run(events, persist)

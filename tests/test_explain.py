@@ -6,9 +6,9 @@ import pytest
 
 from kvlookup import kinds
 from kvlookup.app import create_app
-from kvlookup.explain import iso
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.index import keys
+from kvlookup.index.explain import iso
 from kvlookup.index.store import ADMIT, EVICT
 
 CPU = "LocalCPUBackend"

@@ -21,6 +21,7 @@ from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.lmcache_ingest import MAX_REDIS_FAILURES, LMCacheIngest
 from kvlookup.sidecar.vllm_zmq import ReplayClient
 from kvlookup.wire import lmcache as proto
+from kvlookup.wire.errors import WireError
 from tests.conftest import SEED_HASH, SEED_TOKENS
 
 CPU = "LocalCPUBackend"
@@ -117,7 +118,7 @@ def test_deregistered_instances_leave_their_sidecar(store, r):
 
 def test_deep_nesting_is_a_clear_rejection(redis_settings):
     bomb = b"\x91" * 100_000 + b"\x01"
-    with pytest.raises(proto.FrameError) as info:
+    with pytest.raises(WireError) as info:
         proto.decode_frame(bomb)
     assert info.value.reason == "undecodable"
     http = create_app(redis_settings).test_client()
@@ -135,7 +136,7 @@ def test_deep_nesting_is_a_clear_rejection(redis_settings):
 def test_registrations_with_unusable_fields_are_rejected(fields, message):
     msg = {"type": "RegisterMsg", "instance_id": "p", "worker_id": 0, "ip": "127.0.0.1", "port": 8001,
            "distributed_url": "x:1", **fields}
-    with pytest.raises(proto.FrameError, match=message):
+    with pytest.raises(WireError, match=message):
         proto.decode_frame(msgpack.packb(msg))
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.wire import lmcache as proto
+from kvlookup.wire.errors import WireError
 from tests.conftest import SEED_HASH
 
 REGISTER_056 = ("86a474797065ab52656769737465724d7367ab696e7374616e63655f6964a6696e73742d61a9776f726b65725f69"
@@ -120,7 +121,7 @@ def test_decode_batched_ops_and_json_frames():
     (msgpack.packb({"type": "RegisterMsg", "instance_id": "i", "worker_id": -1}), "invalid_fields"),
 ])
 def test_decode_rejects_with_reason(frame, reason):
-    with pytest.raises(proto.FrameError) as info:
+    with pytest.raises(WireError) as info:
         proto.decode_frame(frame)
     assert info.value.reason == reason
 

@@ -12,12 +12,12 @@ import msgspec
 import pytest
 
 from kvlookup.hashing import vllm as vh
+from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import (
     REPLAY_END,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    DecodeError,
     Malformed,
     block_hash,
     decode_batch,
@@ -113,7 +113,7 @@ def test_bad_events_are_malformed_not_fatal():
     (msgspec.msgpack.encode([1.0, "events", 0]), "batch_shape"),
     (msgspec.msgpack.encode([1.0, [], "rank"]), "batch_shape"), (b"", "msgpack")])
 def test_unreadable_batches(raw, reason):
-    with pytest.raises(DecodeError) as err:
+    with pytest.raises(WireError) as err:
         decode_batch(raw)
     assert err.value.reason == reason
 
@@ -132,10 +132,10 @@ def test_frames():
     assert parse_replay([b"", b"\xff" * 8, b""]) == (REPLAY_END, b"")
     assert parse_replay([b"", b"", b"\xff" * 8, b""]) == (REPLAY_END, b"")
     for bad in ([b"kv", b"\x00" * 7, b"p"], [b"x", b"y"], [b"a", b"b", b"c", b"d"]):
-        with pytest.raises(DecodeError):
+        with pytest.raises(WireError):
             parse_live(bad)
     for bad in ([(3).to_bytes(8, "big"), b"p"], [b"x", (3).to_bytes(8, "big"), b"p"]):
-        with pytest.raises(DecodeError):
+        with pytest.raises(WireError):
             parse_replay(bad)
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from kvlookup.client import Client, VllmChains
 from kvlookup.hashing import vllm as vh
+from kvlookup.hashing.namespace import Namespace
 from kvlookup.index import keys
 from kvlookup.index.store import Store
 from kvlookup.sidecar.vllm_ingest import VllmIngest
@@ -48,7 +49,7 @@ def client(r):
 
 def layout(client, tokens, **ns):
     return {m.instance_id: (m.location, m.matched_prefix_length, m.locations, m.ranks)
-            for m in client.matches(tokens, **ns)}
+            for m in client.matches(tokens, namespace=Namespace(**ns))}
 
 
 def test_store_chain_remove(store, r, client):

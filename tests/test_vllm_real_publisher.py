@@ -11,6 +11,7 @@ import pytest
 import kvlookup.app as app
 from kvlookup.client import Client, VllmChains
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.hashing.namespace import Namespace
 from kvlookup.index import keys
 from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.vllm_zmq import VllmSource
@@ -31,7 +32,8 @@ def u64(h) -> int:
 
 
 def layout(client, tokens, **ns):
-    return {m.instance_id: (m.location, m.matched_prefix_length) for m in client.matches(tokens, **ns)}
+    found = client.matches(tokens, namespace=Namespace(**ns))
+    return {m.instance_id: (m.location, m.matched_prefix_length) for m in found}
 
 
 @pytest.fixture()

@@ -11,6 +11,7 @@ import pytest
 import kvlookup.app as app
 from kvlookup.client import Client, VllmChains
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.hashing.namespace import Namespace
 from kvlookup.index import keys
 from kvlookup.index.store import Store
 from kvlookup.sidecar.service import Sidecar
@@ -47,7 +48,8 @@ def client(r):
 
 
 def layout(client, tokens, **ns):
-    return {m.instance_id: (m.location, m.matched_prefix_length) for m in client.matches(tokens, **ns)}
+    found = client.matches(tokens, namespace=Namespace(**ns))
+    return {m.instance_id: (m.location, m.matched_prefix_length) for m in found}
 
 
 @pytest.mark.parametrize("replay_topic", [False, True], ids=["replay-0.25", "replay-0.26"])

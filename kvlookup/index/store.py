@@ -423,8 +423,7 @@ class Store:
         """Do lookups read from process-local copies now (cached reads on, unfenced, their
         invalidation connection up)? Then most cost no round trip (app.asgi runs them in the
         event loop); False: each asks Redis."""
-        cached = getattr(self.records, "cached", None)
-        return cached is not None and cached.local_now()
+        return self.records.reads_locally()
 
     def lookup(self, chains: Sequence[Chain], now_ms: int | None = None) -> Matches:
         """Walk the chains and return every match, in no particular order (``.miss``: see

@@ -56,7 +56,7 @@ class ChainWalk:
     ``no_holder`` (no record), ``dead_instance`` (records of holders that do not count: retired,
     lease expired, heartbeat stale), ``ranks`` (held by only some of an instance's TP ranks).
     report: also keep, per group, the ranks that held the chunk where it stopped short of its
-    need (:meth:`stops`; kvlookup.explain), which costs a dict write per such chunk.
+    need (:meth:`stops`; kvlookup.index.explain), which costs a dict write per such chunk.
     """
 
     def __init__(self, chunk_size: int, n_tokens: int, report: bool = False):

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from kvlookup.hashing import vllm as vh
 from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, seeded_str_hash
+from kvlookup.hashing.namespace import DEFAULT, Namespace
 from kvlookup.index import keys, scripts
 from kvlookup.index.io import raise_errors
 from kvlookup.index.records import Chain, walk_registry_keys
@@ -97,10 +98,9 @@ def _differs(mine: HashProfile, other: HashProfile, none_labels: dict[int, str])
     return out
 
 
-def namespace_variants(block_sizes: Sequence[int], tokens: Sequence[int], lora_name: str | None,
-                       cache_salt: str | None) -> list[Variant]:
+def namespace_variants(block_sizes: Sequence[int], tokens: Sequence[int], namespace: Namespace) -> list[Variant]:
     """The request's other vLLM namespaces (base model, LoRA without salt, salt without LoRA)."""
-    wanted = (lora_name or None, cache_salt or None)
+    wanted = (namespace.lora_name, namespace.cache_salt)
     names = {(None, None), (wanted[0], None), (None, wanted[1])} - {wanted}
     out = []
     for bs in block_sizes:
@@ -127,8 +127,8 @@ class Explainer:
         self.io = client.store.records.io
         self.resolve_sha = self.io.register(scripts.RESOLVE)
 
-    def explain(self, tokens: Sequence[int], answer: dict, lora_name: str | None = None,
-                cache_salt: str | None = None, now_ms: int | None = None) -> dict:
+    def explain(self, tokens: Sequence[int], answer: dict, namespace: Namespace = DEFAULT,
+                now_ms: int | None = None) -> dict:
         """The explanation of a lookup of ``tokens`` whose plain answer was ``answer``.
 
         Returns ``{"answer", "profile", "tokens", "chunks", "hashed_tokens", "instances",
@@ -137,10 +137,10 @@ class Explainer:
         """
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         prof = self.client.profile
-        ns = {k: v for k, v in (("lora_name", lora_name), ("cache_salt", cache_salt)) if v}
-        chains = [c for c in self.client.chains(tokens, **ns) if c.hashes]
+        ns = namespace.label()
+        chains = [c for c in self.client.chains(tokens, namespace) if c.hashes]
         variants = profile_variants(prof, tokens, self.hash_seed)
-        variants += namespace_variants(self._block_sizes(), tokens, lora_name, cache_salt) if ns else []
+        variants += namespace_variants(self._block_sizes(), tokens, namespace) if ns else []
         st = _State(self, tokens, chains, variants, now_ms)
         st.read()
         entries = st.entries()
@@ -191,22 +191,22 @@ class _State:
     def read(self) -> None:
         io = self.ex.io
         all_chains = self.chains + [v.chain for v in self.variants]
-        cmds: list[tuple] = [("ZRANGE", k, 0, -1) for c in all_chains for k in c.chunk_keys()]
-        cmds += [("HGETALL", keys.holders_key()), ("ZRANGE", keys.departures_key(), 0, -1, "WITHSCORES")]
-        res = raise_errors(io.execute(cmds))
+        held = self.ex.client.store.records.holders([k for c in all_chains for k in c.chunk_keys()])
         pos = 0
         self.members: list[list[list[str]]] = []
         for c in all_chains:
-            self.members.append(res[pos:pos + len(c.hashes)])
+            self.members.append(held[pos:pos + len(c.hashes)])
             pos += len(c.hashes)
-        self.desc = {hid: keys.parse_holder(v) for hid, v in _pairs(res[pos])}
-        self.departures = {m: float(s) for m, s in _pairs(res[pos + 1])}
+        res = raise_errors(io.execute([("HGETALL", keys.holders_key()),
+                                       ("ZRANGE", keys.departures_key(), 0, -1, "WITHSCORES")]))
+        self.desc = {hid: keys.parse_holder(v) for hid, v in _pairs(res[0])}
+        self.departures = {m: float(s) for m, s in _pairs(res[1])}
         hids = sorted({h for lists in self.members for ms in lists for h in ms})
         insts = sorted({self.desc[h][0] for h in hids if h in self.desc})
         workers = sorted({(self.desc[h][0], self.desc[h][1]) for h in hids if h in self.desc})
         live = self.ex.client.store.liveness(self.now)
-        cmds = [("EVALSHA", self.ex.resolve_sha, 6, *walk_registry_keys(), keys.registry_version_key(), *live.argv(),
-                 *hids)] if hids else []
+        cmds: list[tuple] = [("EVALSHA", self.ex.resolve_sha, 6, *walk_registry_keys(), keys.registry_version_key(),
+                              *live.argv(), *hids)] if hids else []
         cmds += [("ZSCORE", keys.dead_holders_key(), h) for h in hids]
         cmds += [c for i in insts
                  for c in (("SMEMBERS", keys.instance_workers_key(i)), ("ZSCORE", keys.alive_key(), i))]
