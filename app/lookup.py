@@ -191,8 +191,8 @@ class LookupRoute:
         start = time.perf_counter()
         causes: list[str] = []
         try:
-            matches = self.client.matches(req.tokens, validate=False, namespace=Namespace(req.lora_name, req.cache_salt),
-                                          causes=causes)
+            matches = self.client.matches(req.tokens, validate=False,
+                                          namespace=Namespace(req.lora_name, req.cache_salt), causes=causes)
         except redis.RedisError as exc:
             _child(fleet_metrics.LOOKUPS, "redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None

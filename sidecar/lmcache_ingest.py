@@ -32,12 +32,12 @@ from typing import Any, Protocol
 
 import redis
 
-from kvlookup.wire.errors import WireError
 from kvlookup import metrics
 from kvlookup.index.failover import MasterWatch
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store, chunk_text
 from kvlookup.sidecar.admission import InstancePolicy
 from kvlookup.wire import lmcache as proto
+from kvlookup.wire.errors import WireError
 
 text = chunk_text
 

@@ -118,8 +118,9 @@ class Records(Protocol):
     """The record operations a backend provides (one contract suite: tests/contract/ runs the
     semantic tests against every backend)."""
 
-    #: the IO its commands go through
-    io: CommandIO
+    @property
+    def io(self) -> CommandIO:
+        """The IO its commands go through (read-only here, so a backend's own IO type fits)."""
 
     def reads_locally(self) -> bool:
         """Do lookups read process-local copies now (no round trip for known chunks)?"""
