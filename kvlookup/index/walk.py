@@ -49,7 +49,7 @@ class _Group:
 class ChainWalk:
     """The walk of one chain; :meth:`feed` it the member lists of the next chunks.
 
-    chunk_size, n_tokens: as :class:`kvlookup.index.store.Chain` (chunk i ends at
+    chunk_size, n_tokens: as :class:`kvlookup.index.records.Chain` (chunk i ends at
     ``min((i + 1) * chunk_size, n_tokens)``).
 
     ``miss`` names why chunk 0 extended no group (for the miss counter; '' otherwise):
