@@ -111,7 +111,8 @@ class CommandIO(Protocol):
         """A Lua script's sha, for ``("EVALSHA", sha, numkeys, ...)``; loaded where it is missing."""
 
     def execute(self, commands: Sequence[tuple]) -> list:
-        """Results in order; a command error is returned as its ResponseError."""
+        """Results in order (single-key commands and scripts; a score may come as text or a
+        number: parse it); a command error is returned as its ResponseError."""
 
 
 class Records(Protocol):

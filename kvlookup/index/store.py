@@ -18,7 +18,6 @@ import random
 import time
 from collections.abc import Iterable, Sequence
 
-import redis
 from redis.cluster import RedisCluster
 
 from kvlookup import kinds
@@ -28,7 +27,7 @@ from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches,
 from kvlookup.index.single import SingleNodeRecords
 from kvlookup.kinds import Kind
 
-__all__ = ["ADMIT", "EVICT", "Chain", "Match", "NotRegistered", "Store", "fold_ops"]
+__all__ = ["ADMIT", "EVICT", "Chain", "Match", "NotRegistered", "Store"]
 
 log = logging.getLogger(__name__)
 
@@ -441,22 +440,3 @@ def chunk_text(chunk_hash: int | str) -> str:
     """A chunk key's one identity, whatever its wire type: int and str with the same digits are
     the same chunk (decimal for LMCache 0.3.3+ ints, hex for 0.3.0-0.3.2 digests)."""
     return chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)
-
-
-def fold_ops(ops: Sequence[tuple[str, int | str]]) -> tuple[list[str], list[str]]:
-    """Fold an ordered batch of (ADMIT|EVICT, chunk hash) to each chunk's last op.
-
-    Returns (admitted, evicted) chunk hashes as text, disjoint. Applying them in any order
-    leaves the index exactly as applying ``ops`` one by one would. An int and a str key with
-    the same text are one chunk.
-    """
-    last: dict[str, str] = {}
-    for op, chunk_hash in ops:
-        last[chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)] = op  # chunk_text, inlined
-    admits = [h for h, op in last.items() if op == ADMIT]
-    evicts = [h for h, op in last.items() if op != ADMIT]
-    return admits, evicts
-
-
-# The connection type callers may pass (documentation only).
-RedisClient = redis.Redis | RedisCluster
