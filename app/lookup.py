@@ -171,7 +171,7 @@ class LookupRoute:
 
     def explain(self, req: LookupRequest, body: dict) -> dict:
         """``POST /lookup/explain``: the same body, query and errors as /lookup; the answer is
-        :meth:`kvlookup.explain.Explainer.explain` of the /lookup answer ``body``."""
+        :meth:`kvlookup.index.explain.Explainer.explain` of the /lookup answer ``body``."""
         try:
             out = self.explainer.explain(req.tokens, body, Namespace(req.lora_name, req.cache_salt))
         except redis.RedisError as exc:
@@ -194,8 +194,9 @@ class LookupRoute:
         start = time.perf_counter()
         causes: list[str] = []
         try:
-            matches = self.client.matches(req.tokens, validate=False, namespace=Namespace(req.lora_name, req.cache_salt),
-                                          causes=causes, model_name=req.model_name)
+            matches = self.client.matches(req.tokens, validate=False,
+                                          namespace=Namespace(req.lora_name, req.cache_salt), causes=causes,
+                                          model_name=req.model_name)
         except redis.RedisError as exc:
             _child(fleet_metrics.LOOKUPS, "redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None

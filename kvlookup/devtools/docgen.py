@@ -1,5 +1,5 @@
 """``python -m kvlookup.devtools.docgen``: write the settings table of docs/configuration.md
-from the declarations (kvlookup.config.options.markdown_table); tests/test_settings.py checks it."""
+from the declarations (kvlookup.config.options.markdown_table); tests/config/test_settings.py checks it."""
 
 from __future__ import annotations
 

@@ -103,9 +103,32 @@ def walk_registry_keys() -> list[str]:
             keys.heartbeats_key()]
 
 
+class CommandIO(Protocol):
+    """Plain commands to the deployment, pipelined: what a backend and the index's readers
+    (explain, the registry) send through (kvlookup.index.io.SingleIO, kvlookup.index.cluster_io.ClusterIO)."""
+
+    def register(self, script: str) -> str:
+        """A Lua script's sha, for ``("EVALSHA", sha, numkeys, ...)``; loaded where it is missing."""
+
+    def execute(self, commands: Sequence[tuple]) -> list:
+        """Results in order (single-key commands and scripts; a score may come as text or a
+        number: parse it); a command error is returned as its ResponseError."""
+
+
 class Records(Protocol):
-    """The record operations a backend provides (one contract suite: tests/test_store.py and
-    the rest of the semantic tests run against every backend)."""
+    """The record operations a backend provides (one contract suite: tests/contract/ runs the
+    semantic tests against every backend)."""
+
+    @property
+    def io(self) -> CommandIO:
+        """The IO its commands go through (read-only here, so a backend's own IO type fits)."""
+
+    def reads_locally(self) -> bool:
+        """Do lookups read process-local copies now (no round trip for known chunks)?"""
+
+    def holders(self, chunk_keys: Sequence[str]) -> list[list[str]]:
+        """Point lookup: the holder ids recorded for each chunk key (admitted and not evicted;
+        retired holders included: callers resolve them), in key order."""
 
     def apply(self, writes: Sequence[HolderWrite], score: int) -> list[bool]:
         """Write each holder's admits/evicts (score: admit time, unix ms). Returns, per write,

@@ -75,3 +75,9 @@ class SingleNodeRecords:
 
     def purge_step(self, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
         return purge_step(self.io.execute, holder_id, space, bucket, budget)
+
+    def reads_locally(self) -> bool:
+        return self.cached is not None and self.cached.local_now()
+
+    def holders(self, chunk_keys: Sequence[str]) -> list[list[str]]:
+        return raise_errors(self.io.execute([("ZRANGE", k, 0, -1) for k in chunk_keys]))

@@ -13,7 +13,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[2] / "kvlookup"
 WINGS_ABOVE_CORE = ("kvlookup.app", "kvlookup.sidecar", "kvlookup.bench", "kvlookup.cli", "kvlookup.__main__")
 SERVICES = ("kvlookup.app", "kvlookup.sidecar", "kvlookup.index", "kvlookup.wire", "kvlookup.hashing",
-            "kvlookup.proc", "kvlookup.config", "kvlookup.client", "kvlookup.explain", "kvlookup.metrics",
+            "kvlookup.proc", "kvlookup.config", "kvlookup.client", "kvlookup.metrics",
             "kvlookup.netpolicy", "kvlookup.kinds")
 
 
