@@ -15,7 +15,7 @@ or LMCache's own wire shape with ``lookup_response: layout_info`` / ``?format=la
 
 Instances are listed longest match first. ``?detail=1`` adds ``"detail": {instance_id:
 {location, matched_prefix_length, locations, ranks?, reusable_prefix_length?}}`` (the last for
-vLLM instances: the hit vLLM's own coordinator would take, kvlookup.vllm_groups). No match: only ``event_id``
+vLLM instances: the hit vLLM's own coordinator would take, kvlookup.index.vllm_groups). No match: only ``event_id``
 (and an empty ``layout_info``).
 
 /lookup is the hot path, so it is served by :class:`LookupRoute` in front of Flask (Flask's

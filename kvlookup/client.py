@@ -20,8 +20,8 @@ from kvlookup.index import keys
 from kvlookup.index.records import Chain, Match
 from kvlookup.index.store import Store
 from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
+from kvlookup.index.vllm_reuse import fill_reusable
 from kvlookup.proc.redis_server import connect
-from kvlookup.vllm_reuse import fill_reusable
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class InstanceMatch:
     def detail(self) -> dict:
         """JSON-ready detail: location, matched_prefix_length, locations, ranks (when any),
         reusable_prefix_length (vLLM instances, once :meth:`Client.add_reusable` ran: the best
-        rank's hit as vLLM's coordinator computes it, kvlookup.vllm_groups)."""
+        rank's hit as vLLM's coordinator computes it, kvlookup.index.vllm_groups)."""
         out: dict = {"location": self.location, "matched_prefix_length": self.matched_prefix_length,
                      "locations": self.locations}
         if self.ranks:
@@ -270,7 +270,7 @@ class Client:
 
     def add_reusable(self, tokens: Sequence[int], matches: list[InstanceMatch],
                      namespace: Namespace = DEFAULT) -> None:
-        """Fill ``reusable`` of the vLLM matches (kvlookup.vllm_reuse); reads Redis, so under
+        """Fill ``reusable`` of the vLLM matches (kvlookup.index.vllm_reuse); reads Redis, so under
         LOCAL_ONLY it raises NeedsRedis."""
         if not any(m.ranks for m in matches):
             return

@@ -2,7 +2,7 @@
 
 Records live in kvlookup's own hash space (:mod:`kvlookup.hashing.vllm`): chunk keys tagged
 ``v<block_size>`` for the prefix chain (full/MLA/sink-full attention groups, or streams without
-groups; kvlookup.vllm_groups) and ``v<block_size>g<group>`` for a hybrid model's other groups.
+groups; kvlookup.index.vllm_groups) and ``v<block_size>g<group>`` for a hybrid model's other groups.
 The holder is (instance, rank, medium, space). A per-rank Redis hash maps each (engine block
 hash, group) to its own chunk hash, the residencies holding it and its space
 (``keys.engine_map_key``), which resolves BlockRemoved, token-less BlockStored (offloading
@@ -32,7 +32,7 @@ from kvlookup import metrics
 from kvlookup.hashing import vllm as vh
 from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store
-from kvlookup.vllm_groups import GroupSpec, is_prefix_group
+from kvlookup.index.vllm_groups import GroupSpec, is_prefix_group
 from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored, Event, Malformed
 

@@ -36,8 +36,8 @@ import redis
 from kvlookup import kinds, metrics
 from kvlookup.index import keys
 from kvlookup.index.store import Store
+from kvlookup.index.vllm_groups import GroupSpec
 from kvlookup.sidecar.vllm_apply import BatchApplier, RankContext
-from kvlookup.vllm_groups import GroupSpec
 from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import decode_batch, parse_live
 

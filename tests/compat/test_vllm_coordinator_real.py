@@ -1,4 +1,4 @@
-"""kvlookup's model of vLLM's cache hit (kvlookup.vllm_groups.reusable_length) against vLLM
+"""kvlookup's model of vLLM's cache hit (kvlookup.index.vllm_groups.reusable_length) against vLLM
 0.33.0's OWN HybridKVCacheCoordinator.find_longest_cache_hit and its sliding-window, full
 attention and Mamba finders, run by tests/support/vllm_coord_driver.py from vLLM's source. Needs
 KVLOOKUP_VLLM_PYTHON and KVLOOKUP_VLLM_SRC (scripts/real-peers.sh builds them)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlookup.vllm_groups import GroupSpec, held_from, reusable_length
+from kvlookup.index.vllm_groups import GroupSpec, held_from, reusable_length
 from tests.sidecar.test_vllm_hybrid import WORKED_GROUPS, WORKED_HELD
 from tests.support.vllm_helpers import TOOL, real_vllm
 

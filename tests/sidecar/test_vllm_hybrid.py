@@ -10,8 +10,8 @@ from kvlookup.app import create_app
 from kvlookup.client import Client, VllmChains
 from kvlookup.hashing import vllm as vh
 from kvlookup.index import keys
+from kvlookup.index.vllm_groups import GroupSpec, held_from, reusable_length
 from kvlookup.sidecar.vllm_ingest import VllmIngest
-from kvlookup.vllm_groups import GroupSpec, held_from, reusable_length
 from tests.sidecar.test_vllm_ingest import Stream
 from tests.support.vllm_helpers import removed, stored
 

@@ -2,7 +2,7 @@
 
 For each vLLM rank of an answer (``?detail=1``), the rank's KV cache groups
 (``keys.group_field``, learned from its stores) and the GPU records of each group give, block
-by block, what the engine's GPU block pool holds for the prompt; kvlookup.vllm_groups
+by block, what the engine's GPU block pool holds for the prompt; kvlookup.index.vllm_groups
 .reusable_length runs vLLM's fixed point over them. A rank without learned groups is one
 full-attention group per prefix chain it uses (a plain model: the unitary coordinator).
 Only the GPU medium counts: the coordinator looks in the GPU block pool; CPU and storage
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from kvlookup import kinds
 from kvlookup.hashing import vllm as vh
 from kvlookup.index import keys
-from kvlookup.vllm_groups import GroupSpec, held_from, is_prefix_group, reusable_length
+from kvlookup.index.vllm_groups import GroupSpec, held_from, is_prefix_group, reusable_length
 
 GPU = "GPU"
 
