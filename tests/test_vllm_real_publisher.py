@@ -1,23 +1,24 @@
 """The sidecar against vLLM's REAL KV event publisher (vLLM's own kv_events.py, several
-versions), driven by tests/vllm_pub_driver.py. Needs KVLOOKUP_VLLM_PYTHON and KVLOOKUP_VLLM_SRC
+versions), driven by tests/compat/vllm_publisher.py. Needs KVLOOKUP_VLLM_PYTHON and KVLOOKUP_VLLM_SRC
 (scripts/real-peers.sh builds them); skipped otherwise."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
 
 import kvlookup.app as app
-from kvlookup.index import keys
 from kvlookup.client import Client, VllmChains
-from kvlookup.proc.redis_server import free_port
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.index import keys
+from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.helpers import wait_for
 from tests.test_sidecar_lmcache import S600, S600_HASHES
 from tests.test_vllm_sidecar import Running
-from tests.vllm_helpers import RealPublisher, Relay, real_vllm
+from tests.vllm_helpers import FIXTURES, PUBLISHER, RealPublisher, Relay, real_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     real_vllm() is None, reason="KVLOOKUP_VLLM_PYTHON / KVLOOKUP_VLLM_SRC not set")]
@@ -126,3 +127,15 @@ def test_dp_rank_and_mixed_fleet_over_http(r, redis_settings):
         worker.close()
         sc.close()
         assert pub.close() == 0
+
+
+@pytest.mark.parametrize("version", ["0.10.2", "0.11.0", "0.25.1", "0.26.0", "0.33.0"])
+def test_fixtures_are_what_vllms_encoder_writes(tmp_path, version):
+    """tests/fixtures/vllm is reproduced byte for byte by vLLM's own structs and encoder."""
+    py, src = real_vllm()
+    for int_hashes in ("1", "0"):
+        subprocess.run([py, str(PUBLISHER), "golden", "--vllm-src", f"{src}/x/vllm-{version}", "--out", str(tmp_path),
+                        "--int-hashes", int_hashes], check=True, capture_output=True, timeout=120)
+    for made in sorted(tmp_path.glob("*.msgpack")):
+        assert made.read_bytes() == (FIXTURES / made.name).read_bytes(), made.name
+    assert len(list(tmp_path.glob("*.msgpack"))) == 2

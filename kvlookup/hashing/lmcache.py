@@ -3,7 +3,7 @@
 LMCache's ``ChunkedTokenDatabase`` splits a prompt into chunks of ``chunk_size`` tokens and
 chains them: ``h_i = H(h_{i-1}, chunk_i)`` with ``h_-1 = NONE_HASH``. With
 ``save_unfull_chunk`` the trailing partial chunk gets its own hash. What ``H`` and NONE_HASH
-are depends on the LMCache version (see ../shared/research/lmcache-controller.md §4):
+are depends on the LMCache version (docs/lmcache-protocol.md §4):
 
 ====================  ==========================================  ===================
 extra_keys / algo     H(prefix, chunk)                            LMCache versions
