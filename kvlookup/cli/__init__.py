@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(9000 HTTP, 9001 PULL), then the demo")
     q.add_argument("--port", type=_port, default=9000, help="controller HTTP port (9000)")
     q.add_argument("--monitor-port", type=_port, default=9001, help="LMCache controller_pull_url port (9001)")
-    q.add_argument("--data-dir", help="embedded Redis data dir (default ~/.local/share/kvlookup)")
+    q.add_argument("--data-dir", help="embedded Redis data dir (default ~/.local/share/kvlookup on ports 9000/9001, "
+                                      "else its demo-<port> subfolder: a demo of its own)")
     q.set_defaults(func=cmd_quickstart)
     from kvlookup.cli import explain as explain_cli
     explain_cli.add_parser(sub)

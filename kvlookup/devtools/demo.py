@@ -22,7 +22,8 @@ from pathlib import Path
 
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.proc.lifetime import dies_with_parent
-from kvlookup.proc.redis_server import port_free
+from kvlookup.proc.embedded import served_by
+from kvlookup.proc.redis_server import default_data_dir, port_free
 from kvlookup.devtools.workersim import SimEngine
 
 SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
@@ -181,19 +182,32 @@ def wait_http(http: str, timeout: float = 60.0, proc: subprocess.Popen | None = 
     return False
 
 
+def demo_data_dir(port: int, monitor_port: int) -> Path:
+    """The embedded Redis data dir of a demo: the default one on the seed's ports (9000, 9001),
+    else ``<default>/demo-<port>``, so a second demo on other ports has its own index (its
+    engines use the same instance ids: sharing one index, one demo's stop would reap the other's)."""
+    base = default_data_dir()
+    return base if (port, monitor_port) == (9000, 9001) else base / f"demo-{port}"
+
+
 def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
     """Run the controller (embedded Redis + sidecar) on the seed's ports, the demo, then wait."""
+    chosen = Path(data_dir) if data_dir else demo_data_dir(port, monitor_port)
     # -P: a kvlookup/ folder in the working directory (the checkout, seen from above) cannot shadow the package
     cmd = [sys.executable, "-P", "-m", "kvlookup", "controller", "--host", "localhost", "--port", str(port),
-           "--monitor-port", str(monitor_port), "--log-level", "WARNING"]
-    if data_dir:
-        cmd += ["--data-dir", data_dir]
+           "--monitor-port", str(monitor_port), "--log-level", "WARNING", "--data-dir", str(chosen)]
+    served = served_by(chosen) if chosen.exists() else None
     busy = [p for p in (port, monitor_port) if not port_free(p)]
     if busy:
         print(f"kvlookup: error: port(s) {busy} on localhost are in use; stop what holds them or pass "
               "--port/--monitor-port", file=sys.stderr)
         return 2
     print("$ kvlookup " + " ".join(cmd[4:]), flush=True)
+    if served is not None:
+        print(f"Embedded Redis: joining the one already serving {chosen} ({served.get('url', 'starting')}): "
+              "its index is shared with the processes using it. Pass --data-dir DIR for a separate one.", flush=True)
+    else:
+        print(f"Embedded Redis: this demo's own, data dir {chosen}", flush=True)
     engines: list[SimEngine] = []
     ctrl = subprocess.Popen(cmd, preexec_fn=dies_with_parent())  # killed with the quickstart, even by kill -9
     http = f"http://localhost:{port}"

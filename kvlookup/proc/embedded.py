@@ -296,6 +296,8 @@ class Lease:
         self.error: str | None = None
         self.keepers_started = 0
         self.info: dict = {}
+        #: True when :meth:`open` found the dir already served: this process shares that index.
+        self.joined = False
         self._user: FileLock | None = None
         self._keeper: subprocess.Popen | None = None
         self._stop = threading.Event()
@@ -307,7 +309,9 @@ class Lease:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with FileLock(self.data_dir / START_LOCK).acquire(timeout):
             self._user = register_user(self.data_dir)
-            self.info = served_by(self.data_dir) or self._start_keeper(timeout)
+            served = served_by(self.data_dir)
+            self.joined = served is not None
+            self.info = served or self._start_keeper(timeout)
         if not self.info.get("url"):
             raise RuntimeError(f"{self.data_dir} is served by pid {self.info.get('pid')} but it published no URL")
         self.url, self.up = self.info["url"], True

@@ -39,8 +39,13 @@ def ensure_redis(settings: Settings, *, watch: bool = True) -> embedded.Lease | 
     data_dir = settings.data_dir or str(redis_server.default_data_dir())
     lease = embedded.acquire(data_dir, watch=watch)
     settings.redis_url = lease.url
-    log.info("embedded Redis at %s (data dir %s, AOF everysec, keeper pid %s)", lease.url, data_dir,
-             lease.info.get("pid"))
+    if lease.joined:  # said at WARNING: a second demo on the same dir shares (and can reap) one index
+        log.warning("joined the embedded Redis of data dir %s at %s, already used by %d other process(es): "
+                    "they share one index; --data-dir DIR gives this process its own", data_dir, lease.url,
+                    max(embedded.live_users(data_dir) - 1, 0))
+    else:
+        log.info("embedded Redis at %s (data dir %s, AOF everysec, keeper pid %s)", lease.url, data_dir,
+                 lease.info.get("pid"))
     return lease
 
 
