@@ -192,11 +192,20 @@ def _missing_bench(reason: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvlookup.cli import preflight
+
     args = build_parser().parse_args(argv)
+    preflight.warn_all(preflight.unknown_env(os.environ), sys.stderr)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvlookup: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a peer that is down, a socket that cannot be bound: one line
+        line = preflight.describe(exc)
+        if line is None:
+            raise
+        print(f"kvlookup: error: {line}", file=sys.stderr)
         return 2
 
 
@@ -209,6 +218,7 @@ CONTROLLER_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
+    from kvlookup.cli import preflight
     from kvlookup.proc.supervise import StartError, Supervisor, check_ports, new_status_file
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, CONTROLLER_SETTINGS))
@@ -220,6 +230,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
     master, lease, supervisor = os.getpid(), None, None
     try:
         lease = ensure_redis(settings)
+        if lease is None:
+            preflight.say_redis(settings, log)
         children = [_spawn_embedded_sidecar(settings)] if settings.pull_port() else []
         supervisor = Supervisor(children, new_status_file(), extra=lambda: {"redis": lease.status()} if lease else {})
         supervisor.start()
@@ -277,12 +289,18 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     setup_logging(settings.log_level)
     if not settings.pull_url and not settings.reply_url and not settings.vllm_endpoint:
         raise ValueError("a sidecar needs --pull-url, --reply-url and/or --vllm-endpoint")
+    from kvlookup.cli import preflight
+
+    preflight.check_bindable({"pull_url": settings.pull_url, "reply_url": settings.reply_url,
+                              "metrics_port": settings.metrics_port and f"{settings.host}:{settings.metrics_port}"})
     vllm = ()
     if settings.vllm_endpoint:
         vllm = (VllmSource(settings.instance_id, settings.vllm_endpoint, settings.vllm_replay_endpoint,
                            settings.vllm_dp_size, settings.vllm_bind, settings.vllm_topic,
                            settings.vllm_replay_timeout_s),)
     server = ensure_redis(settings)
+    if server is None:
+        preflight.say_redis(settings, log)
     store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
     sidecar = Sidecar(store, settings.pull_url, settings.reply_url, sidecar_id=settings.sidecar_id,

@@ -185,7 +185,10 @@ def profile_from_lmcache_yaml(data: Mapping[str, Any], base: Mapping[str, Any] |
     """
     settings = dict(base or {})
     if "chunk_size" in data:
-        settings["chunk_size"] = int(data["chunk_size"])
+        try:
+            settings["chunk_size"] = int(data["chunk_size"])
+        except (TypeError, ValueError):
+            raise ValueError(f"chunk_size: {data['chunk_size']!r} is not an integer") from None
     if "save_unfull_chunk" in data:
         settings["save_unfull_chunk"] = data["save_unfull_chunk"]
     algo = str(data.get("pre_caching_hash_algorithm", "builtin"))
