@@ -13,7 +13,7 @@ import kvlookup.app as app
 from kvlookup.client import Client, VllmChains
 from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.index import keys
-from kvlookup.proc.redis_server import free_port
+from kvlookup.proc.redis_server import free_port, port_free
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.helpers import wait_for
 from tests.test_sidecar_lmcache import S600, S600_HASHES
@@ -25,6 +25,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
 
 A = list(range(1000, 1032))
 B = list(range(2000, 2016))
+
+
+def free_pair() -> int:
+    """A port P with P+1 free too (rank 1 of a data-parallel engine binds P+1)."""
+    while True:
+        port = free_port()
+        if port < 65535 and port_free(port + 1):
+            return port
 
 
 def u64(h) -> int:
@@ -61,7 +69,9 @@ def test_late_join_live_offload_and_removal(r, client, version, int_hashes):
         ing = sc.ingest("pod-a")
         pub.send({"cleared": {}})
         assert wait_for(lambda: layout(client, A), {}) == {}
-        assert (dict(ing.resyncs), dict(ing.rejected), ing.ranks[0].last) == ({}, {}, 4)
+        # the sidecar notes seq 4 just after its write is visible to lookups
+        state = wait_for(lambda: (dict(ing.resyncs), dict(ing.rejected), ing.ranks[0].last), ({}, {}, 4))
+        assert state == ({}, {}, 4)
         assert r.hget(keys.instance_key("pod-a"), "resync:0") is None
     finally:
         if sc:
@@ -99,7 +109,7 @@ def test_lossy_gap_replay_then_engine_restart(r, client):
 
 
 def test_dp_rank_and_mixed_fleet_over_http(r, redis_settings):
-    port, rport, pull = free_port(), free_port(), f"127.0.0.1:{free_port()}"
+    port, rport, pull = free_pair(), free_pair(), f"127.0.0.1:{free_port()}"
     pub = RealPublisher("0.26.0", port, rport, dp_rank=1, int_hashes=False)  # binds port+1, rport+1
     sc = Running(r, VllmSource("vllm-pod", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", dp_size=2),
                  pull_url=pull)
