@@ -68,8 +68,8 @@ def before_stop_signals(fn: Callable[[], None]) -> Callable[[Any], None]:
 
             def handler(signum, frame, previous=previous):
                 fn()
-                if callable(previous):
-                    previous(signum, frame)
+                if callable(previous):  # INT and QUIT stop as TERM does: uvicorn's workers ignore the
+                    previous(signal.SIGTERM, frame)  # SIGQUIT of a quick stop, killed after graceful_timeout
 
             signal.signal(sig, handler)
 
