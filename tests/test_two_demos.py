@@ -1,6 +1,7 @@
 """Two demos on one machine (``kvlookup quickstart`` on different ports) each have their own
 embedded Redis and index: stopping the second leaves the first's seed lookup and dashboard
-exactly as they were. A controller that joins a data dir other processes use says so."""
+exactly as they were; each keeps a light stream of lookups going (the dashboard's charts move).
+A controller that joins a data dir other processes use says so."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import requests
 
 from kvlookup.devtools.demo import SEED_TOKENS, wait_http
 from kvlookup.proc.redis_server import free_port
+from tests.helpers import wait_for
 from tests.procs import ROOT
 
 SEED_ANSWER = {"lmcache_default_instance": ["LocalCPUBackend", 12]}
@@ -50,6 +52,12 @@ class Demo:
         answer.pop("event_id")
         return answer
 
+    def lookups(self) -> float:
+        """kvlookup_lookups_total summed over outcomes, from GET /metrics."""
+        text = requests.get(f"{self.http}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("kvlookup_lookups_total{"))
+
     def instances(self) -> list[str]:
         rows = requests.get(f"{self.http}/controller/overview", timeout=10).json()["instances"]
         return sorted(row["instance_id"] for row in rows)
@@ -75,6 +83,8 @@ def test_stopping_a_second_demo_leaves_the_first_one_whole(tmp_path):
         before = first.instances()
         assert before == ["instance-b", "lmcache_default_instance"]
         assert first.layout() == SEED_ANSWER
+        lookups = first.lookups()
+        assert wait_for(lambda: first.lookups() >= lookups + 3, True, timeout=30)  # its own light traffic
         second = Demo(tmp_path)
         second.wait_seed()
         assert f"Embedded Redis: this demo's own, data dir {tmp_path / 'kvlookup' / f'demo-{second.port}'}\n" \

@@ -15,10 +15,16 @@ import urllib.error
 import urllib.request
 
 
+#: Llama-3's begin-of-text token, which every chat prompt an engine caches starts with.
+BOS = "<|begin_of_text|>"
+
+
 def add_parser(sub) -> None:
     e = sub.add_parser("explain", help="why did a lookup match nothing, or less than expected (POST /lookup/explain)")
     e.add_argument("tokens", nargs="?", help="token ids, a JSON list or comma separated (default: read stdin)")
-    e.add_argument("--text", help="a prompt to tokenize with the Llama-3 tokenizer (needs the demo extra)")
+    e.add_argument("--text", help="a prompt to tokenize with the Llama-3 tokenizer (needs the demo extra); "
+                                  "it starts with <|begin_of_text|> as an engine's prompt does (and the dashboard's)")
+    e.add_argument("--no-bos", action="store_true", help="with --text: do not add <|begin_of_text|>")
     e.add_argument("--lora-name", help="the request's LoRA adapter (vLLM namespaces)")
     e.add_argument("--cache-salt", help="the request's vLLM cache salt")
     e.add_argument("--url", default="http://127.0.0.1:9000", help="controller base URL (http://127.0.0.1:9000)")
@@ -35,7 +41,10 @@ def read_tokens(args: argparse.Namespace) -> list[int]:
             raise ValueError("--text needs a tokenizer: pip install 'kvlookup[demo]'")
         from kvlookup.devtools.demo import load_tokenizer
 
-        return load_tokenizer().encode(args.text, add_special_tokens=False).ids
+        text = args.text
+        if not getattr(args, "no_bos", False) and not text.startswith(BOS):
+            text = BOS + text
+        return load_tokenizer().encode(text, add_special_tokens=False).ids
     text = (args.tokens if args.tokens is not None else sys.stdin.read()).strip()
     try:
         tokens = json.loads(text) if text.startswith("[") else [int(t) for t in text.split(",") if t.strip()]

@@ -139,6 +139,33 @@ def start_engines(pull_url: str, reply_url: str | None, http: str, era: str, pro
     return [a, b]
 
 
+def keep_traffic(engines: list[SimEngine], http: str, profile: HashProfile, ctrl: subprocess.Popen,
+                 period_s: float = 1.0, keep_chunks: int = 8) -> None:
+    """Until ``ctrl`` exits: one lookup a second (a demo prompt, or a miss), and every 5 s the
+    second engine stores a new 300-token prompt on disk, evicting the oldest beyond
+    ``keep_chunks`` prompts. The demo's own prompts (the seed's included) are never evicted."""
+    import random
+
+    rng = random.Random(7)
+    prompts = list(demo_prompts(load_tokenizer()).values())
+    churn: list[list[int]] = []
+    tick = 0
+    while ctrl.poll() is None:
+        tokens = rng.choice(prompts) if rng.random() < 0.8 else [rng.randrange(1, 100_000) for _ in range(40)]
+        try:
+            post_lookup(http, tokens, timeout=5)
+        except (urllib.error.URLError, OSError, ValueError):
+            pass  # the controller is stopping, or busy: the next tick tries again
+        if tick % 5 == 0 and len(engines) > 1:
+            hashes = profile.chunk_hashes([rng.randrange(1, 100_000) for _ in range(300)])
+            engines[1].store(hashes, location="LocalDiskBackend")
+            churn.append(hashes)
+            if len(churn) > keep_chunks:
+                engines[1].evict(churn.pop(0), location="LocalDiskBackend")
+        tick += 1
+        time.sleep(period_s)
+
+
 def _wait_for_interrupt() -> None:
     try:
         while True:
@@ -219,7 +246,9 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
             return 1
         engines = start_engines(f"localhost:{monitor_port}", None, http, "0.3", HashProfile())
         print(f"\nController on {http} (the fleet dashboard: {http}/), LMCache PULL on localhost:{monitor_port}; "
-              "the two simulated engines stay registered. Ctrl-C stops everything.")
+              "the two simulated engines stay registered, with a light stream of lookups and cache churn so "
+              "the dashboard's charts move. Ctrl-C stops everything.", flush=True)
+        keep_traffic(engines, http, HashProfile(), ctrl)
         return ctrl.wait()
     except KeyboardInterrupt:
         return 0
