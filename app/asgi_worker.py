@@ -115,7 +115,8 @@ class UvicornWorker(_UvicornWorker):
                      "server_header": False, "ws": "none", "proxy_headers": False}
 
     async def _serve(self) -> None:
-        self.sockets = [_UvloopOwned(s) for s in self.sockets]
+        listeners: list[Any] = self.sockets  # type: ignore[has-type]
+        self.sockets = [_UvloopOwned(s) for s in listeners]
         await super()._serve()
 
 

@@ -3,7 +3,7 @@
 The schemas are generated, not written: the request structs are the ones the routes decode
 (``LookupRequest``, ``ClearRequest``, ...), the response structs below mirror what the routes
 build, and ``msgspec.json.schema_components`` turns both into JSON Schema (2020-12, which is
-OpenAPI 3.1's dialect). tests/test_openapi.py validates the document with
+OpenAPI 3.1's dialect). tests/app/test_openapi.py validates the document with
 ``openapi-spec-validator`` and checks real answers of the running app against these schemas,
 so a route and its description cannot drift apart. Swagger UI (npm ``swagger-ui-dist``
 5.35.0, Apache-2.0, app/static/swagger-ui/) loads nothing from elsewhere.

@@ -21,7 +21,7 @@ from kvlookup.bench import progress
 
 if importlib.util.find_spec("tqdm") is None:  # the bench extra is missing: `kvlookup bench` says so
     raise ImportError("No module named 'tqdm'")
-from kvlookup.bench.procs import REPO
+from kvlookup.bench.procs import PARTS, REPO
 
 RESULTS = REPO / "bench" / "results"
 
@@ -52,7 +52,6 @@ FULL = {
     "wrk": dict(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds=2.0, rounds=3),
     "purge": dict(records=1_000_000),
 }
-PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk")
 
 
 def machine() -> dict:

@@ -12,8 +12,8 @@ import os
 import pytest
 
 from kvlookup.devtools.local_cluster import LocalCluster
-from kvlookup.proc.redis_server import EmbeddedRedis, connect
 from kvlookup.index.store import Store
+from kvlookup.proc.redis_server import EmbeddedRedis, connect
 from tests.compat.gate import (  # noqa: F401  (hooks: compatibility skips say why; fail under KVLOOKUP_REAL_PEERS=1)
     pytest_report_teststatus,
     pytest_runtest_makereport,

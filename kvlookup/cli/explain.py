@@ -14,7 +14,6 @@ import sys
 import urllib.error
 import urllib.request
 
-
 #: Llama-3's begin-of-text token, which every chat prompt an engine caches starts with.
 BOS = "<|begin_of_text|>"
 
@@ -35,11 +34,11 @@ def add_parser(sub) -> None:
 def read_tokens(args: argparse.Namespace) -> list[int]:
     """The tokens to explain; ValueError naming the problem."""
     if args.text is not None:
-        from kvlookup.app.tokenizer import available
+        from kvlookup.tokenizer import available
 
         if not available():
             raise ValueError("--text needs a tokenizer: pip install 'kvlookup[demo]'")
-        from kvlookup.devtools.demo import load_tokenizer
+        from kvlookup.tokenizer import load_tokenizer
 
         text = args.text
         if not getattr(args, "no_bos", False) and not text.startswith(BOS):

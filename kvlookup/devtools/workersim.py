@@ -6,18 +6,19 @@ Era ``"0.5"`` (0.3.12-0.5.6): RegisterMsg over DEALER -> ROUTER (waits for Regis
 then BatchedKVOperationMsg with seq_num per location on PUSH.
 
 Used by the demo, the tests and the benchmarks. It is not LMCache: tests prove compatibility
-against the real LMCache code separately (tests/test_lmcache_real.py).
+against the real LMCache code separately (tests/compat/test_lmcache_real.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import zmq
 
-from kvlookup.wire import lmcache as proto
 from kvlookup.hashing.lmcache import ChunkHash
+from kvlookup.wire import lmcache as proto
 from kvlookup.wire.zmqaddr import endpoint
 
 MAX_FRAMES = 50
@@ -177,7 +178,7 @@ class SimEngine:
         self._clearing: dict[str, tuple[int, set[int]]] = {}
         self.lock = threading.RLock()  # the control thread and the caller both send on the workers' sockets
         self.ctx = ctx or zmq.Context.instance()
-        self.held: dict[str, set[int]] = {}
+        self.held: dict[str, set[ChunkHash]] = {}
         self.reps = []
         self.workers = []
         for rank in range(tp):
@@ -220,8 +221,9 @@ class SimEngine:
             return ctl.ClearWorkerRetMsg(num_tokens=self._clear(msg.location, rank))
         location = msg.old_position if isinstance(msg, ctl.MoveWorkerMsg) else msg.location
         tokens = self._held_prefix(list(msg.tokens or []), location)
-        reply = {ctl.PinWorkerMsg: ctl.PinWorkerRetMsg, ctl.CompressWorkerMsg: ctl.CompressWorkerRetMsg,
-                 ctl.DecompressWorkerMsg: ctl.DecompressWorkerRetMsg, ctl.MoveWorkerMsg: ctl.MoveWorkerRetMsg}
+        reply: dict[type, Any] = {
+            ctl.PinWorkerMsg: ctl.PinWorkerRetMsg, ctl.CompressWorkerMsg: ctl.CompressWorkerRetMsg,
+            ctl.DecompressWorkerMsg: ctl.DecompressWorkerRetMsg, ctl.MoveWorkerMsg: ctl.MoveWorkerRetMsg}
         return reply[type(msg)](num_tokens=tokens)
 
     def _clear(self, location: str, rank: int) -> int:
@@ -256,19 +258,19 @@ class SimEngine:
         for w in self.workers:
             w.register()
 
-    def store(self, hashes: Sequence[int], location: str = "LocalCPUBackend") -> None:
+    def store(self, hashes: Sequence[ChunkHash], location: str = "LocalCPUBackend") -> None:
         with self.lock:
             self.held.setdefault(location, set()).update(hashes)
             for w in self.workers:
                 w.admit(list(hashes), location)
 
-    def evict(self, hashes: Sequence[int], location: str = "LocalCPUBackend") -> None:
+    def evict(self, hashes: Sequence[ChunkHash], location: str = "LocalCPUBackend") -> None:
         with self.lock:
             self.held.setdefault(location, set()).difference_update(hashes)
             for w in self.workers:
                 w.evict(list(hashes), location)
 
-    def lose(self, stored: Sequence[int] = (), evicted: Sequence[int] = (),
+    def lose(self, stored: Sequence[ChunkHash] = (), evicted: Sequence[ChunkHash] = (),
              location: str = "LocalCPUBackend") -> None:
         """Change what the engine holds without telling anyone: the messages were lost (sent
         while nothing listened, or in flight when a sidecar died)."""
@@ -287,7 +289,7 @@ class SimEngine:
                     w.full_sync(sorted(self.held.get("LocalCPUBackend", set())))
         return reasons
 
-    def truth(self) -> dict[str, set[int]]:
+    def truth(self) -> dict[str, set[ChunkHash]]:
         """Location -> chunk hashes this engine holds (every rank holds the same)."""
         return {loc: set(h) for loc, h in self.held.items() if h}
 

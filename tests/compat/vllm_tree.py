@@ -14,7 +14,7 @@ tests/compat/fetch_vllm.py) with no vLLM installed and no GPU:
   :class:`Standin` classes: any attribute, call or subscript gives another one. torch becomes one
   too when it is not installed (the vLLM venv has none). Each one made is listed in
   :attr:`Tree.standins`; none sits on the path of the structs, the encoder, the sockets or the
-  hashing (the decoded fields of every version are pinned by tests/test_vllm_events.py).
+  hashing (the decoded fields of every version are pinned by tests/wire/test_vllm_events.py).
 """
 
 from __future__ import annotations
