@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("controller", help="serve POST /lookup (gunicorn); optional embedded sidecar")
     _settings_flags(c, options.CONTROLLER)
     _hash_flags(c)
+    c.add_argument("--redis-port", type=_port, help="the embedded Redis's loopback port when this controller "
+                   "starts it (default: the port its data dir used last, else a free one)")
     c.set_defaults(func=cmd_controller)
 
     s = sub.add_parser("sidecar", help="ingest LMCache worker traffic and/or vLLM KV events into Redis")
@@ -182,7 +184,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     master, lease, supervisor = os.getpid(), None, None
     settings_dir = tempfile.mkdtemp(prefix="kvlookup-controller-")
     try:
-        lease = ensure_redis(settings)
+        lease = ensure_redis(settings, port=getattr(args, "redis_port", None))
         if lease is None:
             preflight.say_redis(settings, log)
         children = [_spawn_embedded_sidecar(settings, settings_dir)] if settings.pull_port() else []

@@ -89,10 +89,15 @@ def render(out: dict) -> None:
         console.print(f"- {line}", highlight=False)
     if not out["instances"]:
         return
-    table = Table("instance", "rank", "space", "matched", "stop chunk", "offset", "reason", "explanation")
+    table = Table()
+    # an instance id is never cut to "…" (it is what one greps for): folded onto a second line at worst
+    table.add_column("instance", overflow="fold")
+    for name in ("rank", "space", "matched", "stop chunk", "offset", "reason"):
+        table.add_column(name)
+    table.add_column("explanation", overflow="fold")
     for e in out["instances"]:
         s = e["stop"] or {}
-        table.add_row(e["instance_id"], e["worker_id"], e["space"] or "lmcache", str(e["matched_prefix_length"]),
+        table.add_row(e["instance_id"], str(e["worker_id"]), e["space"] or "lmcache", str(e["matched_prefix_length"]),
                       str(s.get("chunk", "")), str(s.get("token_offset", "")), s.get("reason", "complete"),
                       s.get("explanation", ""))
     console.print(table)

@@ -55,3 +55,16 @@ def test_a_controller_stops_quickly_and_quietly(tmp_path, sig, target):
     assert "Worker (pid:" in text and "was sent SIGTERM" in text  # the workers stopped as on SIGTERM
     assert took < 5.0, f"stopping took {took:.2f} s"
     assert served_by(tmp_path / "data") is None  # the embedded Redis stopped with its last user
+
+
+def test_the_embedded_redis_port_can_be_set_from_the_controller(tmp_path):
+    port, redis_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvlookup", "controller", "--host", "127.0.0.1", "--port", str(port),
+                             "--data-dir", str(tmp_path / "data"), "--redis-port", str(redis_port),
+                             "--log-level", "WARNING"], cwd=ROOT, start_new_session=True)
+    try:
+        assert wait_http(f"http://127.0.0.1:{port}", proc=proc)
+        assert served_by(tmp_path / "data")["url"] == f"redis://127.0.0.1:{redis_port}/0"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
