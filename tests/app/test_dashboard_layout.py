@@ -31,8 +31,11 @@ return {
   page_overflow: document.documentElement.scrollWidth - vw,
   controls_outside: controls.filter((c) => { const r = box(c); return r.left < 0 || r.right > vw || r.width === 0; })
                             .map((c) => c.id),
-  id_lines: id ? (() => { const r = document.createRange(); r.selectNodeContents(id); return r.getClientRects().length; })()
-              : null,
+  id_lines: id ? (() => {
+    const r = document.createRange();
+    r.selectNodeContents(id);
+    return r.getClientRects().length;
+  })() : null,
   id_clipped: id ? id.scrollWidth > id.clientWidth : null,
   explain_overflow: pre.scrollWidth - pre.clientWidth,
 };
