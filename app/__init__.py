@@ -64,6 +64,9 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     app.register_blueprint(metrics_view.bp)
     app.register_blueprint(dashboard.bp)
     app.register_blueprint(overview.bp)
+    from kvlookup.app import openapi
+
+    app.register_blueprint(openapi.bp)
     if tokenizer.available():
         app.register_blueprint(tokenizer.bp)
     from kvlookup.index.explain import Explainer

@@ -8,6 +8,7 @@ docs/img/ and docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -17,6 +18,9 @@ import time
 from pathlib import Path
 
 from kvlookup.bench import progress
+
+if importlib.util.find_spec("tqdm") is None:  # the bench extra is missing: `kvlookup bench` says so
+    raise ImportError("No module named 'tqdm'")
 from kvlookup.bench.procs import PARTS, REPO
 
 RESULTS = REPO / "bench" / "results"

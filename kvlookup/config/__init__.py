@@ -525,7 +525,9 @@ def load(path: str | None = None, overrides: Mapping[str, Any] | None = None,
     for layer in layers:
         for key, value in layer.items():
             if key not in _FIELD_TYPES:
-                raise ValueError(f"unknown setting {key!r}")
+                from kvlookup.cli.preflight import setting_hint
+
+                raise ValueError(f"unknown setting {key!r}{setting_hint(key)}")
             if key == "hash":
                 settings.hash = {**settings.hash, **_as_hash("hash", value)}
             else:

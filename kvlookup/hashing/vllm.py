@@ -1,7 +1,7 @@
 """kvlookup's own hash chain for vLLM blocks, independent of vLLM's hash algorithm and seed.
 
 vLLM's block hashes (sha256 of a pickle, seeded by PYTHONHASHSEED or os.urandom) cannot be
-reproduced outside the engine (../shared/research/peers.md §1.5), so the sidecar recomputes a
+reproduced outside the engine (docs/vllm-events.md §3), so the sidecar recomputes a
 chain of its own from the ``token_ids`` carried by BlockStored, and lookups compute the same
 chain from a request's tokens::
 

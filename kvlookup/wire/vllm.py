@@ -1,8 +1,8 @@
 """Decode vLLM's KV cache event payloads without a fixed schema (no sockets, no Redis here).
 
 vLLM (``vllm/distributed/kv_events.py``) sends one msgpack ``KVEventBatch`` per ZMQ message.
-Its shape changed across versions (../shared/research/peers.md §1.3, fixtures in
-../shared/fixtures/), so every level is read generically:
+Its shape changed across versions (docs/vllm-events.md §2, fixtures in
+tests/fixtures/vllm/), so every level is read generically:
 
 - batch: an array ``[ts, events, data_parallel_rank?]`` or a map with those keys;
 - event: a positional array ``["BlockStored", block_hashes, parent_block_hash, token_ids,

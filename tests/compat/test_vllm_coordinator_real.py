@@ -1,6 +1,6 @@
 """kvlookup's model of vLLM's cache hit (kvlookup.index.vllm_groups.reusable_length) against vLLM
 0.33.0's OWN HybridKVCacheCoordinator.find_longest_cache_hit and its sliding-window, full
-attention and Mamba finders, run by tests/support/vllm_coord_driver.py from vLLM's source. Needs
+attention and Mamba finders, run by tests/compat/vllm_coord_driver.py from vLLM's source. Needs
 KVLOOKUP_VLLM_PYTHON and KVLOOKUP_VLLM_SRC (scripts/real-peers.sh builds them)."""
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import pytest
 
 from kvlookup.index.vllm_groups import GroupSpec, held_from, reusable_length
 from tests.sidecar.test_vllm_hybrid import WORKED_GROUPS, WORKED_HELD
-from tests.support.vllm_helpers import TOOL, real_vllm
+from tests.support.vllm_helpers import real_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     real_vllm() is None, reason="KVLOOKUP_VLLM_PYTHON / KVLOOKUP_VLLM_SRC not set")]
 
-DRIVER = Path(__file__).parents[1] / "support" / "vllm_coord_driver.py"
+DRIVER = Path(__file__).with_name("vllm_coord_driver.py")
 
 
 def vllm_hits(cases: list[dict]) -> list[int]:
     py, src = real_vllm()
-    out = subprocess.run([py, str(DRIVER), "--tool", str(TOOL), "--vllm-src", f"{src}/x/vllm-0.33.0"],
+    out = subprocess.run([py, str(DRIVER), "--vllm-src", f"{src}/x/vllm-0.33.0"],
                          input=json.dumps({"cases": cases}), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     reply = json.loads(out.stdout.strip().splitlines()[-1])

@@ -2,8 +2,8 @@
 helper, under the vLLM publisher venv: KVLOOKUP_VLLM_PYTHON).
 
 vLLM's ``vllm/v1/core/kv_cache_coordinator.py`` and ``single_type_kv_cache_manager.py`` are
-loaded from an unpacked source tree through ../shared/tools/vllm_real_publisher.py's loader
-(engine-only imports become recorded placeholders, as there); the fixed point, the per-kind
+loaded from an unpacked source tree through tests/compat/vllm_tree.py (engine-only imports
+become recorded stand-ins); the fixed point, the per-kind
 finders and ``resolve_block_hashes`` are vLLM's code. The coordinator is built without its
 ``__init__`` (which needs a whole engine config): its attributes are set as ``__init__`` and
 ``verify_and_split_kv_cache_groups`` would set them for this layout (no EAGLE, DCP 1, hits
@@ -81,16 +81,15 @@ def hit_length(coord_mod, managers, kvi, groups: list[dict], held: list[list[boo
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tool", required=True)
     ap.add_argument("--vllm-src", required=True)
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_PUB_STUB_TORCH", "1")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(args.tool)))
-    import vllm_real_publisher as tool
-
-    tool.STUB_MODULES = tool.STUB_MODULES + EXTRA_STUBS
-    vllm = tool.Vllm(args.vllm_src)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/compat: vllm_tree
     import importlib
+
+    import vllm_tree
+
+    vllm_tree.STANDIN_MODULES = vllm_tree.STANDIN_MODULES + EXTRA_STUBS
+    vllm = vllm_tree.load(args.vllm_src)
 
     coord_mod = importlib.import_module("vllm.v1.core.kv_cache_coordinator")
     managers = importlib.import_module("vllm.v1.core.single_type_kv_cache_manager")
@@ -99,7 +98,7 @@ def main() -> int:
     cases = json.loads(sys.stdin.read())["cases"]
     hits = [hit_length(coord_mod, managers, kvi, c["groups"], c["held"], c["n_tokens"]) for c in cases]
     print(json.dumps({"hit_lengths": hits, "vllm_version": vllm.version,
-                      "placeholders": sorted(set(vllm.stubs_used))}))
+                      "placeholders": sorted(set(vllm.standins))}))
     return 0
 
 
