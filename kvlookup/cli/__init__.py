@@ -14,7 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kvlookup import config as kvconfig
-from kvlookup.config import options
+from kvlookup.config import names, options
 from kvlookup.proc.runtime import GunicornController, ensure_redis, master_temp_dir, setup_logging
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvlookup.cli import preflight
 
     args = build_parser().parse_args(argv)
-    preflight.warn_all(preflight.unknown_env(os.environ), sys.stderr)
+    preflight.warn_all(names.unknown_env(os.environ, kvconfig.setting_names()), sys.stderr)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:

@@ -1,8 +1,7 @@
 """What a command checks before it starts, so a user's mistake is one line, never a traceback.
 
-* :func:`unknown_env`: ``KVLOOKUP_*`` variables that match no setting, each with the closest
-  setting's variable (``difflib``), e.g. ``KVLOOKUP_CHUNK_SIZE`` -> ``KVLOOKUP_HASH__CHUNK_SIZE``.
-* :func:`setting_hint`: the same for a YAML key (``chunk_size:`` -> ``hash.chunk_size``).
+* ``KVLOOKUP_*`` variables that match no setting are warned about with the closest setting
+  (kvlookup.config.names.unknown_env, which the CLI prints at start).
 * :func:`check_bindable`: the ports a sidecar binds, refused before any socket is made.
 * :func:`say_redis`: which Redis a process uses and whether it answers, said at start; a Redis
   Cluster of which no node answers is refused (gunicorn's workers could not boot).
@@ -12,61 +11,10 @@
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Iterable, Mapping
 
 from kvlookup import config as kvconfig
-
-#: ``KVLOOKUP_*`` variables read by scripts, tests and benchmarks, not settings.
-NOT_SETTINGS = frozenset({
-    "DATA_DIR", "STATUS_FILE", "CONFIG", "TRACE", "STAGE", "TEST_BACKENDS", "REAL_PEERS", "LMCACHE_PYTHON",
-    "VLLM_PYTHON", "VLLM_SRC", "LMCACHE_VERSION", "REQUIRE_BROWSER", "SMOKE_INSTALL_DONE", "DASHBOARD_SCREENSHOT",
-    "CHROMIUM", "CHROMEDRIVER", "CLUSTER_ADVERTISE_REPLY",
-})
-
-
-def _settings() -> dict[str, str]:
-    """lower-case name after the prefix -> how the setting is written (``hash.chunk_size``)."""
-    names = {name: name for name in kvconfig._FIELD_TYPES if name != "hash"}
-    names.update({f"hash__{key}": f"hash.{key}" for key in kvconfig.HASH_KEYS})
-    return names
-
-
-def closest(name: str) -> str | None:
-    """The setting (``port``, ``hash.chunk_size``) whose name is nearest ``name``, or None.
-    A bare hash key (``chunk_size``) is read as the hash setting it names."""
-    settings = _settings()
-    if f"hash__{name}" in settings:
-        return settings[f"hash__{name}"]
-    match = difflib.get_close_matches(name, list(settings), n=1, cutoff=0.75)
-    return settings[match[0]] if match else None
-
-
-def env_name(setting: str) -> str:
-    return kvconfig.ENV_PREFIX + setting.replace(".", "__").upper()
-
-
-def unknown_env(env: Mapping[str, str]) -> list[str]:
-    """One warning per ``KVLOOKUP_*`` variable that is no setting (and not one of NOT_SETTINGS)."""
-    settings = _settings()
-    out = []
-    for key in sorted(env):
-        if not key.startswith(kvconfig.ENV_PREFIX):
-            continue
-        name = key[len(kvconfig.ENV_PREFIX):]
-        if name.lower() in settings or name in NOT_SETTINGS:
-            continue
-        near = closest(name.lower())
-        hint = f"; did you mean {env_name(near)} ({near})?" if near else " (settings: docs/configuration.md)"
-        out.append(f"{key} is not a kvlookup setting and is ignored{hint}")
-    return out
-
-
-def setting_hint(key: str) -> str:
-    """`` (did you mean hash.chunk_size?)`` for a YAML key that is no setting, or ``""``."""
-    near = closest(str(key).lower())
-    return f" (did you mean {near}?)" if near else ""
 
 
 def check_bindable(ports: Mapping[str, str | None]) -> None:

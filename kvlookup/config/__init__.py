@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from kvlookup.config import names
 from kvlookup.config.options import COMMON, CONTROLLER, EMBEDDED, ENV_PREFIX, SIDECAR, setting
 from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, profile_from_lmcache_yaml
 from kvlookup.netpolicy import LOOPBACK, Networks, address_allowed, parse_networks, split_list
@@ -270,8 +271,8 @@ class Settings:
 
     def _validate_ranges(self) -> None:
         """Ranges and choices of the typed values (see the RANGES table)."""
-        for names, ok, what in RANGES:
-            for name in names:
+        for settings, ok, what in RANGES:
+            for name in settings:
                 value = getattr(self, name)
                 if value is not None and not ok(value):
                     raise ValueError(f"{name}: {value!r} is not {what}")
@@ -485,6 +486,12 @@ def typed(name: str, value: Any) -> Any:
     return _CONVERTERS[kind](name, value)
 
 
+def setting_names() -> dict[str, str]:
+    """Every setting's name as typed after ``KVLOOKUP_`` (lower case) -> as written in YAML
+    (kvlookup.config.names.known)."""
+    return names.known(_FIELD_TYPES, HASH_KEYS)
+
+
 def read_yaml(path: str, setting: str) -> dict[str, Any]:
     """A YAML file that must hold a mapping; ValueError naming ``setting`` and the file when it
     cannot be read, does not parse, or holds something else."""
@@ -525,9 +532,7 @@ def load(path: str | None = None, overrides: Mapping[str, Any] | None = None,
     for layer in layers:
         for key, value in layer.items():
             if key not in _FIELD_TYPES:
-                from kvlookup.cli.preflight import setting_hint
-
-                raise ValueError(f"unknown setting {key!r}{setting_hint(key)}")
+                raise ValueError(f"unknown setting {key!r}{names.setting_hint(key, setting_names())}")
             if key == "hash":
                 settings.hash = {**settings.hash, **_as_hash("hash", value)}
             else:
