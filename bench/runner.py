@@ -33,6 +33,8 @@ QUICK = {
                     trace_requests=300),
     "wrk": dict(lengths=(12, 32768), concurrencies=(1, 16), seconds=1.0, rounds=1),
     "purge": dict(records=200_000),
+    "idle": dict(seconds=2.0),
+    "holders": dict(lengths=(1024, 32768), holder_counts=(8, 1024), seconds=0.5),
 }
 FULL = {
     "compare": dict(requests=12031, instances=8, cpu_chunks=8192, disk_chunks=24576, agree_sample=1500,
@@ -47,8 +49,10 @@ FULL = {
                     trace_requests=4000),
     "wrk": dict(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds=2.0, rounds=3),
     "purge": dict(records=1_000_000),
+    "idle": dict(seconds=3.0),
+    "holders": dict(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds=2.0, rounds=2),
 }
-PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk")
+PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk", "idle", "holders")
 
 
 def machine() -> dict:
@@ -106,6 +110,17 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
 
         res = run(**params)
         progress.note(f"  purge: {res['records_per_s']:,} records/s")
+    elif name == "idle":
+        from kvlookup.bench.idle import run
+
+        res = run(**params)
+        for c in res["cases"]:
+            progress.note(f"  idle {c['kind']} sidecar: {c['commands_per_s']} Redis commands/s, "
+                          f"{c['cpu_share'] * 100:.2f}% of a core")
+    elif name == "holders":
+        from kvlookup.bench.holders import run
+
+        res = run(**params)
     else:
         from kvlookup.bench.stages import run
 
@@ -167,7 +182,9 @@ def add_parser(sub) -> None:
                        description="Parts: compare (kvlookup vs LMCache 0.5.6 on the Mooncake trace; needs the "
                        "LMCache venv), ingest (one sidecar's chunk ops/s), memory (Redis bytes per record), "
                        "sweeps (latency vs prompt length, instances, index size), stages (where an HTTP "
-                       "lookup's time goes), purge (records/s deleted of a retired holder). 'all' runs every "
+                       "lookup's time goes), purge (records/s deleted of a retired holder), idle (Redis "
+                       "commands/s and CPU of an idle sidecar of each kind), holders (lookup cost vs how many "
+                       "instances hold the prompt). 'all' runs every "
                        "part (~6 min; --quick ~1.5 min) and writes bench/results/results.json and "
                        "docs/benchmarks.md; 'report' re-renders the docs.")
     b.add_argument("part", nargs="?", default="all", choices=("all", *PARTS, "report"),
