@@ -9,13 +9,22 @@ slows each alike.
 
 - ``lua``: the single-node ``LOOKUP`` script (``lookup_cache: off``);
 - ``cached``: cached reads, fenced (kvlookup.index.tracking; the single-server default).
+
+leases=True (the default, as a deployment): every instance has a 30 s liveness lease that a
+thread renews every second (as a sidecar does), and lookups check it; False: no leases.
+http: also each point over HTTP at concurrency 1 (``kvlookup controller``, gunicorn uvicorn:2,
+its defaults: cached reads; bench.procs starts it with ``--instance-ttl 0``).
 """
 
 from __future__ import annotations
 
+import json
+import pickle
+import threading
 import time
 
 from kvlookup.bench import progress
+from kvlookup.bench.compare import _load
 from kvlookup.bench.loadgen import percentile
 from kvlookup.bench.procs import Procs
 from kvlookup.bench.sweeps import hold, prompt
@@ -49,17 +58,37 @@ def time_lookups(client: Client, r, tokens: list[int], seconds: float) -> dict:
             "redis_ms_per_lookup": round(busy / 1000 / len(lat), 3)}
 
 
-def run(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds: float = 2.0, rounds: int = 1) -> dict:
-    out: dict = {"seconds_per_point": seconds, "modes": list(MODES), "points": []}
+def renewing(store: Store, stop: threading.Event) -> threading.Thread:
+    """A thread renewing the leases of every instance owned by "bench-sidecar", every second."""
+    def loop() -> None:
+        while not stop.wait(1.0):
+            store.renew("bench-sidecar")
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return t
+
+
+def run(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds: float = 2.0, rounds: int = 1,
+        leases: bool = True, http: bool = True) -> dict:
+    ttl = 30.0 if leases else 0.0
+    out: dict = {"seconds_per_point": seconds, "modes": list(MODES), "leases": leases, "points": []}
+    stop = threading.Event()
     with Procs() as procs:
         url = procs.start_redis()
         r = connect(url)
-        store = Store(r, instance_ttl_s=0)
-        clients = {m: Client(redis=connect(url), instance_ttl_s=0, cache_reads=c) for m, c in MODES.items()}
+        store = Store(r, instance_ttl_s=ttl)
+        clients = {m: Client(redis=connect(url), instance_ttl_s=ttl, cache_reads=c) for m, c in MODES.items()}
+        if leases:
+            renewing(Store(connect(url), instance_ttl_s=ttl), stop)
+        base = procs.start_controller(url) if http else None
         held = 0
         for n in sorted(holder_counts):
             p = prompt(max(lengths), 7)
-            hold(store, p, [f"fleet-{i}" for i in range(held, n)])  # the same prompt, more holders
+            fleet = [f"fleet-{i}" for i in range(held, n)]
+            hold(store, p, fleet)  # the same prompt, more holders
+            if leases:
+                for inst in fleet:
+                    store.own("bench-sidecar", inst)
             held = n
             for length in lengths:
                 row = {"tokens": length, "holders": n}
@@ -69,10 +98,19 @@ def run(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds: flo
                         best = row.get(mode)
                         if best is None or got["p50_ms"] < best["p50_ms"]:
                             row[mode] = got
+                    if base:
+                        body = procs.tmp / "holders-body.pkl"
+                        body.write_bytes(pickle.dumps([json.dumps({"tokens": p[:length]}).encode()]))
+                        got = {k: v for k, v in _load(base, body, 1, seconds).items()
+                               if k in ("requests", "req_s", "p50_ms", "p99_ms")}
+                        if "http_c1" not in row or got["p50_ms"] < row["http_c1"]["p50_ms"]:
+                            row["http_c1"] = got
                 progress.note(f"  {length} tokens, {n} holders: " + " | ".join(
                     f"{m} p50 {row[m]['p50_ms']} p99 {row[m]['p99_ms']} ms cpu {row[m]['cpu_ms_per_lookup']} "
-                    f"redis {row[m]['redis_ms_per_lookup']} ms" for m in clients))
+                    f"redis {row[m]['redis_ms_per_lookup']} ms" for m in clients)
+                    + (f" | HTTP p50 {row['http_c1']['p50_ms']} p99 {row['http_c1']['p99_ms']} ms" if base else ""))
                 out["points"].append(row)
+        stop.set()
         r.close()
     return out
 

@@ -35,6 +35,7 @@ QUICK = {
     "purge": dict(records=200_000),
     "idle": dict(seconds=2.0),
     "holders": dict(lengths=(1024, 32768), holder_counts=(8, 1024), seconds=0.5),
+    "fresh": dict(lengths=(12, 1024), concurrencies=(1, 16), seconds=1.0),
 }
 FULL = {
     "compare": dict(requests=12031, instances=8, cpu_chunks=8192, disk_chunks=24576, agree_sample=1500,
@@ -51,8 +52,9 @@ FULL = {
     "purge": dict(records=1_000_000),
     "idle": dict(seconds=3.0),
     "holders": dict(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds=2.0, rounds=2),
+    "fresh": dict(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seconds=2.0),
 }
-PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk", "idle", "holders")
+PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk", "idle", "holders", "fresh")
 
 
 def machine() -> dict:
@@ -121,6 +123,10 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
         from kvlookup.bench.holders import run
 
         res = run(**params)
+    elif name == "fresh":
+        from kvlookup.bench.fresh import run
+
+        res = run(**params, lmcache_venv=args.lmcache_venv)
     else:
         from kvlookup.bench.stages import run
 
@@ -184,7 +190,7 @@ def add_parser(sub) -> None:
                        "sweeps (latency vs prompt length, instances, index size), stages (where an HTTP "
                        "lookup's time goes), purge (records/s deleted of a retired holder), idle (Redis "
                        "commands/s and CPU of an idle sidecar of each kind), holders (lookup cost vs how many "
-                       "instances hold the prompt). 'all' runs every "
+                       "instances hold the prompt), fresh (prompts with a new last chunk vs LMCache, CPU per request). 'all' runs every "
                        "part (~6 min; --quick ~1.5 min) and writes bench/results/results.json and "
                        "docs/benchmarks.md; 'report' re-renders the docs.")
     b.add_argument("part", nargs="?", default="all", choices=("all", *PARTS, "report"),

@@ -109,6 +109,9 @@ def merge_matches(matches: Sequence[Match]) -> list[InstanceMatch]:
 ChainSource = Callable[..., list[Chain]]
 
 
+#: Merged kept answers a Client keeps (all dropped when full).
+MERGED_MAX = 4096
+
 #: Distinct vLLM block sizes a lookup walks (fleets use one or two).
 MAX_BLOCK_SIZES = 8
 
@@ -190,17 +193,20 @@ class Client:
     def __init__(self, redis_url: str | None = None, profile: HashProfile | None = None, *,
                  redis_cluster: bool = False, redis: redis.Redis | None = None, store: Store | None = None,
                  extra_chains: Sequence[ChainSource] = (), max_tokens: int | None = 1_048_576,
-                 instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0, cache_reads: bool | str = False):
+                 instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0, cache_reads: bool | str = False,
+                 cache_keys: int = 200_000):
         if store is None:
             if redis is None:
                 if redis_url is None:
                     raise ValueError("Client needs redis_url, redis or store")
                 redis = connect(redis_url, cluster=redis_cluster)
-            store = Store(redis, instance_ttl_s=instance_ttl_s, worker_ttl_s=worker_ttl_s, cache_reads=cache_reads)
+            store = Store(redis, instance_ttl_s=instance_ttl_s, worker_ttl_s=worker_ttl_s, cache_reads=cache_reads,
+                          cache_keys=cache_keys)
         self.store = store
         self.profile = profile or HashProfile()
         self.extra_chains = list(extra_chains)
         self.max_tokens = max_tokens
+        self._merged: dict[int, tuple] = {}  # id(kept answer) -> (it, its merge_matches)
 
     def chains(self, tokens: Sequence[int], **namespace: str) -> list[Chain]:
         """Every hash chain a lookup of ``tokens`` walks (namespace: see :data:`ChainSource`)."""
@@ -228,7 +234,14 @@ class Client:
         found = self.store.lookup(chains, now_ms=int(time.time() * 1000))
         if causes is not None:
             causes.append(found.miss)
-        return merge_matches(found)
+        if not found.kept:
+            return merge_matches(found)
+        got = self._merged.get(id(found))  # a kept answer (kvlookup.index.staged): merged once
+        if got is None or got[0] is not found:
+            if len(self._merged) >= MERGED_MAX:
+                self._merged.clear()
+            got = self._merged[id(found)] = (found, merge_matches(found))
+        return list(got[1])
 
     def lookup(self, tokens: list[int]) -> tuple[str, dict[str, tuple[str, int]]]:
         """LMCache's ``lookup(tokens) -> (event_id, layout_info)``.

@@ -58,6 +58,7 @@ class Settings:
     gunicorn_worker_class: str = "uvicorn"
     lookup_response: str = "flat"
     lookup_cache: str = "on"
+    lookup_cache_keys: int = 200_000
     max_tokens: int = 1_048_576
     max_body_bytes: int = 16 * 1024 * 1024
     body_timeout_s: float = 10.0
@@ -220,7 +221,7 @@ RANGES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("port", "monitor_port", "metrics_port"), _is_port, "a TCP port (1..65535)"),
     (("gunicorn_workers",), lambda v: 1 <= v <= 256, "an integer 1..256 (processes: about one per core)"),
     (("gunicorn_threads",), lambda v: 1 <= v <= 1024, "an integer 1..1024"),
-    (("max_tokens", "max_body_bytes", "redis_max_connections",
+    (("max_tokens", "max_body_bytes", "redis_max_connections", "lookup_cache_keys",
       "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size"), lambda v: v >= 1,
      "a positive integer"),
     (("control_retries",), lambda v: v >= 0, "an integer >= 0"),

@@ -48,6 +48,9 @@ class Matches(list):
     '' when it matched or the walk ran in Lua (which does not say)."""
 
     miss: str = ""
+    #: True when this object is a kept answer (kvlookup.index.staged memo), returned to many
+    #: lookups: nobody may change it.
+    kept: bool = False
 
     @classmethod
     def of(cls, matches: list[Match], miss: str = "") -> Matches:
@@ -215,10 +218,10 @@ class SingleNodeRecords:
     sets that Redis keeps coherent (kvlookup.index.tracking.CachedReads) and walk in Python
     (kvlookup.index.staged): a lookup whose chunks and holders are known costs no round trip
     (``"fenced"``: one short one, and it sees every write completed before it). False: the
-    LOOKUP script.
+    LOOKUP script. cache_keys: the most chunk sets kept (``lookup_cache_keys``).
     """
 
-    def __init__(self, client: redis.Redis, cache_reads: bool | str = False):
+    def __init__(self, client: redis.Redis, cache_reads: bool | str = False, cache_keys: int = 200_000):
         self.r = client
         self.io = SingleIO(client)
         self._apply = self.io.register(scripts.APPLY_OPS)
@@ -228,7 +231,7 @@ class SingleNodeRecords:
             from kvlookup.index.staged import HolderCache
             from kvlookup.index.tracking import CachedReads
 
-            self.cached = CachedReads(client, fence=cache_reads == "fenced")
+            self.cached = CachedReads(client, max_keys=cache_keys, fence=cache_reads == "fenced")
             self._resolve = self.cached.register(scripts.RESOLVE)
             self.holder_cache = HolderCache()
 
@@ -258,7 +261,7 @@ class SingleNodeRecords:
         if self.cached is not None:
             from kvlookup.index.staged import StagedLookup
 
-            return StagedLookup(self.cached.execute, self._resolve, self.holder_cache, chains, live).run()
+            return StagedLookup(self.cached.execute, self._resolve, self.holder_cache, chains, live, memo=True).run()
         chunk_keys: list[str] = []
         args: list = [*live.argv(), len(chains)]
         for chain in chains:

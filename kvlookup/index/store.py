@@ -47,14 +47,14 @@ class NotRegistered(LookupError):
     """Raised when records arrive for a worker the registry does not know."""
 
 
-def make_records(client, cache_reads: bool = False) -> Records:
+def make_records(client, cache_reads: bool = False, cache_keys: int = 200_000) -> Records:
     """The records backend for a redis-py client: cluster or single node (cache_reads: see
     SingleNodeRecords; a cluster keeps holder answers only)."""
     if isinstance(client, RedisCluster):
         from kvlookup.index.cluster import ClusterRecords
 
         return ClusterRecords(client)
-    return SingleNodeRecords(client, cache_reads=cache_reads)
+    return SingleNodeRecords(client, cache_reads=cache_reads, cache_keys=cache_keys)
 
 
 class Store:
@@ -71,14 +71,15 @@ class Store:
     """
 
     def __init__(self, client, *, instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0,
-                 purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool = False):
+                 purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool = False,
+                 cache_keys: int = 200_000):
         self.r = client
         self.cluster = isinstance(client, RedisCluster)
         self.instance_ttl_ms = int(instance_ttl_s * 1000)
         self.worker_ttl_ms = int(worker_ttl_s * 1000)
         grace = (5.0 if self.cluster else 0.0) if purge_grace_s is None else purge_grace_s
         self.purge_grace_ms = int(grace * 1000)
-        self.records = records or make_records(client, cache_reads)
+        self.records = records or make_records(client, cache_reads, cache_keys)
         s = {name: client.register_script(getattr(scripts, name)) for name in (
             "REGISTER", "DEREGISTER", "REAP_WORKER", "RETIRE_LOCATION", "HOLDER", "HEARTBEAT", "MARK_PROBED", "OWN",
             "TOUCH", "FORGET_HOLDER", "RETIRE_UNKNOWN")}
