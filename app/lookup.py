@@ -52,6 +52,9 @@ COUNT_KEY = "kvlookup.count"
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
+_ENCODER = msgspec.json.Encoder()
+
+
 class LookupRequest(msgspec.Struct):
     tokens: list[TokenId]
     lora_name: str | None = None
@@ -96,8 +99,23 @@ def _raw_uint32(body: bytes, query: dict[str, list[str]]) -> LookupRequest:
                          query.get("cache_salt", [None])[0] or None)
 
 
-def response_body(matches: list[InstanceMatch], fmt: str, detail: bool) -> dict:
-    """The JSON answer for ``matches`` (longest first) in shape ``fmt`` (flat | layout_info)."""
+def response_body(matches: list[InstanceMatch], fmt: str, detail: bool) -> dict | msgspec.Raw:
+    """The JSON answer for ``matches`` (longest first) in shape ``fmt`` (flat | layout_info).
+
+    For a kept answer (kvlookup.client.SharedAnswer) the layout is encoded once and kept with it:
+    a prefix held by a thousand instances is not built and encoded again for every lookup."""
+    shared = getattr(matches, "shared", None)
+    if shared is not None and not detail:
+        frag = shared.get(fmt)
+        if frag is None:
+            layout = {m.instance_id: [m.location, m.matched_prefix_length] for m in matches}
+            if fmt != "layout_info":
+                layout.pop("event_id", None)
+            frag = shared[fmt] = _ENCODER.encode(layout)
+        event = _ENCODER.encode(new_event_id("Lookup"))
+        if fmt == "layout_info":
+            return {"event_id": msgspec.Raw(event), "layout_info": msgspec.Raw(frag)}
+        return msgspec.Raw(b'{"event_id":' + event + (b"," + frag[1:] if len(frag) > 2 else b"}"))
     layout = {m.instance_id: [m.location, m.matched_prefix_length] for m in matches}
     body: dict = {"event_id": new_event_id("Lookup")}
     if fmt == "layout_info":

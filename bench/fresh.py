@@ -63,7 +63,7 @@ def tree_cpu_s(pids: list[int]) -> float:
             continue
         parent[int(d.name)] = int(f[1])
         cpu[int(d.name)] = (int(f[11]) + int(f[12])) / _TICKS
-    want, total = set(pids), 0.0
+    want = set(pids)
     changed = True
     while changed:
         changed = False

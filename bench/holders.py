@@ -29,8 +29,8 @@ from kvlookup.bench.loadgen import percentile
 from kvlookup.bench.procs import Procs
 from kvlookup.bench.sweeps import hold, prompt
 from kvlookup.client import Client
-from kvlookup.proc.redis_server import connect
 from kvlookup.index.store import Store
+from kvlookup.proc.redis_server import connect
 
 MODES = {"lua": False, "cached": "fenced"}
 

@@ -109,6 +109,15 @@ def merge_matches(matches: Sequence[Match]) -> list[InstanceMatch]:
 ChainSource = Callable[..., list[Chain]]
 
 
+class SharedAnswer(list):
+    """:meth:`Client.matches` of a kept answer (kvlookup.index.staged): a new list each call of
+    the same :class:`InstanceMatch` objects (never change them). ``shared`` is a dict that lives
+    as long as that answer, for what a caller derives from it (app.lookup keeps its encoded
+    layout there)."""
+
+    shared: dict
+
+
 #: Merged kept answers a Client keeps (all dropped when full).
 MERGED_MAX = 4096
 
@@ -240,8 +249,10 @@ class Client:
         if got is None or got[0] is not found:
             if len(self._merged) >= MERGED_MAX:
                 self._merged.clear()
-            got = self._merged[id(found)] = (found, merge_matches(found))
-        return list(got[1])
+            got = self._merged[id(found)] = (found, merge_matches(found), {})
+        out = SharedAnswer(got[1])
+        out.shared = got[2]
+        return out
 
     def lookup(self, tokens: list[int]) -> tuple[str, dict[str, tuple[str, int]]]:
         """LMCache's ``lookup(tokens) -> (event_id, layout_info)``.

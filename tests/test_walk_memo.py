@@ -101,3 +101,26 @@ def test_copies_are_bounded_and_a_scan_does_not_flush_what_is_read_again():
     assert copies.share(["a", "b"]) is copies.share(["a", "b"]) == ("a", "b")
     with pytest.raises(ValueError, match="max_keys"):
         Copies(0)
+
+
+@pytest.mark.parametrize("fmt", ["flat", "layout_info"])
+def test_a_kept_answer_is_encoded_as_the_same_json(fmt):
+    import json
+
+    from kvlookup.app.errors import json_bytes
+    from kvlookup.app.lookup import response_body
+    from kvlookup.client import InstanceMatch, SharedAnswer
+
+    plain = [InstanceMatch(f"fleet-{i}", CPU, 1024 - i, {CPU: 1024 - i}) for i in range(5)]
+    plain.append(InstanceMatch("event_id", "GPU", 12, {"GPU": 12}))  # an instance named like the id field
+    kept = SharedAnswer(plain)
+    kept.shared = {}
+    for _ in range(2):  # encoded, then from what was kept
+        a = json.loads(json_bytes(response_body(plain, fmt, False)))
+        b = json.loads(json_bytes(response_body(kept, fmt, False)))
+        assert a.pop("event_id").startswith("Lookup") and b.pop("event_id").startswith("Lookup")
+        assert a == b and list(a) == list(b)
+    empty = SharedAnswer([])
+    empty.shared = {}
+    want = ["event_id", "layout_info"] if fmt == "layout_info" else ["event_id"]
+    assert list(json.loads(json_bytes(response_body(empty, fmt, False)))) == want
