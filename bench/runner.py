@@ -36,6 +36,7 @@ QUICK = {
     "idle": dict(seconds=2.0),
     "holders": dict(lengths=(1024, 32768), holder_counts=(8, 1024), seconds=0.5),
     "fresh": dict(lengths=(12, 1024), concurrencies=(1, 16), seconds=1.0),
+    "vllm-ingest": dict(blocks=20_000),
 }
 FULL = {
     "compare": dict(requests=12031, instances=8, cpu_chunks=8192, disk_chunks=24576, agree_sample=1500,
@@ -53,8 +54,9 @@ FULL = {
     "idle": dict(seconds=3.0),
     "holders": dict(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds=2.0, rounds=2),
     "fresh": dict(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seconds=2.0),
+    "vllm-ingest": dict(blocks=100_000),
 }
-PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk", "idle", "holders", "fresh")
+PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk", "idle", "holders", "fresh", "vllm-ingest")
 
 
 def machine() -> dict:
@@ -88,7 +90,8 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
         from kvlookup.bench.ingest import run
 
         res = run(**params)
-        progress.note(f"  ingest: {res['ops_per_s']:,} chunk ops/s")
+        progress.note(f"  ingest: {res['ops_per_s']:,} chunk ops/s (CPU per op: sidecar {res['sidecar_cpu_us_per_op']} "
+                      f"us, Redis {res['redis_cpu_us_per_op']} us)")
     elif name == "memory":
         from kvlookup.bench.memory import run
 
@@ -123,6 +126,13 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
         from kvlookup.bench.holders import run
 
         res = run(**params)
+    elif name == "vllm-ingest":
+        from kvlookup.bench.vllm_ingest import run
+
+        res = run(**params)
+        for shape, s in res["shapes"].items():
+            progress.note(f"  vLLM {shape}: {s['blocks_per_s']:,} blocks/s (CPU per block: sidecar "
+                          f"{s['sidecar_cpu_us_per_block']} us, Redis {s['redis_cpu_us_per_block']} us)")
     elif name == "fresh":
         from kvlookup.bench.fresh import run
 
@@ -190,7 +200,7 @@ def add_parser(sub) -> None:
                        "sweeps (latency vs prompt length, instances, index size), stages (where an HTTP "
                        "lookup's time goes), purge (records/s deleted of a retired holder), idle (Redis "
                        "commands/s and CPU of an idle sidecar of each kind), holders (lookup cost vs how many "
-                       "instances hold the prompt), fresh (prompts with a new last chunk vs LMCache, CPU per request). 'all' runs every "
+                       "instances hold the prompt), fresh (prompts with a new last chunk vs LMCache, CPU per request), vllm-ingest (vLLM BlockStored blocks/s). 'all' runs every "
                        "part (~6 min; --quick ~1.5 min) and writes bench/results/results.json and "
                        "docs/benchmarks.md; 'report' re-renders the docs.")
     b.add_argument("part", nargs="?", default="all", choices=("all", *PARTS, "report"),

@@ -8,7 +8,11 @@ connectors) and parents of later stores.
 
 An event that does not add up (see :data:`REASONS`) is rejected whole: counted, logged, and
 nothing of it is written, so no guessed record ever reaches the index. Round trips per batch:
-one HMGET of the engine hashes it mentions, one pipelined apply, one pipeline of map writes.
+one pipelined apply and one pipeline of map writes. This sidecar is the only writer of its
+ranks' engine maps, so it keeps a :class:`Mirror` of each: once it emptied a map itself (a
+fresh start, a clear) the mirror is the whole map and a batch reads nothing; a stream resumed
+after a restart reads its map once when it has at most ``MIRROR_LOAD_MAX`` entries, and else asks
+(one HMGET per batch) for the engine hashes the mirror does not know.
 """
 
 from __future__ import annotations
@@ -80,6 +84,54 @@ class RankContext:
     register: Callable[[], None]
     rejected: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
+    mirror: Mirror | None = None
+
+
+#: A mirror holding more engine hashes than this is emptied and becomes partial.
+MIRROR_MAX = 1_000_000
+#: A partial mirror reads the whole map once (HGETALL) when it has at most this many entries.
+MIRROR_LOAD_MAX = 50_000
+
+
+class Mirror:
+    """A rank's engine map as this sidecar read and wrote it. ``complete``: it is the whole map
+    (this sidecar emptied the map and wrote every entry since), so a hash it lacks is absent;
+    else it only caches (None: read absent)."""
+
+    def __init__(self):
+        self.entries: dict[int, Entry | None] = {}
+        self.complete = False
+        self.load_tried = False
+
+    def load(self, r, map_key: str) -> None:
+        """Once: read the whole map when it is small (then complete)."""
+        self.load_tried = True
+        if r.hlen(map_key) <= MIRROR_LOAD_MAX:
+            raw = r.hgetall(map_key)
+            self.entries = {int(h): Entry.parse(v) for h, v in raw.items()}
+            self.complete = True
+
+    def emptied(self) -> None:
+        """The map was just unlinked: empty, and complete."""
+        self.entries.clear()
+        self.complete = True
+
+    def known(self, hashes: set[int]) -> dict[int, Entry | None]:
+        """What the mirror says of ``hashes`` (every one of them when complete)."""
+        e = self.entries
+        if self.complete:
+            return {h: e.get(h) for h in hashes}
+        return {h: e[h] for h in hashes if h in e}
+
+    def update(self, entries: dict[int, Entry | None]) -> None:
+        if len(self.entries) + len(entries) > MIRROR_MAX:
+            self.entries.clear()
+            self.complete = False
+        for h, entry in entries.items():
+            if entry is None and self.complete:
+                self.entries.pop(h, None)
+            else:
+                self.entries[h] = entry
 
 
 class BatchApplier:
@@ -204,46 +256,63 @@ class BatchApplier:
                     wanted.add(ev.parent_block_hash)
             elif isinstance(ev, BlockRemoved):
                 wanted.update(ev.block_hashes)
+        mirror = self.ctx.mirror
+        if mirror is not None and wanted and not mirror.complete and not mirror.load_tried:
+            mirror.load(self.ctx.store.r, self.map_key)
+        if mirror is not None:
+            self.fetched = mirror.known(wanted)
+            wanted.difference_update(self.fetched)
         if wanted:
             order = list(wanted)
             values = self.ctx.store.r.hmget(self.map_key, [str(h) for h in order])
-            self.fetched = {h: Entry.parse(v) for h, v in zip(order, values, strict=True)}
+            got = {h: Entry.parse(v) for h, v in zip(order, values, strict=True)}
+            if mirror is None:
+                self.fetched = got
+            else:
+                self.fetched.update(got)
+                mirror.update(got)
 
     # -- writes ---------------------------------------------------------------------------
 
     def flush(self, persist: dict[str, str | int]) -> None:
         """Write pending chunk ops, engine map changes and ``persist`` fields."""
         ctx = self.ctx
-        if self.ops and ctx.block_size is not None:
-            batches = [(ctx.instance_id, ctx.rank, loc, ops) for loc, ops in self.ops.items() if ops]
-            self._apply(batches, keys.vllm_space(ctx.block_size))
-        self.ops = {}
-        pipe = ctx.store.r.pipeline(transaction=False)
-        sets = {str(h): e.format() for h, e in self.changed.items() if e is not None}
+        then: list[tuple] = []  # map and instance writes: after the records, in their round trip
+        sets = [x for h, e in self.changed.items() if e is not None for x in (str(h), e.format())]
         dels = [str(h) for h, e in self.changed.items() if e is None]
         if sets:
-            pipe.hset(self.map_key, mapping=sets)
+            then.append(("HSET", self.map_key, *sets))
         if dels:
-            pipe.hdel(self.map_key, *dels)
-        self.fetched.update(self.changed)
-        self.changed = {}
+            then.append(("HDEL", self.map_key, *dels))
         if self.new_block_size is not None:
-            pipe.hset(keys.block_sizes_key(), keys.worker_member(ctx.instance_id, ctx.rank), self.new_block_size)
-            pipe.hset(keys.instance_key(ctx.instance_id), "block_size", self.new_block_size)
+            then.append(("HSET", keys.block_sizes_key(), keys.worker_member(ctx.instance_id, ctx.rank),
+                         self.new_block_size))
+            then.append(("HSET", keys.instance_key(ctx.instance_id), "block_size", self.new_block_size))
             persist = {**persist, keys.rank_field("block_size", ctx.rank): self.new_block_size}
-            self.new_block_size = None
         if persist:
-            pipe.hset(keys.instance_key(ctx.instance_id), mapping=persist)
-        if len(pipe):
+            then.append(("HSET", keys.instance_key(ctx.instance_id), *[x for kv in persist.items() for x in kv]))
+        batches = [(ctx.instance_id, ctx.rank, loc, ops) for loc, ops in self.ops.items() if ops]
+        if batches and ctx.block_size is not None:
+            self._apply(batches, keys.vllm_space(ctx.block_size), then)
+        elif then:
+            pipe = ctx.store.r.pipeline(transaction=False)
+            for cmd in then:
+                pipe.execute_command(*cmd)
             pipe.execute()
+        self.ops = {}
+        self.new_block_size = None
+        self.fetched.update(self.changed)
+        changed, self.changed = self.changed, {}
+        if ctx.mirror is not None:
+            ctx.mirror.update(changed)  # the map as written: only now may the mirror say so
 
-    def _apply(self, batches: list, space: str) -> None:
+    def _apply(self, batches: list, space: str, then: list[tuple]) -> None:
         try:
-            self.ctx.store.apply(batches, space=space)
+            self.ctx.store.apply(batches, space=space, then=then)
         except NotRegistered:
             ctx = self.ctx
             log.warning("%s rank %d was deregistered; registering it again", ctx.instance_id, ctx.rank)
             ctx.register()
-            self.ctx.store.apply(batches, space=space)
+            self.ctx.store.apply(batches, space=space, then=then)
         for batch in batches:
             metrics.count_ops(batch[3], "applied")

@@ -24,7 +24,7 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -33,7 +33,7 @@ from kvlookup.index import keys
 from kvlookup import metrics
 from kvlookup.index.store import Store
 from kvlookup.wire.vllm import DecodeError, decode_batch, parse_live
-from kvlookup.sidecar.vllm_apply import BatchApplier, RankContext
+from kvlookup.sidecar.vllm_apply import BatchApplier, Mirror, RankContext
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ class RankState:
     live_high: int = -1  # highest seq seen on the live stream
     block_size: int | None = None
     contacted: bool = False
+    #: the rank's engine map as this sidecar read and wrote it (sidecar.vllm_apply.RankContext)
+    mirror: Mirror = field(default_factory=Mirror)
 
 
 def digest(payload: bytes) -> str:
@@ -171,7 +173,7 @@ class VllmIngest:
         persist = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): digest(payload)}
         ctx = RankContext(self.store, self.instance_id, rank, st.block_size, lambda: self._wipe(rank),
                           lambda: self._register_rank(rank),
-                          self.rejected, self.skipped)
+                          self.rejected, self.skipped, st.mirror)
         try:
             events = decode_batch(payload).events
         except DecodeError as exc:
@@ -189,12 +191,16 @@ class VllmIngest:
 
     def _wipe(self, rank: int) -> None:
         """New epoch for the rank (its records stop counting), empty engine map."""
+        mirror = self.ranks.setdefault(rank, RankState()).mirror
+        mirror.entries.clear()
+        mirror.complete = False  # until the map is gone
         self._register_rank(rank)
         pipe = self.store.r.pipeline(transaction=False)
         pipe.unlink(keys.engine_map_key(self.instance_id, rank))
         pipe.hdel(keys.instance_key(self.instance_id),
                   *[keys.rank_field(name, rank) for name in ("seq", "digest", "block_size")])
         pipe.execute()
+        mirror.emptied()
 
     def _clear(self, rank: int, st: RankState, resync: str | None) -> None:
         self._wipe(rank)

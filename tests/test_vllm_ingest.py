@@ -251,3 +251,35 @@ def test_block_sizes_of_gone_ranks_leave_the_walk(store, r):
     store.deregister_worker("odd", 0)
     assert chains.block_sizes() == [16]
     assert r.hgetall(keys.block_sizes_key()) == {"0\tusual": "16"}
+
+
+def _calls(r, name: str) -> int:
+    """Calls of command ``name`` Redis has served (on a cluster: 0, commandstats are per node)."""
+    try:
+        return int(r.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+    except Exception:  # noqa: BLE001 - a cluster client answers per node
+        return 0
+
+
+@pytest.mark.single_node  # counts commands on the one server
+def test_the_engine_map_is_not_read_per_batch(store, r, client):
+    """A rank this sidecar started fresh keeps its engine map in a mirror: continuing chains,
+    removing and re-storing blocks read nothing of the map; each batch is one round trip of
+    records and map writes. A sidecar resuming the stream reads the map once."""
+    ing, s = VllmIngest(store, "pod-a"), Stream()
+    s.send(ing, stored([H1, H2], A))
+    before = _calls(r, "hmget") + _calls(r, "hgetall")
+    s.send(ing, stored([H3], B, parent=H2))
+    s.send(ing, removed([H3]))
+    s.send(ing, stored([H3], B, parent=H2))
+    s.send(ing, stored([H3], medium="CPU"))  # token-less: resolved from the mirror
+    assert _calls(r, "hmget") + _calls(r, "hgetall") == before
+    assert layout(client, A + B + [7]) == {"pod-a": ("GPU", 48, {"GPU": 48, "CPU": 16}, {"0": 48})}
+    assert r.hget(keys.engine_map_key("pod-a", 0), str(H3)).endswith("|CPU,GPU")
+    resumed = VllmIngest(Store(r, instance_ttl_s=0, purge_grace_s=0), "pod-a", replay=s.replay)
+    reads = (_calls(r, "hgetall"), _calls(r, "hmget"))
+    s.send(resumed, removed([H3], medium="CPU"))
+    s.send(resumed, removed([H3]))
+    # first contact reads the persisted seq (one HMGET of the instance hash), then the map once
+    assert (_calls(r, "hgetall") - reads[0], _calls(r, "hmget") - reads[1]) == (1, 1)
+    assert layout(client, A + B + [7]) == {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})}

@@ -117,10 +117,11 @@ class Records(Protocol):
     """The record operations a backend provides (one contract suite: tests/test_store.py and
     the rest of the semantic tests run against every backend)."""
 
-    def apply(self, writes: Sequence[HolderWrite], score: int) -> list[bool]:
+    def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
         """Write each holder's admits/evicts (score: admit time, unix ms). Returns, per write,
         False when the holder was retired (nothing written for it that counts; the caller
-        resolves the current holder and writes again)."""
+        resolves the current holder and writes again). then: plain commands sent after the
+        writes, in the same round trip where the backend can (their errors raise)."""
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         """Every group's match over ``chains`` (non-empty), in no particular order."""
@@ -235,7 +236,7 @@ class SingleNodeRecords:
             self._resolve = self.cached.register(scripts.RESOLVE)
             self.holder_cache = HolderCache()
 
-    def apply(self, writes: Sequence[HolderWrite], score: int) -> list[bool]:
+    def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
         cmds: list[tuple] = []
         calls = []
         head = (keys.holders_key(), keys.dead_holders_key(), keys.records_key())
@@ -254,7 +255,7 @@ class SingleNodeRecords:
                              keys.EVICTED_MAX, keys.EVICTED_TTL_MS))
                 n += 1
             calls.append(n)
-        results = iter(raise_errors(self.io.execute(cmds)))
+        results = iter(raise_errors(self.io.execute([*cmds, *then])))
         return [min(int(next(results)) for _ in range(n)) >= 0 for n in calls]
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> list[Match]:

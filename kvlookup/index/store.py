@@ -289,6 +289,7 @@ class Store:
         *,
         space: str = "",
         now_ms: int | None = None,
+        then: Sequence[tuple] = (),
     ) -> int:
         """Apply admit/evict ops, order kept per holder: the batches of one holder are joined in
         order and folded to every chunk's last op, which leaves the same final state.
@@ -296,7 +297,8 @@ class Store:
         batches: (instance_id, worker_id, location, ops): ops a list [(ADMIT|EVICT, chunk_hash),
         ...] or an already folded {chunk hash text: ADMIT|EVICT}. Returns the folded ops applied
         (one per chunk and holder). Raises NotRegistered for an unknown worker (then nothing is
-        written).
+        written). then: plain commands to send once with the first write (same round trip on
+        one Redis; sidecar.vllm_apply's engine map writes), also when there are no ops.
         """
         score = int(time.time() * 1000) if now_ms is None else now_ms
         merged: dict[tuple[str, str, str], dict[str, str]] = {}  # one write per holder: backends reorder
@@ -315,7 +317,8 @@ class Store:
                                   [h for h, op in ops.items() if op == ADMIT],
                                   [h for h, op in ops.items() if op != ADMIT])
                       for inst, wid, loc, ops in todo]
-            ok = self.records.apply(writes, score)
+            ok = self.records.apply(writes, score, then) if then else self.records.apply(writes, score)
+            then = ()
             applied += sum(len(b[3]) for b, good in zip(todo, ok, strict=True) if good)
             if self.journal is not None:
                 self._journal(score, todo, writes, ok)
