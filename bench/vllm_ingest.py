@@ -9,8 +9,12 @@ removed again later:
 - ``prefill``: 32 blocks per BlockStored, 4 stores per batch (prompts being prefilled);
 - ``decode``: 1 block per BlockStored, 16 stores per batch (sequences growing token by token).
 
+Each shape is delivered one message per call (``handle_live``: the sidecar keeps up) and in
+groups of 8 (``handle_live_many``: what the sidecar's SUB handler reads at once when it is
+behind; consecutive batches are written as one).
+
 Reported: blocks/s (wall), the ingesting process's CPU per block (``time.process_time``) and
-Redis's (``INFO commandstats`` usec, every command), per shape.
+Redis's (``INFO commandstats`` usec, every command), per shape and delivery.
 """
 
 from __future__ import annotations
@@ -60,20 +64,21 @@ def batches(shape: str, n_blocks: int, seed: int = 1) -> list[bytes]:
     return out
 
 
-def run(blocks: int = 100_000) -> dict:
+def run(blocks: int = 100_000, groups: tuple[int, ...] = (1, 8)) -> dict:
     out: dict = {"blocks_per_shape": blocks, "shapes": {}}
     with Procs() as procs:
         url = procs.start_redis()
         r = connect(url)
-        for shape in SHAPES:
+        for shape, group in [(s, g) for s in SHAPES for g in groups]:
             payloads = batches(shape, blocks)
-            ingest = VllmIngest(Store(connect(url), instance_ttl_s=0), f"bench-{shape}")
+            ingest = VllmIngest(Store(connect(url), instance_ttl_s=0), f"bench-{shape}-{group}")
+            msgs = [[b"kv@bench", seq.to_bytes(8, "big"), p] for seq, p in enumerate(payloads)]
             u0, c0, t0 = redis_usec(r), time.process_time(), time.perf_counter()
-            for seq, payload in enumerate(payloads):
-                ingest.handle_live(0, [b"kv@bench", seq.to_bytes(8, "big"), payload])
+            for i in range(0, len(msgs), group):
+                ingest.handle_live_many(0, msgs[i:i + group])
             wall, cpu, busy = time.perf_counter() - t0, time.process_time() - c0, redis_usec(r) - u0
             rejected = dict(ingest.rejected)
-            out["shapes"][shape] = {"blocks": blocks, "batches": len(payloads), "seconds": round(wall, 3),
+            out["shapes"][f"{shape}/{group}"] = {"blocks": blocks, "batches": len(payloads), "seconds": round(wall, 3),
                                     "blocks_per_s": round(blocks / wall),
                                     "sidecar_cpu_us_per_block": round(cpu * 1e6 / blocks, 2),
                                     "redis_cpu_us_per_block": round(busy / blocks, 2), "rejected": rejected}

@@ -79,19 +79,48 @@ class VllmIngest:
 
     def handle_live(self, rank: int, frames: list[bytes]) -> None:
         """One live SUB message of ``rank``. Never raises except for Redis outages."""
-        try:
-            _topic, seq, payload = parse_live(frames)
-        except DecodeError as exc:
-            self._reject(exc.reason, str(exc))
+        self.handle_live_many(rank, [frames])
+
+    def handle_live_many(self, rank: int, messages: list[list[bytes]]) -> None:
+        """Live SUB messages of ``rank`` that arrived together, in order. A run of them that
+        continues the rank's stream one seq after another (the normal case) is written as one
+        batch (one round trip; the seq and digest of its last are persisted); anything else (a
+        first contact, a gap, a duplicate, an engine restart, a bad frame) goes one by one.
+        Never raises except for Redis outages."""
+        run: list[tuple[int, bytes]] = []
+        for frames in messages:
+            try:
+                _topic, seq, payload = parse_live(frames)
+            except DecodeError as exc:
+                self._guarded(rank, run)
+                run = []
+                self._reject(exc.reason, str(exc))
+                continue
+            metrics.MESSAGES.labels("vllm_batch").inc()
+            st = self.ranks.get(rank)
+            if st is not None and st.contacted and st.last is not None and seq > st.live_high \
+                    and seq == (run[-1][0] if run else st.last) + 1:
+                st.live_high = seq
+                run.append((seq, payload))
+                continue
+            self._guarded(rank, run)
+            run = []
+            self._guarded(rank, [(seq, payload)], single=True)
+        self._guarded(rank, run)
+
+    def _guarded(self, rank: int, run: list[tuple[int, bytes]], single: bool = False) -> None:
+        if not run:
             return
-        metrics.MESSAGES.labels("vllm_batch").inc()
         try:
-            self._on_live(rank, seq, payload)
+            if single:
+                self._on_live(rank, *run[0])
+            else:
+                self._apply_run(rank, self.ranks[rank], run)
         except (redis.ConnectionError, redis.TimeoutError):
-            raise  # the loop waits; the lost message shows up as a gap and is replayed
+            raise  # the loop waits; the lost messages show up as a gap and are replayed
         except Exception:
-            self._reject("handler_error", f"rank {rank} seq {seq}")
-            log.exception("failed to apply %s rank %d seq %d", self.instance_id, rank, seq)
+            self._reject("handler_error", f"rank {rank} seq {run[0][0]}..{run[-1][0]}")
+            log.exception("failed to apply %s rank %d seq %d..%d", self.instance_id, rank, run[0][0], run[-1][0])
 
     # -- sequence -------------------------------------------------------------------------
 
@@ -170,15 +199,21 @@ class VllmIngest:
     # -- writes ---------------------------------------------------------------------------
 
     def _apply(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
+        self._apply_run(rank, st, [(seq, payload)])
+
+    def _apply_run(self, rank: int, st: RankState, run: list[tuple[int, bytes]]) -> None:
+        """Apply consecutive batches as one (their events in order, one write)."""
+        seq, payload = run[-1]
         persist = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): digest(payload)}
         ctx = RankContext(self.store, self.instance_id, rank, st.block_size, lambda: self._wipe(rank),
                           lambda: self._register_rank(rank),
                           self.rejected, self.skipped, st.mirror)
-        try:
-            events = decode_batch(payload).events
-        except DecodeError as exc:
-            self._reject(exc.reason, f"rank {rank} seq {seq}: {exc}")
-            events = ()
+        events: list = []
+        for s, p in run:
+            try:
+                events += decode_batch(p).events
+            except DecodeError as exc:
+                self._reject(exc.reason, f"rank {rank} seq {s}: {exc}")
         BatchApplier(ctx).run(events, persist)
         st.block_size = ctx.block_size
         st.last = seq

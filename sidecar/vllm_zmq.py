@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 MAX_REPLAY_BATCHES = 10_000
 #: A whole replay may take this many per-reply timeouts.
 TOTAL_TIMEOUTS = 5
+#: Live messages of one rank read together (and written as one batch when consecutive).
+MAX_BATCHES_PER_READ = 8
 
 
 class ReplayClient:
@@ -149,7 +151,10 @@ class VllmLoop:
 
             def handler(sock: zmq.Socket, rank: int = rank, key=key) -> None:
                 self.down.pop(key, None)
-                ingest.handle_live(rank, sock.recv_multipart(copy=True))
+                msgs = [sock.recv_multipart(copy=True)]
+                while len(msgs) < MAX_BATCHES_PER_READ and sock.poll(0):
+                    msgs.append(sock.recv_multipart(copy=True))
+                ingest.handle_live_many(rank, msgs)  # consecutive batches: one write
 
             def on_event(event: int, _fd: int, _endpoint: str, key=key) -> None:
                 if event == zmq.EVENT_DISCONNECTED:

@@ -283,3 +283,24 @@ def test_the_engine_map_is_not_read_per_batch(store, r, client):
     # first contact reads the persisted seq (one HMGET of the instance hash), then the map once
     assert (_calls(r, "hgetall") - reads[0], _calls(r, "hmget") - reads[1]) == (1, 1)
     assert layout(client, A + B + [7]) == {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})}
+
+
+def test_batches_read_together_are_applied_as_one_and_keep_the_sequence(store, r, client):
+    """Messages the SUB handler read together: a consecutive run is one write (the last seq and
+    digest persisted); a bad frame and a gap are handled as when they come alone."""
+    ing, s = VllmIngest(store, "pod-a"), Stream()
+    s.send(ing, stored([H1], A[:16]))
+    msgs = []
+    for ev in (stored([H2], A[16:], parent=H1), stored([H3], B, parent=H2)):
+        seq = s.send(None, ev, deliver=False)
+        msgs.append([b"kv@pod-a", seq.to_bytes(8, "big"), s.buffer[-1][1]])
+    msgs.append([b"kv@pod-a", b"\x00"])  # a broken frame
+    ing.handle_live_many(0, msgs)
+    assert layout(client, A + B + [7]) == {"pod-a": ("GPU", 48, {"GPU": 48}, {"0": 48})}
+    assert r.hget(keys.instance_key("pod-a"), keys.rank_field("seq", 0)) == "2"
+    assert ing.rejected["frames"] == 1
+    s.send(None, removed([H3]), deliver=False)  # seq 3 lost
+    seq = s.send(None, removed([H2]), deliver=False)
+    ing.replay = s.replay
+    ing.handle_live_many(0, [[b"kv@pod-a", seq.to_bytes(8, "big"), s.buffer[-1][1]]])  # gap: replays 3..4
+    assert s.replays == [3] and layout(client, A + B + [7]) == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
