@@ -36,9 +36,10 @@ from urllib.parse import parse_qs
 import msgspec
 import redis
 
-from kvlookup.app.errors import ApiError, decode_body, send_json
 from kvlookup.app import fleet_metrics
+from kvlookup.app.errors import ApiError, decode_body, send_json
 from kvlookup.client import Client, InstanceMatch, TokenId, new_event_id
+from kvlookup.hashing.namespace import Namespace
 from kvlookup.index.tracking import NeedsRedis
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class LookupRoute:
         return path == PATH or (path == EXPLAIN_PATH and self.explainer is not None)
 
     def respond(self, path: str, method: str, query_string: str, data: bytes, keep: dict,
-                content_type: str = "") -> tuple[int, dict | None, list[tuple[str, str]]]:
+                content_type: str = "") -> tuple[int, dict | msgspec.Raw | None, list[tuple[str, str]]]:
         """One request to ``path`` (PATH or EXPLAIN_PATH): ``(status, JSON body or None, extra
         headers)``, errors in the API's JSON shape. ``keep`` gets the decoded request under
         :data:`REQUEST_KEY`, for the caller to free after the answer is sent (a 32k-token list
@@ -173,6 +174,8 @@ class LookupRoute:
         try:
             body, req = self._lookup(query_string, data, keep, content_type)
             if path == EXPLAIN_PATH:
+                if isinstance(body, msgspec.Raw):  # a kept answer's encoded layout: explain reads the dict
+                    body = msgspec.json.decode(body)
                 body = self.explain(req, body)
             return 200, body, []
         except ApiError as exc:
@@ -185,15 +188,16 @@ class LookupRoute:
 
     def explain(self, req: LookupRequest, body: dict) -> dict:
         """``POST /lookup/explain``: the same body, query and errors as /lookup; the answer is
-        :meth:`kvlookup.explain.Explainer.explain` of the /lookup answer ``body``."""
+        :meth:`kvlookup.index.explain.Explainer.explain` of the /lookup answer ``body``."""
         try:
-            out = self.explainer.explain(req.tokens, body, lora_name=req.lora_name, cache_salt=req.cache_salt)
+            out = self.explainer.explain(req.tokens, body, Namespace(req.lora_name, req.cache_salt))
         except redis.RedisError as exc:
             raise ApiError(503, f"index unavailable: {exc}") from None
         fleet_metrics.EXPLAINED.labels(out["cause"]).inc()
         return out
 
-    def _lookup(self, query_string: str, data: bytes, keep: dict, content_type: str) -> tuple[dict, LookupRequest]:
+    def _lookup(self, query_string: str, data: bytes, keep: dict,
+                content_type: str) -> tuple[dict | msgspec.Raw, LookupRequest]:
         query = parse_qs(query_string, keep_blank_values=True) if query_string else {}
         fmt = query.get("format", [self.default_format])[0]
         if fmt not in FORMATS:
@@ -208,8 +212,8 @@ class LookupRoute:
         start = time.perf_counter()
         causes: list[str] = []
         try:
-            matches = self.client.matches(req.tokens, validate=False, lora_name=req.lora_name,
-                                          cache_salt=req.cache_salt, causes=causes)
+            matches = self.client.matches(req.tokens, validate=False,
+                                          namespace=Namespace(req.lora_name, req.cache_salt), causes=causes)
         except redis.RedisError as exc:
             _child(fleet_metrics.LOOKUPS, "redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None

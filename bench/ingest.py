@@ -21,8 +21,8 @@ import zmq
 from kvlookup.bench import feed, progress
 from kvlookup.bench.procs import Procs
 from kvlookup.bench.workload import CPU, Op
-from kvlookup.index import keys
 from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index import keys
 from kvlookup.proc.redis_server import connect
 
 
@@ -116,7 +116,8 @@ def run(workers: int = 4, ops_per_worker: int = 250_000, pushers: int = 2) -> di
         r.close()
     return {"workers": workers, "pushers": pushers, "ops": total, "seconds": round(elapsed, 3),
             "ops_per_s": round(total / elapsed), "records_after": records,
-            "sidecar_cpu_us_per_op": round(cpu[0] * 1e6 / total, 2), "redis_cpu_us_per_op": round(cpu[1] * 1e6 / total, 2),
+            "sidecar_cpu_us_per_op": round(cpu[0] * 1e6 / total, 2),
+            "redis_cpu_us_per_op": round(cpu[1] * 1e6 / total, 2),
             "bytes_per_record_after": round((mem1 - mem0) / max(records, 1), 1)}
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from kvlookup.bench import progress
-from kvlookup.bench.procs import REPO
+from kvlookup.bench.procs import PARTS, REPO
 
 RESULTS = REPO / "bench" / "results"
 
@@ -56,7 +56,6 @@ FULL = {
     "fresh": dict(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seconds=2.0),
     "vllm-ingest": dict(blocks=100_000),
 }
-PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk", "idle", "holders", "fresh", "vllm-ingest")
 
 
 def machine() -> dict:
@@ -200,7 +199,8 @@ def add_parser(sub) -> None:
                        "sweeps (latency vs prompt length, instances, index size), stages (where an HTTP "
                        "lookup's time goes), purge (records/s deleted of a retired holder), idle (Redis "
                        "commands/s and CPU of an idle sidecar of each kind), holders (lookup cost vs how many "
-                       "instances hold the prompt), fresh (prompts with a new last chunk vs LMCache, CPU per request), vllm-ingest (vLLM BlockStored blocks/s). 'all' runs every "
+                       "instances hold the prompt), fresh (prompts with a new last chunk vs LMCache, CPU per "
+                       "request), vllm-ingest (vLLM BlockStored blocks/s). 'all' runs every "
                        "part (~6 min; --quick ~1.5 min) and writes bench/results/results.json and "
                        "docs/benchmarks.md; 'report' re-renders the docs.")
     b.add_argument("part", nargs="?", default="all", choices=("all", *PARTS, "report"),

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import redis
 
+from kvlookup import kinds, metrics
 from kvlookup.index import keys
-
-from kvlookup import metrics
 from kvlookup.index.store import Store
-from kvlookup.wire.vllm import DecodeError, decode_batch, parse_live
 from kvlookup.sidecar.vllm_apply import BatchApplier, Mirror, RankContext
+from kvlookup.wire.errors import WireError
+from kvlookup.wire.vllm import decode_batch, parse_live
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class VllmIngest:
         for frames in messages:
             try:
                 _topic, seq, payload = parse_live(frames)
-            except DecodeError as exc:
+            except WireError as exc:
                 self._guarded(rank, run)
                 run = []
                 self._reject(exc.reason, str(exc))
@@ -204,7 +204,8 @@ class VllmIngest:
     def _apply_run(self, rank: int, st: RankState, run: list[tuple[int, bytes]]) -> None:
         """Apply consecutive batches as one (their events in order, one write)."""
         seq, payload = run[-1]
-        persist = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): digest(payload)}
+        persist: dict[str, str | int] = {keys.rank_field("seq", rank): seq,
+                                         keys.rank_field("digest", rank): digest(payload)}
         ctx = RankContext(self.store, self.instance_id, rank, st.block_size, lambda: self._wipe(rank),
                           lambda: self._register_rank(rank),
                           self.rejected, self.skipped, st.mirror)
@@ -212,7 +213,7 @@ class VllmIngest:
         for s, p in run:
             try:
                 events += decode_batch(p).events
-            except DecodeError as exc:
+            except WireError as exc:
                 self._reject(exc.reason, f"rank {rank} seq {s}: {exc}")
         BatchApplier(ctx).run(events, persist)
         st.block_size = ctx.block_size
@@ -220,7 +221,7 @@ class VllmIngest:
 
     def _register_rank(self, rank: int) -> None:
         """A new epoch of the rank in the registry, owned by this sidecar."""
-        self.store.register_worker(self.instance_id, rank, kind="vllm", worker_rule="any")
+        self.store.register_worker(self.instance_id, rank, kind=kinds.VLLM)
         if self.owner:
             self.store.own(self.owner, self.instance_id)
 
