@@ -26,7 +26,7 @@ import msgspec
 import zmq
 
 from kvlookup.bench.loadgen import percentile
-from kvlookup.bench.procs import Procs, wait_http
+from kvlookup.bench.procs import Procs
 from kvlookup.proc.redis_server import free_port
 
 BLOCK = 16
