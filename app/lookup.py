@@ -55,6 +55,9 @@ COUNT_KEY = "kvlookup.count"
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
+_ENCODER = msgspec.json.Encoder()
+
+
 class LookupRequest(msgspec.Struct):
     tokens: list[TokenId]
     lora_name: str | None = None
@@ -100,8 +103,23 @@ def _raw_uint32(body: bytes, query: dict[str, list[str]]) -> LookupRequest:
                          query.get("cache_salt", [None])[0] or None, query.get("model_name", [None])[0] or None)
 
 
-def response_body(matches: list[InstanceMatch], fmt: str, detail: bool) -> dict:
-    """The JSON answer for ``matches`` (longest first) in shape ``fmt`` (flat | layout_info)."""
+def response_body(matches: list[InstanceMatch], fmt: str, detail: bool) -> dict | msgspec.Raw:
+    """The JSON answer for ``matches`` (longest first) in shape ``fmt`` (flat | layout_info).
+
+    For a kept answer (kvlookup.client.SharedAnswer) the layout is encoded once and kept with it:
+    a prefix held by a thousand instances is not built and encoded again for every lookup."""
+    shared = getattr(matches, "shared", None)
+    if shared is not None and not detail:
+        frag = shared.get(fmt)
+        if frag is None:
+            layout = {m.instance_id: [m.location, m.matched_prefix_length] for m in matches}
+            if fmt != "layout_info":
+                layout.pop("event_id", None)
+            frag = shared[fmt] = _ENCODER.encode(layout)
+        event = _ENCODER.encode(new_event_id("Lookup"))
+        if fmt == "layout_info":
+            return {"event_id": msgspec.Raw(event), "layout_info": msgspec.Raw(frag)}
+        return msgspec.Raw(b'{"event_id":' + event + (b"," + frag[1:] if len(frag) > 2 else b"}"))
     layout = {m.instance_id: [m.location, m.matched_prefix_length] for m in matches}
     body: dict = {"event_id": new_event_id("Lookup")}
     if fmt == "layout_info":
@@ -146,7 +164,7 @@ class LookupRoute:
         return path == PATH or (path == EXPLAIN_PATH and self.explainer is not None)
 
     def respond(self, path: str, method: str, query_string: str, data: bytes, keep: dict,
-                content_type: str = "") -> tuple[int, dict | None, list[tuple[str, str]]]:
+                content_type: str = "") -> tuple[int, dict | msgspec.Raw | None, list[tuple[str, str]]]:
         """One request to ``path`` (PATH or EXPLAIN_PATH): ``(status, JSON body or None, extra
         headers)``, errors in the API's JSON shape. ``keep`` gets the decoded request under
         :data:`REQUEST_KEY`, for the caller to free after the answer is sent (a 32k-token list
@@ -159,6 +177,8 @@ class LookupRoute:
         try:
             body, req = self._lookup(query_string, data, keep, content_type)
             if path == EXPLAIN_PATH:
+                if isinstance(body, msgspec.Raw):  # a kept answer's encoded layout: explain reads the dict
+                    body = msgspec.json.decode(body)
                 body = self.explain(req, body)
             return 200, body, []
         except ApiError as exc:
@@ -179,7 +199,8 @@ class LookupRoute:
         fleet_metrics.EXPLAINED.labels(out["cause"]).inc()
         return out
 
-    def _lookup(self, query_string: str, data: bytes, keep: dict, content_type: str) -> tuple[dict, LookupRequest]:
+    def _lookup(self, query_string: str, data: bytes, keep: dict,
+                content_type: str) -> tuple[dict | msgspec.Raw, LookupRequest]:
         query = parse_qs(query_string, keep_blank_values=True) if query_string else {}
         fmt = query.get("format", [self.default_format])[0]
         if fmt not in FORMATS:
@@ -202,7 +223,7 @@ class LookupRoute:
             raise ApiError(503, f"index unavailable: {exc}") from None
         if detail_arg in TRUE:
             try:
-                self.client.add_reusable(req.tokens, matches, Namespace(req.lora_name, req.cache_salt))
+                matches = self.client.add_reusable(req.tokens, matches, Namespace(req.lora_name, req.cache_salt))
             except redis.RedisError as exc:
                 raise ApiError(503, f"index unavailable: {exc}") from None
         body = response_body(matches, fmt, detail_arg in TRUE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -129,6 +130,18 @@ def merge_matches(matches: Sequence[Match]) -> list[InstanceMatch]:
 ChainSource = Callable[[Sequence[int], Namespace], list[Chain]]
 
 
+class SharedAnswer(list):
+    """:meth:`Client.matches` of a kept answer (kvlookup.index.staged): a new list each call of
+    the same :class:`InstanceMatch` objects (never change them). ``shared`` is a dict that lives
+    as long as that answer, for what a caller derives from it (app.lookup keeps its encoded
+    layout there)."""
+
+    shared: dict
+
+
+#: Merged kept answers a Client keeps (all dropped when full).
+MERGED_MAX = 4096
+
 #: Distinct vLLM block sizes a lookup walks (fleets use one or two).
 MAX_BLOCK_SIZES = 8
 
@@ -216,17 +229,20 @@ class Client:
     def __init__(self, redis_url: str | None = None, profile: HashProfile | None = None, *,
                  redis_cluster: bool = False, redis: redis.Redis | None = None, store: Store | None = None,
                  extra_chains: Sequence[ChainSource] = (), max_tokens: int | None = 1_048_576,
-                 instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0, cache_reads: bool | str = False):
+                 instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0, cache_reads: bool | str = False,
+                 cache_keys: int = 200_000):
         if store is None:
             if redis is None:
                 if redis_url is None:
                     raise ValueError("Client needs redis_url, redis or store")
                 redis = connect(redis_url, cluster=redis_cluster)
-            store = Store(redis, instance_ttl_s=instance_ttl_s, worker_ttl_s=worker_ttl_s, cache_reads=cache_reads)
+            store = Store(redis, instance_ttl_s=instance_ttl_s, worker_ttl_s=worker_ttl_s, cache_reads=cache_reads,
+                          cache_keys=cache_keys)
         self.store = store
         self.profile = profile or HashProfile()
         self.extra_chains = list(extra_chains)
         self.max_tokens = max_tokens
+        self._merged: dict[int, tuple] = {}  # id(kept answer) -> (it, its merge_matches)
 
     def chains(self, tokens: Sequence[int], namespace: Namespace = DEFAULT) -> list[Chain]:
         """Every hash chain a lookup of ``tokens`` in ``namespace`` walks (see :data:`ChainSource`)."""
@@ -254,7 +270,16 @@ class Client:
         found = self.store.lookup(chains, now_ms=int(time.time() * 1000))
         if causes is not None:
             causes.append(found.miss)
-        merged = merge_matches(found)
+        if not found.kept:
+            merged: list[InstanceMatch] = merge_matches(found)
+        else:
+            got = self._merged.get(id(found))  # a kept answer (kvlookup.index.staged): merged once
+            if got is None or got[0] is not found:
+                if len(self._merged) >= MERGED_MAX:
+                    self._merged.clear()
+                got = self._merged[id(found)] = (found, merge_matches(found), {})
+            merged = SharedAnswer(got[1])
+            merged.shared = got[2]
         return self._of_model(merged, model_name) if model_name and merged else merged
 
     def _of_model(self, matches: list[InstanceMatch], model_name: str) -> list[InstanceMatch]:
@@ -269,14 +294,17 @@ class Client:
         return [m for m, model in zip(matches, models, strict=True) if not model or model == model_name]
 
     def add_reusable(self, tokens: Sequence[int], matches: list[InstanceMatch],
-                     namespace: Namespace = DEFAULT) -> None:
-        """Fill ``reusable`` of the vLLM matches (kvlookup.index.vllm_reuse); reads Redis, so under
-        LOCAL_ONLY it raises NeedsRedis."""
+                     namespace: Namespace = DEFAULT) -> list[InstanceMatch]:
+        """``matches`` with ``reusable`` filled for the vLLM ones (kvlookup.index.vllm_reuse), as
+        copies: a kept answer's matches are shared between lookups and never changed. Reads Redis,
+        so under LOCAL_ONLY it raises NeedsRedis."""
         if not any(m.ranks for m in matches):
-            return
+            return matches
         if LOCAL_ONLY.get():
             raise NeedsRedis()
-        fill_reusable(self.store.r, tokens, matches, namespace.lora_name, namespace.cache_salt)
+        out = [dataclasses.replace(m, reusable={}) for m in matches]
+        fill_reusable(self.store.r, tokens, out, namespace.lora_name, namespace.cache_salt)
+        return out
 
     def lookup(self, tokens: list[int]) -> tuple[str, dict[str, tuple[str, int]]]:
         """LMCache's ``lookup(tokens) -> (event_id, layout_info)``.

@@ -123,6 +123,14 @@ class Settings:
             "every invalidation Redis has queued (one round trip on the invalidation connection), so a lookup "
             "sees every write completed before it; `off` runs the `LOOKUP` script (one round trip). One Redis "
             "only: with `redis_cluster` or a Sentinel URL lookups read uncached")
+    lookup_cache_keys: int = setting(
+        200_000, readers=(CONTROLLER,),
+        help="(lookup_cache on/fenced) the most chunk sets each worker process keeps",
+        doc="(`lookup_cache` on/fenced) the most chunk sets each worker process keeps. Scan-resistant "
+            "(kvlookup/index/copies.py: a chunk read once waits in a probation segment; only one read again "
+            "takes one of the 80% kept for chunks read repeatedly), so fresh prompts and a working set larger "
+            "than this do not flush a shared system prompt; a chunk nobody holds is never kept; equal chunk "
+            "sets are kept once")
     max_tokens: int = setting(1_048_576, readers=(CONTROLLER,), flag="", help="longer prompts get 413")
     max_body_bytes: int = setting(
         16 * 1024 * 1024, readers=(CONTROLLER,), flag="", default_text="16 MiB",
@@ -377,7 +385,7 @@ RANGES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("port", "monitor_port", "metrics_port"), _is_port, "a TCP port (1..65535)"),
     (("gunicorn_workers",), lambda v: 1 <= v <= 256, "an integer 1..256 (processes: about one per core)"),
     (("gunicorn_threads",), lambda v: 1 <= v <= 1024, "an integer 1..1024"),
-    (("max_tokens", "max_body_bytes", "redis_max_connections",
+    (("max_tokens", "max_body_bytes", "redis_max_connections", "lookup_cache_keys",
       "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size"), lambda v: v >= 1,
      "a positive integer"),
     (("control_retries",), lambda v: v >= 0, "an integer >= 0"),

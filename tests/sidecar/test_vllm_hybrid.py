@@ -33,7 +33,7 @@ def layout(client, tokens, **ns):
 
 def detail(client, tokens):
     matches = client.matches(tokens)
-    client.add_reusable(tokens, matches)
+    matches = client.add_reusable(tokens, matches)
     return {m.instance_id: m.detail() for m in matches}
 
 
