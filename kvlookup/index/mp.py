@@ -1,0 +1,389 @@
+"""The LMCache multiprocess (MP) coordinator's directory, in Redis: registry, ingest gate,
+placements, counters (docs/lmcache-mp.md; keys in keys.py under ``{mp}``; Lua in scripts.py).
+
+Semantics are ``lmcache.v1.mp_coordinator`` 0.5.6/0.5.7rc2's (``ingest/event_gate.py``,
+``views/key_directory.py``): one cursor ``(incarnation, last seq, gap)`` per emitter; a lower
+incarnation is stale, a higher one drops the emitter's L1 placements (L2 stays), ``seq <= last``
+is a duplicate, a forward jump is admitted and flags a gap, as does a rise of ``dropped_events``;
+after a departure (DELETE, timeout) L1 batches of the departed incarnation are stale until the
+instance registers again. A placement's identity is ``(tier, backend, shared, instance)``, the
+instance left out when ``shared``: the last reporter of a shared pool wins.
+
+Storage (per object key, ~100-150 B; docs/redis-schema.md): a field ``<chunk b64>.<space id>``
+in the chunk's bucket hash with value ``<key id>,<access count>|<tb>,<epoch>,<size>|...``
+(tb, epoch and space are small interned ids), a field in one page of the insertion-ordered key
+list, and for L1 a key id in the reporting instance's reverse-index bucket (an intset).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvlookup.hashing import mp as mphash
+from kvlookup.index import keys as K
+from kvlookup.index import scripts as S
+from kvlookup.wire import lmcache_mp as W
+
+#: LMCache's coordinator defaults: --instance-timeout 30 s, --chunk-size 256.
+DEFAULT_INSTANCE_TIMEOUT_S = 30.0
+DEFAULT_CHUNK_SIZE = mphash.DEFAULT_CHUNK_SIZE
+
+
+class ChunkSizeConflict(ValueError):
+    """The fleet is bound to another chunk size (the coordinator answers 409)."""
+
+
+def chunk_b64(chunk_hash_hex: str) -> str:
+    """A chunk hash as it appears in MP fields: unpadded base64url of its bytes (43 chars for 32)."""
+    return base64.urlsafe_b64encode(bytes.fromhex(chunk_hash_hex)).rstrip(b"=").decode()
+
+
+def canon(chunk_hash_hex: str) -> str:
+    """A wire ``chunk_hash_hex`` as the coordinator reads it (``bytes.fromhex``), as lowercase hex."""
+    return bytes.fromhex(chunk_hash_hex).hex()
+
+
+def chunk_hex(b64: str) -> str:
+    """Inverse of :func:`chunk_b64`."""
+    return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
+
+
+def space_text(key: W.EncodedObjectKey) -> str:
+    """The interned part of an object key besides its chunk: model, salt, kv_rank, group."""
+    return f"{key.model_name}\t{key.cache_salt}\t{key.kv_rank}\t{key.object_group_id}"
+
+
+def tokens_text(token_ids: list[int], offset: int) -> str:
+    """A token binding as stored: ``<offset>\\t<base64 little-endian uint32>`` ('' when any id is outside uint32)."""
+    try:
+        packed = array("I", token_ids)
+    except OverflowError:
+        return ""
+    if packed.itemsize != 4:  # pragma: no cover
+        return ""
+    return f"{offset}\t{base64.b64encode(packed.tobytes()).decode()}"
+
+
+def parse_tokens(text: str | None) -> tuple[list[int], int]:
+    """(token_ids, token_offset) from :func:`tokens_text`'s text; ([], -1) for none."""
+    if not text:
+        return [], -1
+    off, _, b64 = text.partition("\t")
+    ids = array("I")
+    ids.frombytes(base64.b64decode(b64))
+    return ids.tolist(), int(off)
+
+
+@dataclass
+class Record:
+    """One object key's stored state: key id, access count, placements ``(tb, epoch, size)``."""
+
+    kid: int
+    access_count: int
+    placements: list[tuple[str, str, int]] = field(default_factory=list)
+
+
+def parse_record(value: str) -> Record:
+    head, *rest = value.split("|")
+    kid, acc = head.split(",")
+    return Record(int(kid), int(acc), [(tb, ep, int(sz)) for tb, ep, sz in (p.split(",") for p in rest)])
+
+
+class MPDirectory:
+    """The MP directory on one Redis client (plain, Sentinel-managed or Cluster).
+
+    chunk_size: used for token hashing until the fleet binds one (registration, PUT
+    /config/chunk-size); instance_timeout_s: heartbeat silence before an instance departs.
+    Errors: redis.RedisError passes through (the HTTP layer answers 503).
+    """
+
+    def __init__(self, redis, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 instance_timeout_s: float = DEFAULT_INSTANCE_TIMEOUT_S):
+        self.r = redis
+        self.configured_chunk_size = chunk_size
+        self.instance_timeout_s = instance_timeout_s
+        self._apply = redis.register_script(S.MP_APPLY)
+        self._depart = redis.register_script(S.MP_DEPART)
+        self._register = redis.register_script(S.MP_REGISTER)
+        self._heartbeat = redis.register_script(S.MP_HEARTBEAT)
+        self._bind = redis.register_script(S.MP_BIND_CHUNK)
+        self._names: dict[str, str] = {}  # immutable interned names (ids never change)
+
+    # -- registry ------------------------------------------------------------------------
+
+    def chunk_size(self) -> int:
+        """The bound chunk size, or the configured one while none is bound."""
+        bound = self.r.hget(K.mp_config_key(), "chunk_size")
+        return int(bound) if bound else self.configured_chunk_size
+
+    def bind_chunk_size(self, chunk_size: int) -> int:
+        """Bind the fleet's chunk size once; ChunkSizeConflict for another size or one below the configured minimum."""
+        bound = self.r.hget(K.mp_config_key(), "chunk_size")
+        if bound is None and chunk_size < self.configured_chunk_size:
+            raise ChunkSizeConflict(f"Chunk size {chunk_size} is smaller than the coordinator's configured "
+                                    f"minimum {self.configured_chunk_size}")
+        got = int(self._bind(keys=[K.mp_config_key()], args=[chunk_size]))
+        if got != chunk_size:
+            raise ChunkSizeConflict(f"Coordinator is already bound to chunk size {got}; use a separate "
+                                    f"coordinator for a fleet requiring chunk size {chunk_size}")
+        return got
+
+    def register(self, req: W.RegisterRequest, now: float | None = None) -> tuple[str, bool]:
+        """``POST /instances``: (instance_id, re_registered). ChunkSizeConflict from ``chunk_size``."""
+        now = time.time() if now is None else now
+        instance_id = req.instance_id or f"mp-{uuid.uuid4().hex}"
+        if req.chunk_size is not None:
+            self.bind_chunk_size(req.chunk_size)
+        info = {"instance_id": instance_id, "ip": req.ip, "http_port": req.http_port, "registration_time": now,
+                "metadata": req.metadata, "p2p_advertised_url": req.p2p_advertised_url, "mq_port": req.mq_port}
+        existed = self._register(keys=[K.MP], args=[instance_id, json.dumps(info), int(now * 1000)])
+        return instance_id, bool(existed)
+
+    def heartbeat(self, instance_id: str, now: float | None = None) -> bool:
+        """``PUT /instances/{id}/heartbeat``: False for an unknown id (404)."""
+        now = time.time() if now is None else now
+        return bool(self._heartbeat(keys=[K.mp_heartbeats_key(), K.mp_instances_key()],
+                                    args=[instance_id, int(now * 1000)]))
+
+    def deregister(self, instance_id: str, now: float | None = None) -> None:
+        """``DELETE /instances/{id}``: registration, L1 placements, cursor and capacity go (any id)."""
+        now = time.time() if now is None else now
+        self._depart(keys=[K.MP], args=[instance_id, int(now * 1000), "1", ""])
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Depart every instance silent for ``instance_timeout_s`` (its capacity stays); the ids reaped."""
+        now = time.time() if now is None else now
+        cutoff = int((now - self.instance_timeout_s) * 1000)
+        gone = []
+        for inst in self.r.zrangebyscore(K.mp_heartbeats_key(), "-inf", f"({cutoff}"):
+            if self._depart(keys=[K.MP], args=[inst, int(now * 1000), "0", cutoff]):
+                gone.append(inst)
+        return gone
+
+    def instances(self) -> list[dict]:
+        """``GET /instances``: every registration, as the coordinator lists it."""
+        out = []
+        for inst, raw in sorted(self.r.hgetall(K.mp_instances_key()).items()):
+            info = json.loads(raw)
+            out.append({k: info[k] for k in ("instance_id", "ip", "http_port", "registration_time", "metadata",
+                                              "p2p_advertised_url", "mq_port")})
+        return out
+
+    def live_instances(self, now: float | None = None) -> dict[str, float]:
+        """instance_id -> last heartbeat (unix s) of instances heard within the timeout."""
+        now = time.time() if now is None else now
+        cutoff = (now - self.instance_timeout_s) * 1000
+        return {m: s / 1000 for m, s in self.r.zrangebyscore(K.mp_heartbeats_key(), cutoff, "+inf", withscores=True)}
+
+    def cursors(self) -> dict[str, dict]:
+        """instance_id -> gate cursor {incarnation, last_seq, gap_detected, events_dropped, missing_batches, delay_s}."""
+        out = {}
+        for inst, raw in self.r.hgetall(K.mp_cursors_key()).items():
+            f = raw.split("\t")
+            out[inst] = {"incarnation": int(f[0]), "last_seq": int(f[1]), "gap_detected": f[2] == "1",
+                         "events_dropped": int(f[4]), "missing_batches": int(f[5]),
+                         "delivery_delay_s": int(f[6]) / 1000 if len(f) > 6 and f[6] else None}
+        return out
+
+    def departed(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self.r.hgetall(K.mp_departed_key()).items()}
+
+    def capacity(self) -> dict[str, dict]:
+        """instance_id -> {incarnation, revision, modules: [{tier, backend, shared, capacity_bytes}]}."""
+        out = {}
+        for inst, raw in self.r.hgetall(K.mp_capacity_key()).items():
+            inc, rev, mods = raw.split("\t", 2)
+            modules = []
+            for m in filter(None, mods.split(";")):
+                tier, backend, shared, cap = m.split(",")
+                modules.append({"tier": tier, "backend": backend, "shared": shared == "1", "capacity_bytes": int(cap)})
+            out[inst] = {"incarnation": int(inc), "revision": int(rev), "modules": modules}
+        return out
+
+    # -- ingest --------------------------------------------------------------------------
+
+    def apply(self, batches: Sequence[W.CacheEventBatch], now: float | None = None) -> dict[str, int]:
+        """``POST /events``: gate and apply every batch in one atomic script; {applied, duplicates, stale}."""
+        now = time.time() if now is None else now
+        args: list = [int(now * 1000), len(batches)]
+        for b in batches:
+            args += [b.instance_id, b.incarnation, b.seq, b.event_type, b.tier, b.backend, int(b.shared),
+                     b.dropped_events, int(b.ts * 1000), b.capacity_bytes, b.capacity_revision, len(b.entries)]
+            store = b.event_type == "store"
+            for e in b.entries:
+                k = e.key
+                h = canon(k.chunk_hash_hex)
+                tokens = tokens_text(e.token_ids, e.token_offset) if store and e.token_ids else ""
+                args += [K.mp_bucket(h), chunk_b64(h), space_text(k), e.size_bytes,
+                         tokens]
+        applied, dup, stale = self._apply(keys=[K.MP], args=args)
+        return {"applied": int(applied), "duplicates": int(dup), "stale": int(stale)}
+
+    # -- names ---------------------------------------------------------------------------
+
+    def _reverse(self, kind: str, ids: Iterable[str]) -> dict[str, str]:
+        want = {i for i in ids if f"r:{kind}{i}" not in self._names}
+        if want:
+            order = sorted(want)
+            for i, text in zip(order, self.r.hmget(K.mp_names_key(), [f"r:{kind}{i}" for i in order]), strict=True):
+                if text is not None:
+                    self._names[f"r:{kind}{i}"] = text
+        return {i: self._names.get(f"r:{kind}{i}", "") for i in ids}
+
+    def space_ids(self, texts: Sequence[str]) -> list[str | None]:
+        """Interned ids of space texts (None where never stored)."""
+        missing = [t for t in texts if f"n:s{t}" not in self._names]
+        if missing:
+            for t, sid in zip(missing, self.r.hmget(K.mp_names_key(), [f"n:s{t}" for t in missing]), strict=True):
+                if sid is not None:
+                    self._names[f"n:s{t}"] = sid
+        return [self._names.get(f"n:s{t}") for t in texts]
+
+    def all_spaces(self) -> dict[str, str]:
+        """space id -> space text of every space ever stored."""
+        ids = (self.r.hget(K.mp_names_key(), "sps") or "").split(",")
+        return {i: t for i, t in self._reverse("s", [i for i in ids if i]).items()}
+
+    def placements(self, recs: Iterable[Record]) -> dict[tuple[str, str], dict]:
+        """(tb, epoch) -> a placement dict skeleton (instance_id, incarnation, tier, backend, shared)."""
+        pairs = {(tb, ep) for r in recs for tb, ep, _ in r.placements}
+        tbs = self._reverse("t", {tb for tb, _ in pairs})
+        eps = self._reverse("e", {ep for _, ep in pairs})
+        iids = self._reverse("i", {eps[ep].split("\t")[0] for _, ep in pairs if eps[ep]})
+        out = {}
+        for tb, ep in pairs:
+            tier, backend, shared = tbs[tb].split("\t")
+            iid, inc = eps[ep].split("\t")
+            out[(tb, ep)] = {"instance_id": iids[iid], "incarnation": int(inc), "tier": tier, "backend": backend,
+                             "shared": shared == "1"}
+        return out
+
+    # -- queries -------------------------------------------------------------------------
+
+    def records(self, refs: Sequence[tuple[str, str]]) -> list[Record | None]:
+        """The records of (bucket, field) refs, in order (one pipelined HGET each)."""
+        if not refs:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for bucket, fld in refs:
+            pipe.hget(K.mp_chunks_key(bucket), fld)
+        return [parse_record(v) if v else None for v in pipe.execute()]
+
+    def token_bindings(self, refs: Sequence[tuple[str, str]]) -> list[tuple[list[int], int]]:
+        if not refs:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for bucket, b64 in refs:
+            pipe.hget(K.mp_tokens_key(bucket), b64)
+        return [parse_tokens(v) for v in pipe.execute()]
+
+    def lookup_keys(self, keys: Sequence[W.EncodedObjectKey]) -> list[dict]:
+        """``POST /directory/lookup`` results for object keys (validated), in order."""
+        sids = self.space_ids([space_text(k) for k in keys])
+        refs = [(K.mp_bucket(canon(k.chunk_hash_hex)), chunk_b64(k.chunk_hash_hex)) for k in keys]
+        present = [(i, (b, f"{c}.{sid}")) for i, ((b, c), sid) in enumerate(zip(refs, sids, strict=True)) if sid]
+        recs: list[Record | None] = [None] * len(keys)
+        for (i, _), rec in zip(present, self.records([r for _, r in present]), strict=True):
+            recs[i] = rec
+        known = [i for i, rec in enumerate(recs) if rec]
+        tokens = dict(zip(known, self.token_bindings([refs[i] for i in known]), strict=True))
+        pmap = self.placements(r for r in recs if r)
+        out = []
+        for i, (key, rec) in enumerate(zip(keys, recs, strict=True)):
+            if rec is None:
+                out.append({"key": _key_dict(key), "placements": [], "token_ids": [], "access_count": 0})
+                continue
+            pls = sorted((dict(pmap[(tb, ep)], size_bytes=sz) for tb, ep, sz in rec.placements),
+                         key=lambda p: (p["instance_id"], p["tier"], p["backend"]))
+            out.append({"key": _key_dict(key), "placements": [_placement(p) for p in pls],
+                        "token_ids": tokens[i][0], "access_count": rec.access_count})
+        return out
+
+    def keys_for_tokens(self, token_ids: Sequence[int], model_name: str, world_size: int = 1,
+                        cache_salt: str = "") -> tuple[int, list[W.EncodedObjectKey]]:
+        """(complete chunks, object keys) the coordinator resolves for a token sequence: chunk-major, then
+        rank, in group 0; then stored keys of the same chunks in other groups."""
+        hashes = mphash.chunk_hashes_hex(token_ids, self.chunk_size())
+        ranks = [mphash.kv_rank(world_size, r) for r in range(world_size)]
+        keys = [W.EncodedObjectKey(chunk_hash_hex=h, model_name=model_name, kv_rank=kr, cache_salt=cache_salt)
+                for h in hashes for kr in ranks]
+        extra = [(sid, int(g), int(kr)) for sid, text in self.all_spaces().items()
+                 for m, s, kr, g in [text.split("\t")] if m == model_name and s == cache_salt and g != "0"
+                 and int(kr) in ranks]
+        if extra:
+            refs = [(h, sid, g, kr) for h in hashes for sid, g, kr in extra]
+            recs = self.records([(K.mp_bucket(h), f"{chunk_b64(h)}.{sid}") for h, sid, _, _ in refs])
+            keys += [W.EncodedObjectKey(chunk_hash_hex=h, model_name=model_name, kv_rank=kr, object_group_id=g,
+                                        cache_salt=cache_salt)
+                     for (h, _, g, kr), rec in zip(refs, recs, strict=True) if rec]
+        return len(hashes), keys
+
+    def list_keys(self, tier: str = "all", instance_id: str = "", backend: str = "", offset: int = 0,
+                  limit: int = 1000) -> dict:
+        """``GET /directory/keys``: {total, keys: [{key, placements (matching), num_tokens, access_count}]},
+        insertion order (walks the key pages: O(keys), like the coordinator)."""
+        top = int(self.r.hget(K.mp_stats_key(), "kseq") or 0)
+        pipe = self.r.pipeline(transaction=False)
+        pages = range(top // K.MP_PAGE + 1)
+        for p in pages:
+            pipe.hgetall(K.mp_page_key(p))
+        refs: list[tuple[int, str]] = []
+        for p, page in zip(pages, pipe.execute(), strict=True):
+            refs += sorted((p * K.MP_PAGE + int(slot), ref) for slot, ref in page.items())
+        bh = K.MP_BUCKET_HEX
+        recs = self.records([(ref[:bh], ref[bh:]) for _, ref in refs])
+        pmap = self.placements(r for r in recs if r)
+        spaces = self.all_spaces()
+        rows = []
+        for (_, ref), rec in zip(refs, recs, strict=True):
+            if rec is None:
+                continue
+            pls = [dict(pmap[(tb, ep)], size_bytes=sz) for tb, ep, sz in rec.placements]
+            pls = [p for p in pls if (tier == "all" or p["tier"] == tier)
+                   and (not instance_id or p["instance_id"] == instance_id) and (not backend or p["backend"] == backend)]
+            if pls:
+                rows.append((ref, rec, pls))
+        page_rows = rows[offset:offset + limit]
+        tokens = self.token_bindings([(ref[:bh], ref[bh:].rsplit(".", 1)[0]) for ref, _, _ in page_rows])
+        out = []
+        for (ref, rec, pls), (toks, _) in zip(page_rows, tokens, strict=True):
+            b64, sid = ref[bh:].rsplit(".", 1)
+            model, salt, kr, group = spaces[sid].split("\t")
+            key = {"chunk_hash_hex": chunk_hex(b64), "model_name": model, "kv_rank": int(kr),
+                   "object_group_id": int(group), "cache_salt": salt}
+            out.append({"key": key, "placements": [_placement(p) for p in pls], "num_tokens": len(toks),
+                        "access_count": rec.access_count})
+        return {"total": len(rows), "keys": out}
+
+    def stats(self) -> dict:
+        """``GET /directory/stats`` (``blend`` counts what kvlookup's blend index holds)."""
+        s = self.r.hgetall(K.mp_stats_key())
+        n = {k: int(v) for k, v in s.items()}
+        by_inst = {k[4:]: v for k, v in n.items() if k.startswith("l1k:") and v}
+        return {"num_keys": n.get("keys", 0), "num_placements": n.get("placements", 0),
+                "l1_keys_by_instance": dict(sorted(by_inst.items())),
+                "blend": {"num_contents": 0, "num_chunks": 0, "num_claims": 0, "num_namespaces": 0, "table_size": 0},
+                "l1_count": n.get("l1_count", 0), "l1_size_bytes": n.get("l1_bytes", 0),
+                "l2_count": n.get("l2_count", 0), "l2_size_bytes": n.get("l2_bytes", 0)}
+
+    def counters(self) -> dict[str, int]:
+        """Ingest counters: batches_applied/duplicate/stale/missing, events_dropped."""
+        s = self.r.hgetall(K.mp_stats_key())
+        return {k: int(s.get(k, 0)) for k in ("batches_applied", "batches_duplicate", "batches_stale",
+                                              "batches_missing", "events_dropped")}
+
+
+def _key_dict(key: W.EncodedObjectKey) -> dict:
+    return {"chunk_hash_hex": key.chunk_hash_hex, "model_name": key.model_name, "kv_rank": key.kv_rank,
+            "object_group_id": key.object_group_id, "cache_salt": key.cache_salt}
+
+
+def _placement(p: dict) -> dict:
+    return {"instance_id": p["instance_id"], "incarnation": p["incarnation"], "tier": p["tier"],
+            "backend": p["backend"], "size_bytes": p["size_bytes"], "shared": p["shared"]}
