@@ -62,6 +62,9 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     app.register_blueprint(metrics_view.bp)
     app.register_blueprint(dashboard.bp)
     app.register_blueprint(overview.bp)
+    from kvlookup.app import coordinator
+
+    coordinator.init_app(app, redis_client, settings)  # LMCache MP coordinator paths
     if tokenizer.available():
         app.register_blueprint(tokenizer.bp)
     from kvlookup.explain import Explainer

@@ -89,6 +89,10 @@ class Settings:
     allowed_peers: list[str] = field(default_factory=lambda: list(LOOPBACK))
     allowed_instance_ids: list[str] = field(default_factory=list)
     worker_networks: list[str] = field(default_factory=lambda: list(LOOPBACK))
+    # LMCache MP coordinator paths (app/coordinator.py): the chunk size used until the fleet binds
+    # one, and the heartbeat silence after which an MP instance departs (the coordinator's defaults)
+    mp_chunk_size: int = 256
+    mp_instance_timeout_s: float = 30.0
 
     def validate(self) -> Settings:
         """Check every setting; raise ValueError ``"<setting>: <value> is not ..."`` naming the
@@ -221,10 +225,10 @@ RANGES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("gunicorn_workers",), lambda v: 1 <= v <= 256, "an integer 1..256 (processes: about one per core)"),
     (("gunicorn_threads",), lambda v: 1 <= v <= 1024, "an integer 1..1024"),
     (("max_tokens", "max_body_bytes", "redis_max_connections",
-      "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size"), lambda v: v >= 1,
+      "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size", "mp_chunk_size"), lambda v: v >= 1,
      "a positive integer"),
     (("control_retries",), lambda v: v >= 0, "an integer >= 0"),
-    (("body_timeout_s", "control_timeout_s", "vllm_replay_timeout_s"), lambda v: v > 0,
+    (("body_timeout_s", "control_timeout_s", "vllm_replay_timeout_s", "mp_instance_timeout_s"), lambda v: v > 0,
      "a positive number of seconds"),
     (("instance_ttl_s", "worker_ttl_s", "disconnect_grace_s"), lambda v: v >= 0, "a number of seconds >= 0"),
 )

@@ -372,6 +372,12 @@ class MPDirectory:
                 "l1_count": n.get("l1_count", 0), "l1_size_bytes": n.get("l1_bytes", 0),
                 "l2_count": n.get("l2_count", 0), "l2_size_bytes": n.get("l2_bytes", 0)}
 
+    def blend_matches(self, tokens: Sequence[int], model_name: str, world_size: int = 1,
+                      cache_salt: str = "") -> list[dict]:
+        """``POST /directory/blend-lookup``: not indexed yet (the coordinator without
+        ``--enable-blend-lookup`` answers the same ``[]``)."""
+        return []
+
     def counters(self) -> dict[str, int]:
         """Ingest counters: batches_applied/duplicate/stale/missing, events_dropped."""
         s = self.r.hgetall(K.mp_stats_key())
