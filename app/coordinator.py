@@ -193,6 +193,14 @@ def blend_lookup():
     return jsonify(matches=matches)
 
 
+_START = threading.Lock()
+
+
+@bp.before_request
+def _reaper():
+    current_app.extensions["kvlookup"]["mp_reaper"].start_once()
+
+
 class Reaper:
     """Departs MP instances silent for the timeout, every ``interval_s`` (a daemon thread per
     process; the departure script is idempotent, so several controllers reaping is harmless)."""
@@ -202,31 +210,72 @@ class Reaper:
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mp-reaper", daemon=True)
 
-    def start(self) -> Reaper:
-        self.thread.start()
-        return self
-
     def stop(self) -> None:
         self._stop.set()
 
+    def start_once(self) -> None:
+        """Start the thread unless it runs already (the first MP request starts it)."""
+        if not self.thread.is_alive() and not self._stop.is_set():
+            with _START:
+                if not self.thread.is_alive():
+                    self.thread.start()
+
     def _run(self) -> None:
+        down = False
         while not self._stop.wait(self.interval_s):
             try:
                 for inst in self.d.reap():
                     log.info("MP instance %s timed out; evicted", inst)
                     mp_metrics.TIMEOUTS.inc()
+                down = False
             except redis.RedisError as exc:
-                log.warning("MP reaper: index unavailable: %s", exc)
+                if not down:  # once per outage
+                    log.warning("MP reaper: index unavailable: %s", exc)
+                down = True
             except Exception:  # the loop never stops
                 log.exception("MP reaper failed")
 
 
 def init_app(app, redis_client, settings) -> MPDirectory:
     """Attach the MP directory to ``app`` (``extensions["kvlookup"]["mp"]``), register the
-    blueprint and start the reaper (every third of the timeout, at most 10 s)."""
+    blueprint and the reaper (every third of the timeout, at most 10 s; started by the first
+    request to an MP path, so a controller no MP server talks to runs no thread)."""
     d = MPDirectory(redis_client, chunk_size=settings.mp_chunk_size,
                     instance_timeout_s=settings.mp_instance_timeout_s)
     app.extensions["kvlookup"]["mp"] = d
     app.register_blueprint(bp)
-    app.extensions["kvlookup"]["mp_reaper"] = Reaper(d, min(10.0, settings.mp_instance_timeout_s / 3)).start()
+    app.extensions["kvlookup"]["mp_reaper"] = Reaper(d, min(10.0, settings.mp_instance_timeout_s / 3))
     return d
+
+
+class Scoper:
+    """``POST /lookup`` with ``model_name``: the classic and vLLM matches of instances whose
+    model is that one or undeclared (instance hash field ``model``, set from the owning
+    sidecar's ``model`` setting), plus the LMCache MP instances holding a prefix for that
+    model, world size and cache salt; longest first."""
+
+    def __init__(self, d: MPDirectory, redis_client):
+        self.d = d
+        self.r = redis_client
+
+    def __call__(self, matches: list, req) -> list:
+        from kvlookup.client import InstanceMatch, pick_location
+        from kvlookup.index import keys as K
+        from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
+
+        if LOCAL_ONLY.get():  # the ASGI loop never waits on Redis: answered again in a thread
+            raise NeedsRedis("model-scoped lookup")
+
+        if matches:
+            pipe = self.r.pipeline(transaction=False)
+            for m in matches:
+                pipe.hget(K.instance_key(m.instance_id), "model")
+            models = pipe.execute()
+            matches = [m for m, model in zip(matches, models, strict=True) if not model or model == req.model_name]
+        try:
+            mp = self.d.prefix_matches(req.tokens, req.model_name, req.world_size, req.cache_salt or "")
+        except ValueError:
+            mp = []
+        seen = {m.instance_id for m in matches}
+        matches += [InstanceMatch(inst, pick_location(locs), n, locs) for inst, n, locs in mp if inst not in seen]
+        return sorted(matches, key=lambda im: (-im.matched_prefix_length, im.instance_id))

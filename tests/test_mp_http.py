@@ -125,3 +125,38 @@ def test_blend_lookup_shapes(http):
         200, {"matches": []})
     assert send(http, "POST", "/directory/blend-lookup", {"tokens_b64": "AQA", "model_name": "m"})[0] == 422
     assert send(http, "POST", "/directory/blend-lookup", {"tokens_b64": "AQAAAA=="})[0] == 422
+
+
+P1 = list(range(1000, 1512))
+
+
+def test_lookup_answers_mp_instances_scoped_by_model(http):
+    send(http, "POST", "/instances", REG)
+    send(http, "POST", "/instances", {**REG, "instance_id": "mp-b"})
+    send(http, "POST", "/events", {"batches": [
+        batch(1, "config", tier="l2", backend="s3", shared=True, capacity_bytes=1 << 30, capacity_revision=1),
+        batch(2, entries=[entry(C0), entry(C1)]),
+        batch(3, tier="l2", backend="fs", entries=[entry(C0)]),
+        batch(1, inst="mp-b", tier="l2", backend="s3", shared=True, entries=[entry(C0)]),
+        batch(2, inst="mp-b", entries=[entry(C0, model="other-model")])]})
+    status, body = send(http, "POST", "/lookup?detail=1", {"tokens": P1 + [1, 2], "model_name": MODEL})
+    assert status == 200
+    # mp-test-1: both chunks in L1 (chunk 0 also in l2/fs, and in the shared s3 pool it declared)
+    assert body["mp-test-1"] == ["l1/dram", 512]
+    assert body["detail"]["mp-test-1"]["locations"] == {"l1/dram": 512, "l2/fs": 256, "l2/s3": 256}
+    assert "mp-b" not in body  # it stored chunk 0 in s3 but did not declare the pool; its L1 chunk is another model's
+    assert send(http, "POST", "/lookup", {"tokens": P1, "model_name": "other-model"})[1]["mp-b"] == ["l1/dram", 256]
+    # world size 2: rank 1 holds nothing
+    assert "mp-test-1" not in send(http, "POST", "/lookup", {"tokens": P1, "model_name": MODEL, "world_size": 2})[1]
+    # without model_name: today's answer (no MP instance); another salt: nothing
+    assert list(send(http, "POST", "/lookup", {"tokens": P1})[1]) == ["event_id"]
+    assert list(send(http, "POST", "/lookup", {"tokens": P1, "model_name": MODEL, "cache_salt": "s"})[1]) == \
+        ["event_id"]
+    # a departed instance is answered for nothing
+    send(http, "DELETE", "/instances/mp-test-1")
+    assert "mp-test-1" not in send(http, "POST", "/lookup", {"tokens": P1, "model_name": MODEL})[1]
+
+
+def test_lookup_world_size_bad(http):
+    status, body = send(http, "POST", "/lookup", {"tokens": P1, "model_name": MODEL, "world_size": 0})
+    assert status == 400 and "world_size" in body["error"]

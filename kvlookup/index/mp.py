@@ -284,25 +284,28 @@ class MPDirectory:
         return [parse_tokens(v) for v in pipe.execute()]
 
     def lookup_keys(self, keys: Sequence[W.EncodedObjectKey]) -> list[dict]:
-        """``POST /directory/lookup`` results for object keys (validated), in order."""
+        """``POST /directory/lookup`` results for object keys (validated), in order: one pipelined
+        read of every key's record and its chunk's token binding (shown for every key of a chunk,
+        stored or not, as the coordinator does)."""
         sids = self.space_ids([space_text(k) for k in keys])
         refs = [(K.mp_bucket(canon(k.chunk_hash_hex)), chunk_b64(k.chunk_hash_hex)) for k in keys]
-        present = [(i, (b, f"{c}.{sid}")) for i, ((b, c), sid) in enumerate(zip(refs, sids, strict=True)) if sid]
-        recs: list[Record | None] = [None] * len(keys)
-        for (i, _), rec in zip(present, self.records([r for _, r in present]), strict=True):
-            recs[i] = rec
-        known = [i for i, rec in enumerate(recs) if rec]
-        tokens = dict(zip(known, self.token_bindings([refs[i] for i in known]), strict=True))
+        pipe = self.r.pipeline(transaction=False)
+        for (bucket, b64), sid in zip(refs, sids, strict=True):
+            pipe.hget(K.mp_chunks_key(bucket), f"{b64}.{sid}") if sid else pipe.exists(K.MP + "-")
+            pipe.hget(K.mp_tokens_key(bucket), b64)
+        got = pipe.execute()
+        recs = [parse_record(v) if isinstance(v, str) else None for v in got[0::2]]
+        tokens = [parse_tokens(v)[0] for v in got[1::2]]
         pmap = self.placements(r for r in recs if r)
         out = []
-        for i, (key, rec) in enumerate(zip(keys, recs, strict=True)):
+        for key, rec, toks in zip(keys, recs, tokens, strict=True):
             if rec is None:
-                out.append({"key": _key_dict(key), "placements": [], "token_ids": [], "access_count": 0})
+                out.append({"key": _key_dict(key), "placements": [], "token_ids": toks, "access_count": 0})
                 continue
             pls = sorted((dict(pmap[(tb, ep)], size_bytes=sz) for tb, ep, sz in rec.placements),
                          key=lambda p: (p["instance_id"], p["tier"], p["backend"]))
             out.append({"key": _key_dict(key), "placements": [_placement(p) for p in pls],
-                        "token_ids": tokens[i][0], "access_count": rec.access_count})
+                        "token_ids": toks, "access_count": rec.access_count})
         return out
 
     def keys_for_tokens(self, token_ids: Sequence[int], model_name: str, world_size: int = 1,
@@ -371,6 +374,66 @@ class MPDirectory:
                 "blend": {"num_contents": 0, "num_chunks": 0, "num_claims": 0, "num_namespaces": 0, "table_size": 0},
                 "l1_count": n.get("l1_count", 0), "l1_size_bytes": n.get("l1_bytes", 0),
                 "l2_count": n.get("l2_count", 0), "l2_size_bytes": n.get("l2_bytes", 0)}
+
+    def prefix_matches(self, tokens: Sequence[int], model_name: str, world_size: int = 1,
+                       cache_salt: str = "", now: float | None = None) -> list[tuple[str, int, dict[str, int]]]:
+        """For ``POST /lookup``: per live MP instance ``(instance_id, matched_prefix_length,
+        tokens per location)`` where location is ``<tier>/<backend>``.
+
+        A chunk counts for an instance when every rank ``0..world_size-1`` of it is placed by
+        that instance (or in a shared pool the instance's config batches declared); the match
+        is the longest run of counted chunks from token 0. Instances not heard within the
+        timeout count for nothing. ValueError for token ids MP cannot hash.
+        """
+        cs = self.chunk_size()
+        hashes = mphash.chunk_hashes_hex(tokens, cs)
+        ranks = [mphash.kv_rank(world_size, r) for r in range(world_size)]
+        sids = self.space_ids([f"{model_name}\t{cache_salt}\t{kr}\t0" for kr in ranks])
+        live = self.live_instances(now)
+        if not hashes or None in sids or not live:
+            return []
+        refs = [(K.mp_bucket(h), f"{chunk_b64(h)}.{sid}") for h in hashes for sid in sids]
+        recs = self.records(refs)
+        pmap = self.placements(r for r in recs if r)
+        shared_by = self._shared_pools(live)
+        n = len(ranks)
+        # per instance: per chunk, the locations every rank holds (None: some rank lacks it)
+        run: dict[str, int] = {inst: 0 for inst in live}
+        locs: dict[str, dict[str, int]] = {inst: {} for inst in live}
+        open_ = set(live)
+        for c in range(len(hashes)):
+            held: dict[str, list[set[str]]] = {}
+            for r in range(n):
+                rec = recs[c * n + r]
+                for tb, ep, _ in rec.placements if rec else ():
+                    p = pmap[(tb, ep)]
+                    loc = f"{p['tier']}/{p['backend']}"
+                    owners = shared_by.get((p["tier"], p["backend"]), ()) if p["shared"] else (p["instance_id"],)
+                    for inst in owners:
+                        if inst in open_:
+                            held.setdefault(inst, [set() for _ in range(n)])[r].add(loc)
+            for inst in list(open_):
+                per_rank = held.get(inst)
+                if not per_rank or not all(per_rank):
+                    open_.discard(inst)
+                    continue
+                run[inst] = c + 1
+                common = set.intersection(*per_rank) or per_rank[0]
+                for loc in common:
+                    locs[inst][loc] = locs[inst].get(loc, 0) + cs
+            if not open_:
+                break
+        return [(inst, run[inst] * cs, locs[inst]) for inst in live if run[inst]]
+
+    def _shared_pools(self, live: dict[str, float]) -> dict[tuple[str, str], list[str]]:
+        """(tier, backend) of each shared pool -> the live instances whose capacity declares it."""
+        out: dict[tuple[str, str], list[str]] = {}
+        for inst, decl in self.capacity().items():
+            if inst in live:
+                for m in decl["modules"]:
+                    if m["shared"]:
+                        out.setdefault((m["tier"], m["backend"]), []).append(inst)
+        return out
 
     def blend_matches(self, tokens: Sequence[int], model_name: str, world_size: int = 1,
                       cache_salt: str = "") -> list[dict]:
