@@ -241,7 +241,7 @@ def init_app(app, redis_client, settings) -> MPDirectory:
     blueprint and the reaper (every third of the timeout, at most 10 s; started by the first
     request to an MP path, so a controller no MP server talks to runs no thread)."""
     d = MPDirectory(redis_client, chunk_size=settings.mp_chunk_size,
-                    instance_timeout_s=settings.mp_instance_timeout_s)
+                    instance_timeout_s=settings.mp_instance_timeout_s, replica_acks=settings.mp_replica_acks)
     app.extensions["kvlookup"]["mp"] = d
     app.register_blueprint(bp)
     app.extensions["kvlookup"]["mp_reaper"] = Reaper(d, min(10.0, settings.mp_instance_timeout_s / 3))

@@ -93,6 +93,7 @@ class Settings:
     # one, and the heartbeat silence after which an MP instance departs (the coordinator's defaults)
     mp_chunk_size: int = 256
     mp_instance_timeout_s: float = 30.0
+    mp_replica_acks: int = 0  # WAIT for this many replicas before answering an MP write (0: don't)
 
     def validate(self) -> Settings:
         """Check every setting; raise ValueError ``"<setting>: <value> is not ..."`` naming the
@@ -227,7 +228,7 @@ RANGES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("max_tokens", "max_body_bytes", "redis_max_connections",
       "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size", "mp_chunk_size"), lambda v: v >= 1,
      "a positive integer"),
-    (("control_retries",), lambda v: v >= 0, "an integer >= 0"),
+    (("control_retries", "mp_replica_acks"), lambda v: v >= 0, "an integer >= 0"),
     (("body_timeout_s", "control_timeout_s", "vllm_replay_timeout_s", "mp_instance_timeout_s"), lambda v: v > 0,
      "a positive number of seconds"),
     (("instance_ttl_s", "worker_ttl_s", "disconnect_grace_s"), lambda v: v >= 0, "a number of seconds >= 0"),

@@ -131,3 +131,47 @@ def test_heartbeat_timeout_departs_l1_only(redis_args):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(20)
+
+
+@pytest.mark.slow
+def test_cluster_master_kill9_loses_no_acknowledged_placement(tmp_path):
+    """A 3-master cluster; kill -9 the master of the {mp} slot after 40 acknowledged batches
+    (written with ``mp_replica_acks: 1``): its replica takes over with every one of them."""
+    from kvlookup.devtools.local_cluster import LocalCluster
+    from kvlookup.index import keys as K
+    from tests.conftest import BACKENDS
+
+    if "cluster" not in BACKENDS:
+        pytest.skip("KVLOOKUP_TEST_BACKENDS excludes the cluster")
+    six = LocalCluster(tmp_path / "cluster", masters=3, replicas=1, node_timeout_ms=1500)
+    six.start()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    args = ["--redis-url", six.url, "--redis-cluster"]
+    proc = _controller(args, port, {"KVLOOKUP_MP_REPLICA_ACKS": "1"})
+    try:
+        _ready(base)
+        requests.post(base + "/instances", json=REG, timeout=5)
+        last = _traffic(base, 1, 40)
+        before = _state(base)
+        victim = six.node_of(K.MP)
+        (replica,) = six.replicas_of(victim)
+        start = time.monotonic()
+        six.kill(victim)
+        assert wait_for(lambda: _safe(lambda: six.node_of(K.MP) is replica), True, timeout=30)
+        assert wait_for(lambda: _safe(lambda: _state(base)), before, timeout=30) == before
+        print(f"[mp cluster failover] answered again after {time.monotonic() - start:.1f} s")
+        assert requests.put(base + "/instances/mp-test-1/heartbeat", timeout=5).status_code == 200
+        assert requests.post(base + "/events", json={"batches": [batch(last + 1, entries=[entry("ab" * 32)])]},
+                             timeout=5).json() == {"applied": 1, "duplicates": 0, "stale": 0}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+        six.stop()
+
+
+def _safe(fn):
+    try:
+        return fn()
+    except Exception:  # the cluster is failing over: ask again
+        return None

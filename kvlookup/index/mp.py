@@ -104,8 +104,14 @@ class MPDirectory:
     """
 
     def __init__(self, redis, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 instance_timeout_s: float = DEFAULT_INSTANCE_TIMEOUT_S):
+                 instance_timeout_s: float = DEFAULT_INSTANCE_TIMEOUT_S, replica_acks: int = 0,
+                 replica_timeout_ms: int = 500):
         self.r = redis
+        #: before a write is acknowledged, wait (WAIT) until this many replicas of the {mp} master
+        #: have it (0: don't wait): a master killed right after an answer then loses nothing
+        self.replica_acks = replica_acks
+        self.replica_timeout_ms = replica_timeout_ms
+        self.short_acks = 0
         self.configured_chunk_size = chunk_size
         self.instance_timeout_s = instance_timeout_s
         self._apply = redis.register_script(S.MP_APPLY)
@@ -116,6 +122,18 @@ class MPDirectory:
         self._names: dict[str, str] = {}  # immutable interned names (ids never change)
 
     # -- registry ------------------------------------------------------------------------
+
+    def _replicated(self) -> None:
+        """WAIT for ``replica_acks`` replicas of the ``{mp}`` master (counted in ``short_acks`` when fewer answer)."""
+        if not self.replica_acks:
+            return
+        args = ("WAIT", self.replica_acks, self.replica_timeout_ms)
+        if hasattr(self.r, "get_node_from_key"):  # Redis Cluster: the master of the {mp} slot
+            got = self.r.execute_command(*args, target_nodes=self.r.get_node_from_key(K.MP))
+        else:
+            got = self.r.execute_command(*args)
+        if int(got) < self.replica_acks:
+            self.short_acks += 1
 
     def chunk_size(self) -> int:
         """The bound chunk size, or the configured one while none is bound."""
@@ -143,6 +161,7 @@ class MPDirectory:
         info = {"instance_id": instance_id, "ip": req.ip, "http_port": req.http_port, "registration_time": now,
                 "metadata": req.metadata, "p2p_advertised_url": req.p2p_advertised_url, "mq_port": req.mq_port}
         existed = self._register(keys=[K.MP], args=[instance_id, json.dumps(info), int(now * 1000)])
+        self._replicated()
         return instance_id, bool(existed)
 
     def heartbeat(self, instance_id: str, now: float | None = None) -> bool:
@@ -155,6 +174,7 @@ class MPDirectory:
         """``DELETE /instances/{id}``: registration, L1 placements, cursor and capacity go (any id)."""
         now = time.time() if now is None else now
         self._depart(keys=[K.MP], args=[instance_id, int(now * 1000), "1", ""])
+        self._replicated()
 
     def reap(self, now: float | None = None) -> list[str]:
         """Depart every instance silent for ``instance_timeout_s`` (its capacity stays); the ids reaped."""
@@ -223,6 +243,7 @@ class MPDirectory:
                 args += [K.mp_bucket(h), chunk_b64(h), space_text(k), e.size_bytes,
                          tokens]
         applied, dup, stale = self._apply(keys=[K.MP], args=args)
+        self._replicated()
         return {"applied": int(applied), "duplicates": int(dup), "stale": int(stale)}
 
     # -- names ---------------------------------------------------------------------------
