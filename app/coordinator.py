@@ -31,6 +31,7 @@ import redis
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from kvlookup.app import mp_metrics
+from kvlookup.app.errors import json_bytes
 from kvlookup.index.mp import ChunkSizeConflict, MPDirectory
 from kvlookup.wire import lmcache_mp as W
 
@@ -46,6 +47,11 @@ MAX_LOOKUP_TOKENS = 1_000_000
 
 def directory() -> MPDirectory:
     return current_app.extensions["kvlookup"]["mp"]
+
+
+def _json(body: dict, status: int = 200) -> Response:
+    """``body`` as compact JSON (msgspec: large directory answers encode ~10x faster than jsonify)."""
+    return Response(json_bytes(body), status=status, mimetype="application/json")
 
 
 def _error(status: int, message: str):
@@ -139,7 +145,7 @@ def lookup():
     if bool(req.keys) == bool(req.token_ids):
         return _error(422, "invalid request: supply exactly one of 'keys' or 'token_ids'")
     if req.keys:
-        return jsonify(chunks=len(req.keys), results=d.lookup_keys(req.keys))
+        return _json({"chunks": len(req.keys), "results": d.lookup_keys(req.keys)})
     if req.model_name is None:
         return _error(422, "invalid request: 'model_name' is required with 'token_ids'")
     if len(req.token_ids) > MAX_LOOKUP_TOKENS:
@@ -149,7 +155,7 @@ def lookup():
         chunks, keys = d.keys_for_tokens(req.token_ids, req.model_name, req.world_size, req.cache_salt)
     except (W.MPBodyError, ValueError) as exc:
         return _error(400, str(exc))
-    return jsonify(chunks=chunks, results=d.lookup_keys(keys))
+    return _json({"chunks": chunks, "results": d.lookup_keys(keys)})
 
 
 @bp.get("/directory/keys")
@@ -165,7 +171,7 @@ def keys():
         return _error(422, "invalid request: query parameters 'offset' and 'limit' must be integers")
     if offset < 0 or not 1 <= limit <= 10_000:
         return _error(422, "invalid request: 'offset' must be >= 0 and 'limit' 1..10000")
-    return jsonify(directory().list_keys(tier, args.get("instance_id", ""), args.get("backend", ""), offset, limit))
+    return _json(directory().list_keys(tier, args.get("instance_id", ""), args.get("backend", ""), offset, limit))
 
 
 @bp.get("/directory/stats")

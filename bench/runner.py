@@ -33,6 +33,7 @@ QUICK = {
                     trace_requests=300),
     "wrk": dict(lengths=(12, 32768), concurrencies=(1, 16), seconds=1.0, rounds=1),
     "purge": dict(records=200_000),
+    "mp": dict(placements=20_000, lookups=50),
 }
 FULL = {
     "compare": dict(requests=12031, instances=8, cpu_chunks=8192, disk_chunks=24576, agree_sample=1500,
@@ -47,8 +48,9 @@ FULL = {
                     trace_requests=4000),
     "wrk": dict(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds=2.0, rounds=3),
     "purge": dict(records=1_000_000),
+    "mp": dict(placements=100_000, lookups=200),
 }
-PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk")
+PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk", "mp")
 
 
 def machine() -> dict:
@@ -97,6 +99,11 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
         from kvlookup.bench.cluster import run
 
         res = run(**params)
+    elif name == "mp":
+        from kvlookup.bench.mp import run
+
+        res = run(**params, lmcache_venv=args.lmcache_venv)
+        progress.note(f"  mp: ingest {res['ingest_ratio']}x, {res['redis_bytes_per_placement']} B/placement")
     elif name == "wrk":
         from kvlookup.bench.wrkload import run
 

@@ -97,7 +97,7 @@ def test_delete_removes_key_and_binding(d, r):
     post(d, batch(2, etype="delete", entries=[entry(size=0)]))
     assert d.stats()["num_keys"] == 0
     assert d.lookup_keys([W.EncodedObjectKey(**key())])[0]["placements"] == []
-    assert r.hgetall(K.mp_tokens_key(C0[:4])) == {}
+    assert r.hkeys(K.mp_chunks_key(K.mp_bucket(C0))) == []
     assert post(d, batch(3, etype="delete", entries=[entry(C1)]))["applied"] == 1  # absent: nothing
 
 

@@ -316,14 +316,11 @@ def mp_bucket(chunk_hash_hex: str) -> str:
 
 def mp_chunks_key(bucket: str) -> str:
     """Hash ``<chunk b64>.<space id>`` -> ``<key id>,<access count>|<tb>,<epoch>,<size>|...``:
-    the placements of every MP object key whose chunk hash starts with ``bucket``."""
+    the placements of every MP object key whose chunk hash starts with ``bucket``; and
+    ``<chunk b64>`` -> ``<token_offset>\t<base64 little-endian uint32 token ids>``, the chunk's
+    token binding (deleted with the chunk's last key; beside the keys, so a lookup reads both
+    with one HMGET)."""
     return f"{MP}c:{bucket}"
-
-
-def mp_tokens_key(bucket: str) -> str:
-    """Hash ``<chunk b64>`` -> ``<token_offset>\\t<base64 little-endian uint32 token ids>``: token
-    bindings of the chunks in ``bucket`` (deleted with the chunk's last key)."""
-    return f"{MP}t:{bucket}"
 
 
 def mp_page_key(page: int) -> str:

@@ -30,6 +30,8 @@ from kvlookup.index import keys as K
 from kvlookup.index import scripts as S
 from kvlookup.wire import lmcache_mp as W
 
+#: How long an unbound chunk size, and the list of spaces, are trusted before Redis is asked again (s).
+UNBOUND_RECHECK_S = 1.0
 #: LMCache's coordinator defaults: --instance-timeout 30 s, --chunk-size 256.
 DEFAULT_INSTANCE_TIMEOUT_S = 30.0
 DEFAULT_CHUNK_SIZE = mphash.DEFAULT_CHUNK_SIZE
@@ -120,6 +122,9 @@ class MPDirectory:
         self._heartbeat = redis.register_script(S.MP_HEARTBEAT)
         self._bind = redis.register_script(S.MP_BIND_CHUNK)
         self._names: dict[str, str] = {}  # immutable interned names (ids never change)
+        self._bound = 0
+        self._unbound_at = -1e9
+        self._spaces: tuple[float, dict[str, str]] = (-1e9, {})
 
     # -- registry ------------------------------------------------------------------------
 
@@ -136,9 +141,19 @@ class MPDirectory:
             self.short_acks += 1
 
     def chunk_size(self) -> int:
-        """The bound chunk size, or the configured one while none is bound."""
+        """The bound chunk size (kept once read: a binding never changes), or the configured one
+        while none is bound (asked again after :data:`UNBOUND_RECHECK_S`)."""
+        if self._bound:
+            return self._bound
+        now = time.monotonic()
+        if now - self._unbound_at < UNBOUND_RECHECK_S:
+            return self.configured_chunk_size
         bound = self.r.hget(K.mp_config_key(), "chunk_size")
-        return int(bound) if bound else self.configured_chunk_size
+        if bound:
+            self._bound = int(bound)
+            return self._bound
+        self._unbound_at = now
+        return self.configured_chunk_size
 
     def bind_chunk_size(self, chunk_size: int) -> int:
         """Bind the fleet's chunk size once; ChunkSizeConflict for another size or one below the configured minimum."""
@@ -147,6 +162,7 @@ class MPDirectory:
             raise ChunkSizeConflict(f"Chunk size {chunk_size} is smaller than the coordinator's configured "
                                     f"minimum {self.configured_chunk_size}")
         got = int(self._bind(keys=[K.mp_config_key()], args=[chunk_size]))
+        self._bound = got
         if got != chunk_size:
             raise ChunkSizeConflict(f"Coordinator is already bound to chunk size {got}; use a separate "
                                     f"coordinator for a fleet requiring chunk size {chunk_size}")
@@ -232,6 +248,7 @@ class MPDirectory:
         """``POST /events``: gate and apply every batch in one atomic script; {applied, duplicates, stale}."""
         now = time.time() if now is None else now
         args: list = [int(now * 1000), len(batches)]
+        known = self._names
         for b in batches:
             args += [b.instance_id, b.incarnation, b.seq, b.event_type, b.tier, b.backend, int(b.shared),
                      b.dropped_events, int(b.ts * 1000), b.capacity_bytes, b.capacity_revision, len(b.entries)]
@@ -240,10 +257,15 @@ class MPDirectory:
                 k = e.key
                 h = canon(k.chunk_hash_hex)
                 tokens = tokens_text(e.token_ids, e.token_offset) if store and e.token_ids else ""
-                args += [K.mp_bucket(h), chunk_b64(h), space_text(k), e.size_bytes,
-                         tokens]
+                space = space_text(k)
+                sid = known.get("n:s" + space)
+                args += [K.mp_bucket(h), chunk_b64(h), sid or space, e.size_bytes, tokens]
         applied, dup, stale = self._apply(keys=[K.MP], args=args)
         self._replicated()
+        fresh = {space_text(e.key) for b in batches if b.event_type == "store" for e in b.entries}
+        fresh = [t for t in fresh if "n:s" + t not in known]
+        if fresh:
+            self.space_ids(fresh)  # the next batches pass their ids
         return {"applied": int(applied), "duplicates": int(dup), "stale": int(stale)}
 
     # -- names ---------------------------------------------------------------------------
@@ -266,10 +288,16 @@ class MPDirectory:
                     self._names[f"n:s{t}"] = sid
         return [self._names.get(f"n:s{t}") for t in texts]
 
-    def all_spaces(self) -> dict[str, str]:
-        """space id -> space text of every space ever stored."""
+    def all_spaces(self, fresh: bool = True) -> dict[str, str]:
+        """space id -> space text of every space ever stored (fresh=False: a list up to
+        :data:`UNBOUND_RECHECK_S` old will do; spaces are only ever added)."""
+        at, known = self._spaces
+        if not fresh and time.monotonic() - at < UNBOUND_RECHECK_S:
+            return known
         ids = (self.r.hget(K.mp_names_key(), "sps") or "").split(",")
-        return {i: t for i, t in self._reverse("s", [i for i in ids if i]).items()}
+        spaces = {i: t for i, t in self._reverse("s", [i for i in ids if i]).items()}
+        self._spaces = (time.monotonic(), spaces)
+        return spaces
 
     def placements(self, recs: Iterable[Record]) -> dict[tuple[str, str], dict]:
         """(tb, epoch) -> a placement dict skeleton (instance_id, incarnation, tier, backend, shared)."""
@@ -301,7 +329,7 @@ class MPDirectory:
             return []
         pipe = self.r.pipeline(transaction=False)
         for bucket, b64 in refs:
-            pipe.hget(K.mp_tokens_key(bucket), b64)
+            pipe.hget(K.mp_chunks_key(bucket), b64)
         return [parse_tokens(v) for v in pipe.execute()]
 
     def lookup_keys(self, keys: Sequence[W.EncodedObjectKey]) -> list[dict]:
@@ -312,11 +340,10 @@ class MPDirectory:
         refs = [(K.mp_bucket(canon(k.chunk_hash_hex)), chunk_b64(k.chunk_hash_hex)) for k in keys]
         pipe = self.r.pipeline(transaction=False)
         for (bucket, b64), sid in zip(refs, sids, strict=True):
-            pipe.hget(K.mp_chunks_key(bucket), f"{b64}.{sid}") if sid else pipe.exists(K.MP + "-")
-            pipe.hget(K.mp_tokens_key(bucket), b64)
+            pipe.hmget(K.mp_chunks_key(bucket), [f"{b64}.{sid or 0}", b64])  # space 0 never exists
         got = pipe.execute()
-        recs = [parse_record(v) if isinstance(v, str) else None for v in got[0::2]]
-        tokens = [parse_tokens(v)[0] for v in got[1::2]]
+        recs = [parse_record(v) if v else None for v, _ in got]
+        tokens = [parse_tokens(t)[0] for _, t in got]
         pmap = self.placements(r for r in recs if r)
         out = []
         for key, rec, toks in zip(keys, recs, tokens, strict=True):
@@ -337,7 +364,7 @@ class MPDirectory:
         ranks = [mphash.kv_rank(world_size, r) for r in range(world_size)]
         keys = [W.EncodedObjectKey(chunk_hash_hex=h, model_name=model_name, kv_rank=kr, cache_salt=cache_salt)
                 for h in hashes for kr in ranks]
-        extra = [(sid, int(g), int(kr)) for sid, text in self.all_spaces().items()
+        extra = [(sid, int(g), int(kr)) for sid, text in self.all_spaces(fresh=False).items()
                  for m, s, kr, g in [text.split("\t")] if m == model_name and s == cache_salt and g != "0"
                  and int(kr) in ranks]
         if extra:

@@ -533,7 +533,7 @@ return out
 # Every MP key carries the hash tag ``{mp}`` (keys.MP), so these scripts touch one slot. They
 # are the one exception to "no script builds a key name": which chunk buckets a fence touches
 # is only known inside the script (the key ids an instance's L1 index holds), so KEYS[1] is the
-# ``{mp}`` prefix and the scripts add the suffixes keys.py documents (c:<bucket>, t:<bucket>,
+# ``{mp}`` prefix and the scripts add the suffixes keys.py documents (c:<bucket>,
 # k:<page>, l1:<instance number>:<bucket>, names, stats, cursors, departed, capacity). All of
 # them hash to the slot of ``{mp}``, so the scripts run unchanged on one Redis and on a cluster.
 
@@ -633,7 +633,7 @@ local function drop_key(bucket, field, kid)
   redis.call('HDEL', P .. 'k:' .. fmt(math.floor(n / PAGE)), fmt(n % PAGE))
   add('keys', -1)
   local chunk = string.match(field, '^(.*)%.%d+$')
-  local tkey = P .. 't:' .. bucket
+  local tkey = P .. 'c:' .. bucket
   if redis.call('HEXISTS', tkey, chunk) == 1 then
     for _, sp in ipairs(sps_list()) do
       if redis.call('HEXISTS', P .. 'c:' .. bucket, chunk .. '.' .. sp) == 1 then return end
@@ -695,13 +695,15 @@ _MP_LIB = _MP_LIB.replace("local PAGE, L1B, BH = 128, 256, 3",
 #: KEYS[1] the ``{mp}`` prefix. ARGV[1] now (unix ms), ARGV[2] number of batches, then per batch
 #: 12 fields (instance_id, incarnation, seq, event_type, tier, backend, shared 0|1,
 #: dropped_events, ts ms, capacity_bytes, capacity_revision, number of entries) and per entry 5
-#: (bucket, chunk b64, space text ``model\\tsalt\\tkv_rank\\tgroup``, size_bytes, token binding
+#: (bucket, chunk b64, space text ``model\\tsalt\\tkv_rank\\tgroup`` or the bare space id (no tab) when
+#: the caller knows it, size_bytes, token binding
 #: ``offset\\tb64`` or ''). Returns {applied, duplicates, stale}.
 MP_APPLY = _MP_LIB + """
 local now = tonumber(ARGV[1])
 local nb = tonumber(ARGV[2])
 local i = 3
 local applied, dup, stale = 0, 0, 0
+local kseq = nil  -- key ids: read once, written back once
 local function gate(inst, inc, seq, tier, dropped, ts)
   local dep = redis.call('HGET', DEP, inst)
   if dep then
@@ -774,12 +776,15 @@ for _ = 1, nb do
         local bucket, chunk, space, size, tokens = ARGV[e], ARGV[e + 1], ARGV[e + 2], tonumber(ARGV[e + 3]), ARGV[e + 4]
         local ckey = P .. 'c:' .. bucket
         if etype == 'store' then
-          local field = chunk .. '.' .. intern('s', space)
+          local sid = string.find(space, '\t', 1, true) and intern('s', space) or space
+          local field = chunk .. '.' .. sid
           local v = redis.call('HGET', ckey, field)
           local kid, acc, pl
           if v then kid, acc, pl = parse(v) else
-            kid, acc, pl = fmt(redis.call('HINCRBY', STATS, 'kseq', 1)), 0, {}
-            local n = tonumber(kid)
+            if not kseq then kseq = tonumber(redis.call('HGET', STATS, 'kseq') or '0') end
+            kseq = kseq + 1
+            kid, acc, pl = fmt(kseq), 0, {}
+            local n = kseq
             redis.call('HSET', P .. 'k:' .. fmt(math.floor(n / PAGE)), fmt(n % PAGE), bucket .. field)
             add('keys', 1)
           end
@@ -796,9 +801,9 @@ for _ = 1, nb do
           epinfo[ep] = iid
           reindex(kid, before, l1_iids(pl))
           redis.call('HSET', ckey, field, encode(kid, acc, pl))
-          if tokens ~= '' then redis.call('HSET', P .. 't:' .. bucket, chunk, tokens) end
+          if tokens ~= '' then redis.call('HSET', P .. 'c:' .. bucket, chunk, tokens) end
         else
-          local sp = redis.call('HGET', NAMES, 'n:s' .. space)
+          local sp = string.find(space, '\t', 1, true) and redis.call('HGET', NAMES, 'n:s' .. space) or space
           local field = sp and (chunk .. '.' .. sp)
           local v = field and redis.call('HGET', ckey, field)
           if v then
@@ -824,6 +829,7 @@ for _ = 1, nb do
   end
 end
 add('batches_applied', applied); add('batches_duplicate', dup); add('batches_stale', stale)
+if kseq then redis.call('HSET', STATS, 'kseq', fmt(kseq)) end
 flush()
 return {applied, dup, stale}
 """
