@@ -92,6 +92,7 @@ class Settings:
     # LMCache MP coordinator paths (app/coordinator.py): the chunk size used until the fleet binds
     # one, and the heartbeat silence after which an MP instance departs (the coordinator's defaults)
     mp_chunk_size: int = 256
+    model: str | None = None  # sidecar: the model its instances serve (model-scoped /lookup)
     mp_instance_timeout_s: float = 30.0
     mp_replica_acks: int = 0  # WAIT for this many replicas before answering an MP write (0: don't)
 

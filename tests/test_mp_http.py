@@ -160,3 +160,34 @@ def test_lookup_answers_mp_instances_scoped_by_model(http):
 def test_lookup_world_size_bad(http):
     status, body = send(http, "POST", "/lookup", {"tokens": P1, "model_name": MODEL, "world_size": 0})
     assert status == 400 and "world_size" in body["error"]
+
+
+def test_two_model_fleet_never_mixes_models(redis_settings, r):
+    """Same prompts, two models; MP and classic LMCache instances of each (classic ones declare
+    their model through the owning sidecar's ``model`` setting, Store.model)."""
+    from kvlookup.hashing import mp as mphash
+    from kvlookup.hashing.lmcache import HashProfile
+    from kvlookup.index.store import ADMIT, Store
+
+    http = create_app({**redis_settings, "instance_ttl_s": 0}).test_client()
+    tokens = list(range(1000, 1512))  # 512 tokens: 2 chunks for both hash chains
+    classic = [(ADMIT, h) for h in HashProfile().chunk_hashes(tokens)]
+    for model, inst in (("model-a", "classic-a"), ("model-b", "classic-b"), (None, "classic-undeclared")):
+        st = Store(r, purge_grace_s=0)
+        st.model = model
+        st.register_worker(inst, 0, "127.0.0.1", 8001)
+        st.apply([(inst, 0, "LocalCPUBackend", classic)])
+
+    hashes = mphash.chunk_hashes_hex(tokens)
+    for model, inst in (("model-a", "mp-a"), ("model-b", "mp-b")):
+        send(http, "POST", "/instances", {**REG, "instance_id": inst})
+        send(http, "POST", "/events", {"batches": [batch(1, inst=inst, entries=[entry(h, model=model) for h in hashes])]})
+    everyone = send(http, "POST", "/lookup", {"tokens": tokens})[1]
+    assert set(everyone) - {"event_id"} == {"classic-a", "classic-b", "classic-undeclared"}
+    for model, other in (("model-a", "b"), ("model-b", "a")):
+        body = send(http, "POST", "/lookup", {"tokens": tokens, "model_name": model})[1]
+        mine = model[-1]
+        assert body[f"mp-{mine}"] == ["l1/dram", 512]
+        assert body[f"classic-{mine}"] == ["LocalCPUBackend", 512]
+        assert f"mp-{other}" not in body and f"classic-{other}" not in body
+        assert "classic-undeclared" in body  # a model never declared is answered for every model

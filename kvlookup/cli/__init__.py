@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--vllm-bind", action=argparse.BooleanOptionalAction, default=None,
                    help="bind the SUB socket(s) instead of connecting (vLLM given a concrete address connects)")
     s.add_argument("--vllm-topic", help="topic prefix to subscribe to (default: all)")
+    s.add_argument("--model", help="the model this sidecar's instances serve: /lookup with model_name answers "
+                   "them only for that model (default: undeclared, answered for every model)")
     s.add_argument("--vllm-replay-timeout", type=float, dest="vllm_replay_timeout_s",
                    help="seconds to wait for each replay reply (2)")
     _access_flags(s)
@@ -263,7 +265,7 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> Child:
 SIDECAR_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "log_level", "instance_id", "pull_url",
                     "reply_url", "advertise_reply", "worker_ttl_s", "metrics_port", "sidecar_id", "disconnect_grace_s",
                     "vllm_endpoint", "vllm_replay_endpoint", "vllm_dp_size", "vllm_bind", "vllm_topic",
-                    "vllm_replay_timeout_s", "allowed_peers", "allowed_instance_ids")
+                    "vllm_replay_timeout_s", "allowed_peers", "allowed_instance_ids", "model")
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
@@ -284,6 +286,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     server = ensure_redis(settings)
     store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
+    store.model = settings.model
     sidecar = Sidecar(store, settings.pull_url, settings.reply_url, sidecar_id=settings.sidecar_id,
                       instance_ids=(settings.instance_id,) if settings.instance_id else (),
                       advertise_reply=settings.advertise_reply, vllm=vllm, limits=settings.limits(),
