@@ -137,7 +137,8 @@ def run(placements: int = 100_000, batch_entries: int = 500, clients: int = 2,
         bodies = _bodies(placements, batch_entries, clients, inc)
         r = connect(redis_url)
         out: dict = {"placements": placements, "batch_entries": batch_entries, "clients": clients,
-                     "lmcache": _version(py), "gunicorn": "uvicorn:2"}
+                     "lmcache": _version(py), "gunicorn": "uvicorn:2",
+                     "loadavg_start": [round(x, 1) for x in os.getloadavg()]}
         mem0, rss0 = r.info("memory")["used_memory"], _rss(cproc.pid)
         progress.note("  mp: ingest kvlookup")
         out["ingest_kvlookup"] = _ingest(kv, bodies, batch_entries)
@@ -174,6 +175,7 @@ def run(placements: int = 100_000, batch_entries: int = 500, clients: int = 2,
             row["p99_ratio"] = round(row["coordinator"]["p99_ms"] / row["kvlookup"]["p99_ms"], 1)
             rows.append(row)
         out["lookups"] = rows
+        out["loadavg_end"] = [round(x, 1) for x in os.getloadavg()]
         r.close()
     return out
 

@@ -358,7 +358,10 @@ def _mp_section(mp: dict | None) -> list[str]:
             f"entries from {mp['clients']} emitters; then one instance holding each prompt in L1 and L2, and "
             "`/directory/lookup` (tokens form) at concurrency 1 on both; the answers are checked identical first. "
             "`/lookup` (kvlookup only: the coordinator has no prefix answer) is asked the same prompt with "
-            "`model_name`. Reproduce: `kvlookup bench mp` (needs `KVLOOKUP_LMCACHE_PYTHON`).", "",
+            "`model_name`. Reproduce: `kvlookup bench mp` (needs `KVLOOKUP_LMCACHE_PYTHON`)."
+            + (f" Load average (1/5/15 min) at the start {mp['loadavg_start']}, at the end {mp['loadavg_end']}: "
+               "other jobs shared the 2 cores, so absolute times are inflated and noisy; compare the columns."
+               if mp.get("loadavg_start") else ""), "",
             _table(["", "kvlookup", "MP coordinator", "ratio"],
                    [["POST /events placements/s", f"{k['placements_per_s']:,}", f"{c['placements_per_s']:,}",
                      f"{mp['ingest_ratio']}x"],

@@ -185,3 +185,18 @@ def test_memory_per_placement(d, r, cluster):
     used = r.info("memory")["used_memory"] - before
     assert d.stats()["num_placements"] == n
     assert used / n <= 150, used / n
+
+
+def test_mp_key_strings_are_pinned():
+    """Every MP key (docs/redis-schema.md) carries the {mp} hash tag: one slot."""
+    from kvlookup.index.cluster_io import slot_of
+
+    assert K.mp_bucket(C0) == "d52"
+    assert K.mp_chunks_key("d52") == "kvl:v2:{mp}:c:d52"
+    assert K.mp_page_key(3) == "kvl:v2:{mp}:k:3"
+    assert K.mp_l1_key(7, 255) == "kvl:v2:{mp}:l1:7:255"
+    assert K.mp_all_keys() == ["kvl:v2:{mp}:names", "kvl:v2:{mp}:stats", "kvl:v2:{mp}:cursors",
+                               "kvl:v2:{mp}:departed", "kvl:v2:{mp}:instances", "kvl:v2:{mp}:heartbeats",
+                               "kvl:v2:{mp}:capacity", "kvl:v2:{mp}:config"]
+    slots = {slot_of(k) for k in [*K.mp_all_keys(), K.mp_chunks_key("fff"), K.mp_page_key(0), K.mp_l1_key(1, 0)]}
+    assert slots == {slot_of(K.MP)}

@@ -383,7 +383,7 @@ def mp_config_key() -> str:
     return MP + "config"
 
 
-def mp_all_keys(instance_nums: int = 0) -> list[str]:
+def mp_all_keys() -> list[str]:
     """The fixed MP registry keys (the cluster test and docs list them)."""
     return [mp_names_key(), mp_stats_key(), mp_cursors_key(), mp_departed_key(), mp_instances_key(),
             mp_heartbeats_key(), mp_capacity_key(), mp_config_key()]
