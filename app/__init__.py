@@ -67,7 +67,7 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     coordinator.init_app(app, redis_client, settings)  # LMCache MP coordinator paths
     if tokenizer.available():
         app.register_blueprint(tokenizer.bp)
-    from kvlookup.explain import Explainer
+    from kvlookup.index.explain import Explainer
 
     explainer = Explainer(client, hash_seed=settings.hash.get("hash_seed"))
     routed = lookup.LookupRoute(app.wsgi_app, client, settings.lookup_response, settings.max_tokens, explainer,

@@ -14,6 +14,7 @@ from typing import Any
 
 from flask import Blueprint, current_app, jsonify
 
+from kvlookup import kinds
 from kvlookup.index import keys
 from kvlookup.index.fleet import Fleet, WorkerInfo, sidecar_leases
 
@@ -53,7 +54,7 @@ def instances(fleet: Fleet, now: float) -> list[dict]:
     rows: dict[str, dict[str, Any]] = {}
     for i, inst in enumerate(ids):
         lease = leases[i]
-        rows[inst] = {"instance_id": inst, "kind": facts[2 * i] or "lmcache", "live": alive[inst],
+        rows[inst] = {"instance_id": inst, "kind": kinds.of(facts[2 * i]).name, "live": alive[inst],
                       "lease_s": None if lease is None or fleet.store.instance_ttl_ms <= 0
                       else round(lease / 1000 - now, 1),
                       "owner": facts[2 * i + 1], "key_count": 0, "locations": {}, "workers": []}

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from kvlookup.bench import progress
-from kvlookup.bench.procs import REPO
+from kvlookup.bench.procs import PARTS, REPO
 
 RESULTS = REPO / "bench" / "results"
 
@@ -50,7 +50,6 @@ FULL = {
     "purge": dict(records=1_000_000),
     "mp": dict(placements=100_000, lookups=200),
 }
-PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk", "mp")
 
 
 def machine() -> dict:

@@ -32,11 +32,12 @@ from typing import Any
 
 import redis
 
-from kvlookup.wire import lmcache as proto
+from kvlookup.wire.errors import WireError
 from kvlookup import metrics
 from kvlookup.index.failover import MasterWatch
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store, chunk_text
 from kvlookup.sidecar.admission import InstancePolicy
+from kvlookup.wire import lmcache as proto
 
 text = chunk_text
 
@@ -110,7 +111,7 @@ class LMCacheIngest:
         for frame in frames:
             try:
                 tag, msg = proto.decode_frame(frame)
-            except proto.FrameError as exc:
+            except WireError as exc:
                 metrics.REJECTED.labels("lmcache", exc.reason).inc()
                 log.warning("rejected frame (%d bytes): %s", len(frame), exc)
                 continue
@@ -340,10 +341,10 @@ class LMCacheIngest:
         """Answer one worker request (0.3.12+ DEALER, or a 0.3.x REQ); returns the reply frame."""
         try:
             tag, msg = proto.decode_frame(payload)
-        except proto.FrameError as exc:
+        except WireError as exc:
             metrics.REJECTED.labels("lmcache", exc.reason).inc()
             log.warning("rejected request (%d bytes): %s", len(payload), exc)
-            return proto.encode(proto.ErrorMsg(error=str(exc)))
+            return proto.encode(proto.ErrorMsg(error=f"{exc.reason}: {exc}"))
         if refused := self.policy.refuse(tag, msg):
             return proto.encode(proto.ErrorMsg(error=refused))
         metrics.MESSAGES.labels(tag).inc()

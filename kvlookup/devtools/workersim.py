@@ -6,7 +6,7 @@ Era ``"0.5"`` (0.3.12-0.5.6): RegisterMsg over DEALER -> ROUTER (waits for Regis
 then BatchedKVOperationMsg with seq_num per location on PUSH.
 
 Used by the demo, the tests and the benchmarks. It is not LMCache: tests prove compatibility
-against the real LMCache code separately (tests/test_lmcache_real.py).
+against the real LMCache code separately (tests/compat/test_lmcache_real.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from kvlookup.wire import lmcache as proto
 from kvlookup.hashing.lmcache import ChunkHash
+from kvlookup.wire import lmcache as proto
 from kvlookup.wire.zmqaddr import endpoint
 
 MAX_FRAMES = 50

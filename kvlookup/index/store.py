@@ -18,14 +18,16 @@ import random
 import time
 from collections.abc import Iterable, Sequence
 
-import redis
 from redis.cluster import RedisCluster
 
+from kvlookup import kinds
 from kvlookup.index import keys, scripts
 from kvlookup.index.failover import Journal
-from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches, Records, SingleNodeRecords
+from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches, Records
+from kvlookup.index.single import SingleNodeRecords
+from kvlookup.kinds import Kind
 
-__all__ = ["ADMIT", "EVICT", "Chain", "Match", "NotRegistered", "Store", "fold_ops"]
+__all__ = ["ADMIT", "EVICT", "Chain", "Match", "NotRegistered", "Store"]
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,6 @@ ADMIT = "a"
 EVICT = "e"
 
 #: Worker rules: LMCache TP ranks must all hold a chunk; vLLM DP ranks are walked one by one.
-RULE_ALL = "all"
-RULE_ANY = "any"
 
 #: How many times a registry script is retried when the state it was given changed meanwhile.
 MAX_RETRIES = 8
@@ -101,8 +101,7 @@ class Store:
         port: int = 0,
         peer_init_url: str | None = None,
         *,
-        kind: str = "lmcache",
-        worker_rule: str = RULE_ALL,
+        kind: Kind = kinds.LMCACHE,
         now: float | None = None,
     ) -> int:
         """Register a worker (TP rank) of an instance; returns its epoch (1 = first time).
@@ -124,7 +123,7 @@ class Store:
                       keys.ip_index_key(ip if old_ip is None else old_ip), keys.rules_key(), keys.heartbeats_key(),
                       keys.block_sizes_key(), keys.suspects_key(), keys.registry_version_key()],
                 args=[wid, instance_id, keys.worker_member(instance_id, wid), old_ip or "",
-                      f"{int(port)}:{instance_id}", kind, worker_rule, int(now * 1000), *fields],
+                      f"{int(port)}:{instance_id}", kind.name, kind.worker_rule, int(now * 1000), *fields],
             )
             if int(epoch) != scripts.RETRY:
                 self.touch_instances([instance_id])
@@ -428,8 +427,7 @@ class Store:
         """Do lookups read from process-local copies now (cached reads on, unfenced, their
         invalidation connection up)? Then most cost no round trip (app.asgi runs them in the
         event loop); False: each asks Redis."""
-        cached = getattr(self.records, "cached", None)
-        return cached is not None and cached.local_now()
+        return self.records.reads_locally()
 
     def lookup(self, chains: Sequence[Chain], now_ms: int | None = None) -> Matches:
         """Walk the chains and return every match, in no particular order (``.miss``: see
@@ -447,22 +445,3 @@ def chunk_text(chunk_hash: int | str) -> str:
     """A chunk key's one identity, whatever its wire type: int and str with the same digits are
     the same chunk (decimal for LMCache 0.3.3+ ints, hex for 0.3.0-0.3.2 digests)."""
     return chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)
-
-
-def fold_ops(ops: Sequence[tuple[str, int | str]]) -> tuple[list[str], list[str]]:
-    """Fold an ordered batch of (ADMIT|EVICT, chunk hash) to each chunk's last op.
-
-    Returns (admitted, evicted) chunk hashes as text, disjoint. Applying them in any order
-    leaves the index exactly as applying ``ops`` one by one would. An int and a str key with
-    the same text are one chunk.
-    """
-    last: dict[str, str] = {}
-    for op, chunk_hash in ops:
-        last[chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)] = op  # chunk_text, inlined
-    admits = [h for h, op in last.items() if op == ADMIT]
-    evicts = [h for h, op in last.items() if op != ADMIT]
-    return admits, evicts
-
-
-# The connection type callers may pass (documentation only).
-RedisClient = redis.Redis | RedisCluster

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import redis
 
 from kvlookup.index import keys
-from kvlookup.index.records import SingleIO
+from kvlookup.index.io import SingleIO
 
 log = logging.getLogger(__name__)
 
