@@ -250,6 +250,9 @@ def init_app(app, redis_client, settings) -> MPDirectory:
                     instance_timeout_s=settings.mp_instance_timeout_s, replica_acks=settings.mp_replica_acks)
     app.extensions["kvlookup"]["mp"] = d
     app.register_blueprint(bp)
+    registries = app.extensions["kvlookup"].get("metrics_registries") or []
+    if len(registries) > 1:  # the fleet registry: gauges read from Redis at scrape time
+        registries[1].register(mp_metrics.MPCollector(d))
     app.extensions["kvlookup"]["mp_reaper"] = Reaper(d, min(10.0, settings.mp_instance_timeout_s / 3))
     return d
 

@@ -191,3 +191,13 @@ def test_two_model_fleet_never_mixes_models(redis_settings, r):
         assert body[f"classic-{mine}"] == ["LocalCPUBackend", 512]
         assert f"mp-{other}" not in body and f"classic-{other}" not in body
         assert "classic-undeclared" in body  # a model never declared is answered for every model
+
+
+def test_metrics_count_batches_gaps_and_dropped_events(http):
+    send(http, "POST", "/events", {"batches": [batch(1, entries=[entry()]), batch(4, dropped_events=3)]})
+    text = http.get("/metrics").get_data(as_text=True)
+    assert 'kvlookup_mp_directory_placements{tier="l1"} 1.0' in text
+    assert 'kvlookup_mp_ingest_batches_total{outcome="applied"} 2.0' in text
+    assert "kvlookup_mp_missing_batches_total 2.0" in text
+    assert "kvlookup_mp_dropped_events_total 3.0" in text
+    assert 'kvlookup_mp_emitter_gap{instance_id="mp-test-1"} 1.0' in text
