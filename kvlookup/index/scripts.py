@@ -772,6 +772,9 @@ for _ = 1, nb do
         ep = intern('e', iid .. '\\t' .. fmt(inc))
       end
       local is_shared = shared == '1'
+      local is_l1 = tier == 'l1'
+      local new_keys, new_bytes, new_l1 = 0, 0, 0
+      if tb then epinfo[ep] = iid end
       for e = first, first + 5 * (ne - 1), 5 do
         local bucket, chunk, space, size, tokens = ARGV[e], ARGV[e + 1], ARGV[e + 2], tonumber(ARGV[e + 3]), ARGV[e + 4]
         local ckey = P .. 'c:' .. bucket
@@ -779,28 +782,33 @@ for _ = 1, nb do
           local sid = string.find(space, '\t', 1, true) and intern('s', space) or space
           local field = chunk .. '.' .. sid
           local v = redis.call('HGET', ckey, field)
-          local kid, acc, pl
-          if v then kid, acc, pl = parse(v) else
+          if not v then  -- a new key (the common case): no record to read back
             if not kseq then kseq = tonumber(redis.call('HGET', STATS, 'kseq') or '0') end
             kseq = kseq + 1
-            kid, acc, pl = fmt(kseq), 0, {}
-            local n = kseq
-            redis.call('HSET', P .. 'k:' .. fmt(math.floor(n / PAGE)), fmt(n % PAGE), bucket .. field)
-            add('keys', 1)
-          end
-          local before = l1_iids(pl)
-          local found = false
-          for j = 1, #pl do
-            local p = pl[j]
-            if p[1] == tb and (is_shared or iid_of(p[2]) == iid) then
-              count(p, -1); p[2] = ep; p[3] = size; count(p, 1); found = true
-              break
+            local kid = fmt(kseq)
+            redis.call('HSET', P .. 'k:' .. fmt(math.floor(kseq / PAGE)), fmt(kseq % PAGE), bucket .. field)
+            redis.call('HSET', ckey, field, kid .. ',0|' .. tb .. ',' .. ep .. ',' .. fmt(size))
+            if is_l1 then
+              redis.call('SADD', P .. 'l1:' .. iid .. ':' .. fmt(kseq % L1B), kid)
+              new_l1 = new_l1 + 1
             end
+            new_keys, new_bytes = new_keys + 1, new_bytes + size
+          else
+            local kid, acc, pl = parse(v)
+            local before = l1_iids(pl)
+            local found = false
+            for j = 1, #pl do
+              local p = pl[j]
+              if p[1] == tb and (is_shared or iid_of(p[2]) == iid) then
+                count(p, -1); p[2] = ep; p[3] = size; count(p, 1); found = true
+                break
+              end
+            end
+            if not found then pl[#pl + 1] = {tb, ep, size}; count(pl[#pl], 1) end
+            epinfo[ep] = iid
+            reindex(kid, before, l1_iids(pl))
+            redis.call('HSET', ckey, field, encode(kid, acc, pl))
           end
-          if not found then pl[#pl + 1] = {tb, ep, size}; count(pl[#pl], 1) end
-          epinfo[ep] = iid
-          reindex(kid, before, l1_iids(pl))
-          redis.call('HSET', ckey, field, encode(kid, acc, pl))
           if tokens ~= '' then redis.call('HSET', P .. 'c:' .. bucket, chunk, tokens) end
         else
           local sp = string.find(space, '\t', 1, true) and redis.call('HGET', NAMES, 'n:s' .. space) or space
@@ -824,6 +832,11 @@ for _ = 1, nb do
             end
           end
         end
+      end
+      if new_keys > 0 then
+        add('keys', new_keys); add('placements', new_keys)
+        add(tier .. '_count', new_keys); add(tier .. '_bytes', new_bytes)
+        if new_l1 > 0 then add('l1k:' .. inst, new_l1) end
       end
     end
   end
