@@ -288,3 +288,10 @@ class Scoper:
         seen = {m.instance_id for m in matches}
         matches += [InstanceMatch(inst, pick_location(locs), n, locs) for inst, n, locs in mp if inst not in seen]
         return sorted(matches, key=lambda im: (-im.matched_prefix_length, im.instance_id))
+
+    def explain(self, req) -> dict:
+        """The MP part of ``/lookup/explain`` (:meth:`kvlookup.index.mp.MPDirectory.explain`)."""
+        try:
+            return self.d.explain(req.tokens, req.model_name, req.world_size, req.cache_salt or "")
+        except ValueError as exc:
+            return {"error": str(exc)}

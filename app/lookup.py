@@ -187,6 +187,8 @@ class LookupRoute:
         :meth:`kvlookup.index.explain.Explainer.explain` of the /lookup answer ``body``."""
         try:
             out = self.explainer.explain(req.tokens, body, Namespace(req.lora_name, req.cache_salt))
+            if req.model_name is not None and self.mp is not None:
+                out["mp"] = self.mp.explain(req)  # LMCache MP instances (app.coordinator.Scoper.explain)
         except redis.RedisError as exc:
             raise ApiError(503, f"index unavailable: {exc}") from None
         fleet_metrics.EXPLAINED.labels(out["cause"]).inc()

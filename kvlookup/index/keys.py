@@ -356,8 +356,9 @@ def mp_cursors_key() -> str:
 
 
 def mp_departed_key() -> str:
-    """Hash instance_id -> incarnation it departed in (DELETE or timeout): its L1 batches of that
-    incarnation or older are stale until it registers again (LMCache 0.5.7)."""
+    """Hash instance_id -> ``<incarnation>\t<deregistered|timed_out>\t<unix ms>``: the incarnation it
+    departed in (DELETE or timeout); its L1 batches of that incarnation or older are stale until it
+    registers again (LMCache 0.5.7)."""
     return MP + "departed"
 
 

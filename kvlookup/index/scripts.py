@@ -707,7 +707,7 @@ local kseq = nil  -- key ids: read once, written back once
 local function gate(inst, inc, seq, tier, dropped, ts)
   local dep = redis.call('HGET', DEP, inst)
   if dep then
-    if inc > tonumber(dep) then redis.call('HDEL', DEP, inst) elseif tier == 'l1' then return 'stale' end
+    if inc > tonumber(string.match(dep, '^(%d+)')) then redis.call('HDEL', DEP, inst) elseif tier == 'l1' then return 'stale' end
   end
   local cur = redis.call('HGET', CUR, inst)
   local tracked = cur ~= false and cur ~= nil
@@ -862,7 +862,9 @@ end
 fence_name(inst)
 local cur = redis.call('HGET', CUR, inst)
 redis.call('HDEL', CUR, inst)
-if cur then redis.call('HSET', DEP, inst, string.match(cur, '^(%d+)')) end
+if cur then
+  redis.call('HSET', DEP, inst, string.match(cur, '^(%d+)') .. '\t' .. (ARGV[3] == '1' and 'deregistered' or 'timed_out') .. '\t' .. ARGV[2])
+end
 redis.call('HDEL', P .. 'instances', inst)
 redis.call('ZREM', P .. 'heartbeats', inst)
 if ARGV[3] == '1' then redis.call('HDEL', CAP, inst) end

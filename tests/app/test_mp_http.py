@@ -201,3 +201,36 @@ def test_metrics_count_batches_gaps_and_dropped_events(http):
     assert "kvlookup_mp_missing_batches_total 2.0" in text
     assert "kvlookup_mp_dropped_events_total 3.0" in text
     assert 'kvlookup_mp_emitter_gap{instance_id="mp-test-1"} 1.0' in text
+
+
+def test_explain_names_mp_causes(http):
+    for inst in ("mp-test-1", "mp-gone", "mp-salted", "mp-restarted", "mp-512"):
+        send(http, "POST", "/instances", {**REG, "instance_id": inst})
+    send(http, "POST", "/events", {"batches": [
+        batch(1, entries=[entry(C0), entry(C1)]),
+        batch(5, entries=[entry(C0)]),  # a gap: seq 2..4 never arrived
+        batch(1, inst="mp-gone", entries=[entry(C0)]),
+        batch(1, inst="mp-salted", entries=[entry(C0, salt="tenant-b")]),
+        batch(1, inst="mp-restarted", tier="l2", backend="fs", entries=[entry(C0)]),
+        batch(1, inst="mp-restarted", inc=INC + 5, etype="access", backend="", entries=[entry(C0)]),
+        batch(1, inst="mp-512", entries=[entry(mphash_512())])]})
+    send(http, "DELETE", "/instances/mp-gone")
+    status, out = send(http, "POST", "/lookup/explain", {"tokens": P1, "model_name": MODEL})
+    assert status == 200
+    mp = out["mp"]["instances"]
+    assert mp["mp-test-1"]["matched_prefix_length"] == 512
+    assert [c["cause"] for c in mp["mp-test-1"]["causes"]] == ["gap"]
+    assert mp["mp-test-1"]["causes"][0]["missing_batches"] == 3
+    assert [c["cause"] for c in mp["mp-gone"]["causes"]] == ["departed"]
+    assert mp["mp-gone"]["causes"][0]["reason"] == "deregistered"
+    assert mp["mp-salted"]["causes"] == [{"cause": "other_namespace", "model_name": MODEL, "cache_salt": "tenant-b",
+                                          "world_size": 1}]
+    assert [c["cause"] for c in mp["mp-restarted"]["causes"]] == ["incarnation_changed"]
+    assert mp["mp-restarted"]["matched_prefix_length"] == 256  # its L2 copy still counts
+    assert mp["mp-512"]["causes"] == [{"cause": "other_chunk_size", "chunk_size": 512}]
+
+
+def mphash_512():
+    from kvlookup.hashing import mp as mphash
+
+    return mphash.chunk_hashes_hex(P1, 512)[0]
