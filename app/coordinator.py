@@ -295,3 +295,32 @@ class Scoper:
             return self.d.explain(req.tokens, req.model_name, req.world_size, req.cache_salt or "")
         except ValueError as exc:
             return {"error": str(exc)}
+
+
+def standalone_app(redis_client, settings):
+    """A Flask app serving only the MP coordinator paths (``kvlookup sidecar --mp-listen``)."""
+    from flask import Flask
+
+    from kvlookup.app import errors
+
+    app = Flask("kvlookup-mp")
+    app.json.sort_keys = False
+    app.extensions["kvlookup"] = {"settings": settings, "redis": redis_client}
+    errors.init_app(app)
+    init_app(app, redis_client, settings)
+    return app
+
+
+def serve_standalone(settings):
+    """Serve :func:`standalone_app` on ``settings.mp_listen`` (host:port) in a daemon thread
+    (werkzeug's threaded server); returns the server (``shutdown()`` stops it)."""
+    from werkzeug.serving import make_server
+
+    from kvlookup.proc.redis_server import connect
+
+    host, _, port = settings.mp_listen.rpartition(":")
+    client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10)
+    server = make_server(host or "127.0.0.1", int(port), standalone_app(client, settings), threaded=True)
+    threading.Thread(target=server.serve_forever, name="mp-http", daemon=True).start()
+    log.info("MP coordinator paths on http://%s:%s", host, port)
+    return server

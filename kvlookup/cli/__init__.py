@@ -220,8 +220,10 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, options.SIDECAR))
     setup_logging(settings.log_level)
+    if not settings.pull_url and not settings.reply_url and not settings.vllm_endpoint and not settings.mp_listen:
+        raise ValueError("a sidecar needs --pull-url, --reply-url, --vllm-endpoint and/or --mp-listen")
     if not settings.pull_url and not settings.reply_url and not settings.vllm_endpoint:
-        raise ValueError("a sidecar needs --pull-url, --reply-url and/or --vllm-endpoint")
+        return _mp_only(settings)
     vllm = ()
     if settings.vllm_endpoint:
         vllm = (VllmSource(settings.instance_id, settings.vllm_endpoint, settings.vllm_replay_endpoint,
@@ -239,6 +241,10 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
                       allowed_instance_ids=tuple(settings.allowed_instance_ids),
                       address_allowed=settings.worker_address_allowed)
     _stop_on_signals(sidecar.stop)
+    if settings.mp_listen:
+        from kvlookup.app.coordinator import serve_standalone
+
+        serve_standalone(settings)
     if settings.metrics_port:
         from kvlookup.sidecar.http import serve
 
@@ -251,6 +257,25 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
+    return 0
+
+
+def _mp_only(settings) -> int:
+    """``kvlookup sidecar --mp-listen host:port`` alone: only the LMCache MP coordinator paths."""
+    import threading
+
+    from kvlookup.app.coordinator import serve_standalone
+
+    redis_server = ensure_redis(settings)
+    stopped = threading.Event()
+    _stop_on_signals(stopped.set)
+    server = serve_standalone(settings)
+    try:
+        stopped.wait()
+    finally:
+        server.shutdown()
+        if redis_server is not None:
+            redis_server.stop()
     return 0
 
 

@@ -224,14 +224,18 @@ class Settings:
     vllm_replay_timeout_s: float = setting(
         2.0, readers=(SIDECAR,), flag="--vllm-replay-timeout", help="seconds to wait for each replay reply (2)")
     # -- LMCache MP coordinator paths (app/coordinator.py; docs/lmcache-mp.md) -------------------
+    mp_listen: str | None = setting(
+        None, readers=(SIDECAR,),
+        help="host:port on which this sidecar serves the LMCache MP coordinator paths (POST /instances, "
+             "/events, /directory/*), for deployments that keep MP ingest off the controller")
     mp_chunk_size: int = setting(
-        256, readers=(CONTROLLER,),
+        256, readers=(CONTROLLER, SIDECAR),
         help="MP chunk size (tokens) used to hash prompts until the fleet binds one; also its minimum (256)")
     mp_instance_timeout_s: float = setting(
-        30.0, readers=(CONTROLLER,), flag="--mp-instance-timeout",
+        30.0, readers=(CONTROLLER, SIDECAR), flag="--mp-instance-timeout",
         help="seconds of heartbeat silence after which an MP instance departs (30, the coordinator's default)")
     mp_replica_acks: int = setting(
-        0, readers=(CONTROLLER,),
+        0, readers=(CONTROLLER, SIDECAR),
         help="replicas of the {mp} master every MP write waits for (WAIT) before it is acknowledged (0: none)")
     model: str | None = setting(
         None, readers=(SIDECAR, EMBEDDED),
