@@ -234,3 +234,18 @@ def mphash_512():
     from kvlookup.hashing import mp as mphash
 
     return mphash.chunk_hashes_hex(P1, 512)[0]
+
+
+def test_dashboard_overview_lists_mp_instances(http):
+    send(http, "POST", "/instances", REG)
+    send(http, "POST", "/events", {"batches": [
+        batch(1, "config", tier="l1", backend="dram", capacity_bytes=1 << 30, capacity_revision=1),
+        batch(3, entries=[entry()], dropped_events=2)]})
+    ov = http.get("/controller/overview").get_json()
+    (m,) = ov["mp_instances"]
+    assert m["instance_id"] == "mp-test-1" and m["live"] and m["incarnation"] == INC and m["last_seq"] == 3
+    assert m["gap"] and m["missing_batches"] == 1 and m["events_dropped"] == 2 and m["l1_keys"] == 1
+    assert m["modules"] == [{"tier": "l1", "backend": "dram", "shared": False, "capacity_bytes": 1 << 30}]
+    page = http.get("/static/dashboard.js").get_data(as_text=True) if http.get("/static/dashboard.js").status_code \
+        == 200 else ""
+    assert "mp-instances" in http.get("/").get_data(as_text=True) or "mp-instances" in page
