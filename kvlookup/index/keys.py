@@ -335,6 +335,15 @@ def mp_l1_key(instance_num: int | str, bucket: int) -> str:
     return f"{MP}l1:{instance_num}:{bucket}"
 
 
+def mp_blend_key(namespace_id: int | str) -> str:
+    """Hash ``<fingerprint>`` -> ``<chunk b64>,<token_offset>;...``: the blend index of one namespace
+    (model, salt, world size; interned kind ``b``): every stored chunk whose token binding is one
+    whole chunk, by a fingerprint of its tokens (blake3 of the little-endian uint32 ids, 8 bytes hex).
+    Entries are checked against the bindings and keys when read; written by ingest, never pruned
+    (bounded by the chunks ever bound)."""
+    return f"{MP}b:{namespace_id}"
+
+
 def mp_names_key() -> str:
     """Hash of interned names: ``n:<kind><text>`` -> id and ``r:<kind><id>`` -> text, kinds
     ``s`` space (model, salt, kv_rank, group), ``t`` tier/backend/shared, ``i`` instance id,

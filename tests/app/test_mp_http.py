@@ -123,6 +123,20 @@ def test_oversized_batch_list_413_nothing_applied(http, monkeypatch):
 def test_blend_lookup_shapes(http):
     assert send(http, "POST", "/directory/blend-lookup", {"tokens_b64": "AQAAAAIAAAADAAAA", "model_name": "m"}) == (
         200, {"matches": []})
+    toks = list(range(1000, 1256))
+    send(http, "POST", "/events", {"batches": [batch(1, entries=[entry(tokens=toks, offset=0)])]})
+    import base64
+    from array import array
+
+    query = [5, 6, 7] + toks + [9, 9] + toks[:10]
+    b64 = base64.b64encode(array("I", query).tobytes()).decode()
+    assert send(http, "POST", "/directory/blend-lookup", {"tokens_b64": b64, "model_name": MODEL}) == (
+        200, {"matches": [{"chunk_hash": C0, "old_st": 0, "cur_st": 3}]})
+    assert send(http, "POST", "/directory/blend-lookup", {"tokens_b64": b64, "model_name": MODEL,
+                                                          "world_size": 2})[1] == {"matches": []}
+    send(http, "POST", "/events", {"batches": [batch(2, etype="delete", entries=[entry()])]})
+    assert send(http, "POST", "/directory/blend-lookup", {"tokens_b64": b64, "model_name": MODEL})[1] == {
+        "matches": []}
     assert send(http, "POST", "/directory/blend-lookup", {"tokens_b64": "AQA", "model_name": "m"})[0] == 422
     assert send(http, "POST", "/directory/blend-lookup", {"tokens_b64": "AQAAAA=="})[0] == 422
 

@@ -103,12 +103,17 @@ class Coordinator:
 
 
 class FanOut:
-    """An HTTP proxy: every request goes to ``primary`` and then to each of ``mirrors``; the
-    client gets the primary's answer. ``.url``; ``.log`` lists (method, path, status) seen."""
+    """An HTTP proxy: every request goes to ``primary``, whose answer the client gets, and then,
+    in arrival order on one thread, to each of ``mirrors`` (so a slow mirror, e.g. a coordinator
+    compiling its blend index, never times out the emitter). ``drain()`` waits for the mirrors;
+    ``.log`` lists (method, path, [statuses]) once mirrored."""
 
     def __init__(self, primary: str, *mirrors: str):
-        self.targets = [primary, *mirrors]
+        import queue
+
+        self.primary, self.mirrors = primary, list(mirrors)
         self.log: list[tuple[str, str, list[int]]] = []
+        self.queue: queue.Queue = queue.Queue()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -116,10 +121,9 @@ class FanOut:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else b""
                 headers = {"Content-Type": self.headers.get("Content-Type", "application/json")}
-                answers = [requests.request(self.command, t + self.path, data=body, headers=headers, timeout=10)
-                           for t in proxy.targets]
-                proxy.log.append((self.command, self.path, [a.status_code for a in answers]))
-                first = answers[0]
+                first = requests.request(self.command, proxy.primary + self.path, data=body, headers=headers,
+                                         timeout=10)
+                proxy.queue.put((self.command, self.path, body, headers, first.status_code))
                 self.send_response(first.status_code)
                 self.send_header("Content-Type", first.headers.get("Content-Type", "application/json"))
                 self.send_header("Content-Length", str(len(first.content)))
@@ -131,12 +135,27 @@ class FanOut:
             def log_message(self, *a):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)  # one request at a time: order kept
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._mirror, daemon=True).start()
+
+    def _mirror(self) -> None:
+        while True:
+            method, path, body, headers, status = self.queue.get()
+            try:
+                got = [requests.request(method, m + path, data=body, headers=headers, timeout=120).status_code
+                       for m in self.mirrors]
+            except requests.RequestException:
+                got = [-1]
+            self.log.append((method, path, [status, *got]))
+            self.queue.task_done()
+
+    def drain(self) -> None:
+        self.queue.join()
 
     def stop(self) -> None:
+        self.drain()
         self.server.shutdown()
         self.server.server_close()
 

@@ -24,12 +24,13 @@ pytestmark = [pytest.mark.lmcache, pytest.mark.slow,
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 P1 = list(range(1000, 1512))           # the research doc's worked example: d526…0579, 8be5…94f5
 P2 = [7, 8, 9] * 300                   # 900 tokens: 3 chunks
+BLEND_Q = __import__("base64").b64encode(__import__("array").array("I", [5, 6, 7] + P1[:256] + [9, 9]).tobytes()).decode()
 
 
 @pytest.fixture()
 def pair(redis_args):
     ctrl = ControllerProc(*redis_args, "--workers", "1", "--instance-ttl", "0").wait_ready()
-    coord = Coordinator(PYTHON)
+    coord = Coordinator(PYTHON, "--enable-blend-lookup")
     fan = FanOut(ctrl.http, coord.url)
     yield ctrl, coord, fan
     fan.stop()
@@ -54,10 +55,15 @@ QUERIES = [("GET", "/directory/stats", None), ("GET", "/directory/keys", None),
            ("GET", "/directory/keys?instance_id=mp-lib-1&offset=1&limit=2", None),
            ("POST", "/directory/lookup", {"token_ids": P1, "model_name": MODEL}),
            ("POST", "/directory/lookup", {"token_ids": P2, "model_name": MODEL, "world_size": 2}),
-           ("POST", "/directory/lookup", {"token_ids": P2, "model_name": "other-model", "world_size": 2})]
+           ("POST", "/directory/lookup", {"token_ids": P2, "model_name": "other-model", "world_size": 2}),
+           # [5, 6, 7] + chunk 0 of P1 + [9, 9]: the research doc's blend example (little-endian uint32, base64)
+           ("POST", "/directory/blend-lookup", {"tokens_b64": BLEND_Q, "model_name": MODEL}),
+           ("POST", "/directory/blend-lookup", {"tokens_b64": BLEND_Q, "model_name": MODEL, "world_size": 2})]
 
 
-def compare_all(ctrl, coord):
+def compare_all(ctrl, coord, fan=None):
+    if fan is not None:
+        fan.drain()
     stats = None
     for method, path, body in QUERIES:
         out = same_but_blend(ctrl, coord, method, path, body)
@@ -91,7 +97,7 @@ def test_real_emitter_differential(pair):
         em.op(op="store", tokens=P2[:512], model=MODEL, world_size=2, tier="l2", backend="fs", size=4194304)
         em.op(op="delete", tokens=P2[:256], model=MODEL, world_size=2, ranks=[1])
         em.op(op="settle", seconds=1.5)
-        stats = compare_all(ctrl, coord)
+        stats = compare_all(ctrl, coord, fan)
         assert stats["num_keys"] == 8 and stats["l1_keys_by_instance"] == {"mp-lib-1": 7}
         # /lookup with model_name answers the MP instance: 2 chunks of P1 in L1 (the tier holding most)
         body = requests.post(ctrl.http + "/lookup?detail=1", json={"tokens": P1, "model_name": MODEL}, timeout=5).json()
@@ -104,7 +110,7 @@ def test_real_emitter_differential(pair):
                                                timeout=5).json()
     finally:
         em.quit()  # keep_registered cancelled: DELETE /instances/mp-lib-1
-    stats = compare_all(ctrl, coord)
+    stats = compare_all(ctrl, coord, fan)
     assert stats["l1_count"] == 0 and stats["l2_count"] == 6  # only L2 (shared and not) is left
     assert [m for m, p, st in fan.log if p == "/instances/mp-lib-1"] == ["DELETE"]
     assert all(st == [st[0]] * 2 for _, _, st in fan.log), fan.log
@@ -121,6 +127,7 @@ def test_real_mp_server_cpu(pair):
         run = server.bench()
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
         time.sleep(3)  # flush interval 0.5 s, eviction-loop ticks ~1 s
+        fan.drain()
         for path in ("/directory/stats", "/directory/keys", "/directory/keys?tier=l2"):
             same_but_blend(ctrl, coord, "GET", path, None)
         stats = same_but_blend(ctrl, coord, "GET", "/directory/stats", None)
@@ -131,5 +138,6 @@ def test_real_mp_server_cpu(pair):
     finally:
         server.stop()
     time.sleep(1)
+    fan.drain()
     same_but_blend(ctrl, coord, "GET", "/directory/stats", None)
     assert requests.get(ctrl.http + "/directory/stats").json()["l1_count"] == 0

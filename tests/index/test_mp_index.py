@@ -200,3 +200,4 @@ def test_mp_key_strings_are_pinned():
                                "kvl:v2:{mp}:capacity", "kvl:v2:{mp}:config"]
     slots = {slot_of(k) for k in [*K.mp_all_keys(), K.mp_chunks_key("fff"), K.mp_page_key(0), K.mp_l1_key(1, 0)]}
     assert slots == {slot_of(K.MP)}
+    assert K.mp_blend_key(2) == "kvl:v2:{mp}:b:2" and slot_of(K.mp_blend_key(2)) == slot_of(K.MP)
