@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import cast
 
-from a2wsgi import WSGIMiddleware
+from a2wsgi import WSGIMiddleware, asgi_typing, wsgi_typing
 from flask import Flask
 
 from kvlookup.app.body import declared_length
@@ -47,7 +48,9 @@ class AsgiController:
         self.route = route
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
-        self.wsgi = WSGIMiddleware(flask_app.wsgi_app, workers=THREADS)
+        # cast: a2wsgi types the WSGI environ and the ASGI messages as TypedDicts, Flask and this
+        # module as plain dicts (the same values)
+        self.wsgi = WSGIMiddleware(cast(wsgi_typing.WSGIApp, flask_app.wsgi_app), workers=THREADS)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -60,7 +63,8 @@ class AsgiController:
             return await send_json(send, exc.status, {"error": exc.message}, [("Connection", "close")])
         path = scope["path"]
         if not self.route.serves(path):
-            return await self.wsgi(_with_length(scope, len(data)), _replay(data), send)
+            return await self.wsgi(cast(asgi_typing.HTTPScope, _with_length(scope, len(data))),
+                                   cast(asgi_typing.Receive, _replay(data)), cast(asgi_typing.Send, send))
         keep: dict = {}
         ctype = _header(scope, b"content-type")
         args = (path, scope["method"], scope["query_string"].decode("latin-1"), data, keep,

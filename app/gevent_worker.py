@@ -25,10 +25,8 @@ from __future__ import annotations
 import warnings
 
 import gevent
-from gevent import monkey
 from gevent.monkey import MonkeyPatchWarning
 from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
-
 
 
 class GeventWorker(_GunicornGeventWorker):

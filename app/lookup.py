@@ -209,8 +209,8 @@ class LookupRoute:
         start = time.perf_counter()
         causes: list[str] = []
         try:
-            matches = self.client.matches(req.tokens, validate=False, namespace=Namespace(req.lora_name, req.cache_salt),
-                                          causes=causes)
+            matches = self.client.matches(req.tokens, validate=False,
+                                          namespace=Namespace(req.lora_name, req.cache_salt), causes=causes)
             if req.model_name is not None and self.mp is not None:
                 matches = self.mp(matches, req)
         except redis.RedisError as exc:

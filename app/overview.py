@@ -89,8 +89,9 @@ def index_size(r) -> dict:
     from redis.cluster import RedisCluster
 
     if isinstance(r, RedisCluster):
-        infos = r.info("memory", target_nodes=RedisCluster.PRIMARIES)
-        infos = [infos] if "used_memory" in infos else list(infos.values())
+        # one master answers with its INFO, several with {node: INFO}
+        per_node = r.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        infos: list[dict[str, Any]] = [per_node] if "used_memory" in per_node else list(per_node.values())
         n_keys = r.dbsize(target_nodes=RedisCluster.PRIMARIES)
     else:
         infos, n_keys = [r.info("memory")], r.dbsize()

@@ -12,14 +12,13 @@ as ``<|begin_of_text|>``, become their ids). Response ``{"tokens": [int, ...], "
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Annotated
 
 import msgspec
 from flask import Blueprint, jsonify
 
 from kvlookup.app.control import parse
-from kvlookup.tokenizer import available
+from kvlookup.tokenizer import available as available  # re-exported: create_app registers bp when True
 
 bp = Blueprint("tokenize", __name__)
 MAX_CHARS = 1_000_000

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, cast
 
 import msgspec
 import redis
@@ -118,7 +118,8 @@ class VllmChains:
     """Chain source for vLLM instances: kvlookup's own chain (kvlookup.hashing.vllm) at every
     block size a live vLLM rank uses (``keys.block_sizes_key``; read at most every
     ``refresh_s`` seconds), in the request's namespace (base model unless ``lora_name`` /
-    ``cache_salt`` are given). check_alive: count only ranks of instances with a current
+    ``cache_salt`` are given). redis: a client with ``decode_responses=True`` (as
+    kvlookup.proc.redis_server.connect makes). check_alive: count only ranks of instances with a current
     liveness lease (the store's ``instance_ttl_s`` > 0), so a block size no live rank uses
     leaves the walk.
     """
@@ -156,7 +157,8 @@ class VllmChains:
             self._refreshing.clear()
 
     def _read_sizes(self) -> list[int]:
-        per_rank = self.r.hgetall(keys.block_sizes_key())  # "<rank>\t<instance>" -> block size
+        # "<rank>\t<instance>" -> block size; str: redis-py's types cannot follow decode_responses=True
+        per_rank = cast(dict[str, str], self.r.hgetall(keys.block_sizes_key()))
         if self.check_alive and per_rank:
             insts = sorted({m.split(keys.SEP, 1)[1] for m in per_rank})
             now_ms = time.time() * 1000

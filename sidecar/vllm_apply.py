@@ -18,11 +18,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvlookup.wire.errors import WireError
 from kvlookup import metrics
 from kvlookup.hashing import vllm as vh
 from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store
+from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored, Event, Malformed
 
 log = logging.getLogger(__name__)

@@ -168,7 +168,8 @@ class VllmIngest:
     # -- writes ---------------------------------------------------------------------------
 
     def _apply(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
-        persist = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): digest(payload)}
+        persist: dict[str, str | int] = {keys.rank_field("seq", rank): seq,
+                                         keys.rank_field("digest", rank): digest(payload)}
         ctx = RankContext(self.store, self.instance_id, rank, st.block_size, lambda: self._wipe(rank),
                           lambda: self._register_rank(rank),
                           self.rejected, self.skipped)

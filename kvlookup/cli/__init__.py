@@ -206,9 +206,11 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings, settings_dir: str) -> C
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
         json.dump(settings.embedded_sidecar(), out)
-    ports = [(settings.host, settings.pull_port())]
-    if settings.reply_port():
-        ports.append((settings.host, settings.reply_port()))
+    pull, reply = settings.pull_port(), settings.reply_port()
+    assert pull is not None  # cmd_controller starts this child only with a monitor port
+    ports = [(settings.host, pull)]
+    if reply:
+        ports.append((settings.host, reply))
     return Child("embedded_sidecar", [sys.executable, "-P", "-m", "kvlookup", "sidecar", "--config", path], ports)
 
 
@@ -224,12 +226,14 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         raise ValueError("a sidecar needs --pull-url, --reply-url, --vllm-endpoint and/or --mp-listen")
     if not settings.pull_url and not settings.reply_url and not settings.vllm_endpoint:
         return _mp_only(settings)
-    vllm = ()
+    vllm: tuple[VllmSource, ...] = ()
     if settings.vllm_endpoint:
+        assert settings.instance_id  # Settings.validate(): vllm_endpoint needs instance_id
         vllm = (VllmSource(settings.instance_id, settings.vllm_endpoint, settings.vllm_replay_endpoint,
                            settings.vllm_dp_size, settings.vllm_bind, settings.vllm_topic,
                            settings.vllm_replay_timeout_s),)
     server = ensure_redis(settings)
+    assert settings.redis_url is not None  # ensure_redis() set it
     store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
     store.model = settings.model

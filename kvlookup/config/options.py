@@ -89,7 +89,8 @@ def add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field, opt: Option)
     if str(f.type) == "bool":
         parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=opt.help)
     else:
-        convert = {"int": int, "float": float}.get(str(f.type).partition(" | ")[0])
+        # str for the rest: argparse's own default (type=None) keeps the text as given, as str does
+        convert: Callable[[str], Any] = {"int": int, "float": float}.get(str(f.type).partition(" | ")[0], str)
         parser.add_argument(flag, dest=f.name, type=convert, choices=opt.choices, help=opt.help)
 
 

@@ -205,8 +205,8 @@ class _State:
         insts = sorted({self.desc[h][0] for h in hids if h in self.desc})
         workers = sorted({(self.desc[h][0], self.desc[h][1]) for h in hids if h in self.desc})
         live = self.ex.client.store.liveness(self.now)
-        cmds = [("EVALSHA", self.ex.resolve_sha, 6, *walk_registry_keys(), keys.registry_version_key(), *live.argv(),
-                 *hids)] if hids else []
+        cmds: list[tuple] = [("EVALSHA", self.ex.resolve_sha, 6, *walk_registry_keys(), keys.registry_version_key(),
+                              *live.argv(), *hids)] if hids else []
         cmds += [("ZSCORE", keys.dead_holders_key(), h) for h in hids]
         cmds += [c for i in insts
                  for c in (("SMEMBERS", keys.instance_workers_key(i)), ("ZSCORE", keys.alive_key(), i))]
@@ -269,7 +269,7 @@ class _State:
                     grouped.add((ci, inst, ""))
                     self.stops.append((ci, inst, "", 0, 0, None))
         self.evict_cmds: list[tuple[int, int, str]] = []
-        cmds = []
+        cmds: list[tuple] = []
         for si, (ci, inst, _wid, upto, _end, _short) in enumerate(self.stops):
             c = self.chains[ci]
             if upto >= len(c.hashes):

@@ -111,15 +111,17 @@ class CommandIO(Protocol):
         """A Lua script's sha, for ``("EVALSHA", sha, numkeys, ...)``; loaded where it is missing."""
 
     def execute(self, commands: Sequence[tuple]) -> list:
-        """Results in order; a command error is returned as its ResponseError."""
+        """Results in order (single-key commands and scripts; a score may come as text or a
+        number: parse it); a command error is returned as its ResponseError."""
 
 
 class Records(Protocol):
     """The record operations a backend provides (one contract suite: tests/contract/ runs the
     semantic tests against every backend)."""
 
-    #: the IO its commands go through
-    io: CommandIO
+    @property
+    def io(self) -> CommandIO:
+        """The IO its commands go through (read-only here, so a backend's own IO type fits)."""
 
     def reads_locally(self) -> bool:
         """Do lookups read process-local copies now (no round trip for known chunks)?"""

@@ -47,7 +47,7 @@ class NotRegistered(LookupError):
     """Raised when records arrive for a worker the registry does not know."""
 
 
-def make_records(client, cache_reads: bool = False) -> Records:
+def make_records(client, cache_reads: bool | str = False) -> Records:
     """The records backend for a redis-py client: cluster or single node (cache_reads: see
     SingleNodeRecords; a cluster keeps holder answers only)."""
     if isinstance(client, RedisCluster):
@@ -75,7 +75,7 @@ class Store:
     model: str | None = None
 
     def __init__(self, client, *, instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0,
-                 purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool = False):
+                 purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool | str = False):
         self.r = client
         self.cluster = isinstance(client, RedisCluster)
         self.instance_ttl_ms = int(instance_ttl_s * 1000)
@@ -289,7 +289,7 @@ class Store:
 
     def apply(
         self,
-        batches: Iterable[tuple[str, int | str, str, Sequence[tuple[str, int | str]]]],
+        batches: Iterable[tuple[str, int | str, str, Sequence[tuple[str, int | str]] | dict[str, str]]],
         *,
         space: str = "",
         now_ms: int | None = None,
@@ -346,6 +346,7 @@ class Store:
         done = [(keys.holder_value(inst, wid, loc, w.space), w)
                 for (inst, wid, loc, _ops), w, good in zip(todo, writes, ok, strict=True) if good]
         if done:
+            assert self.journal is not None  # apply() journals only while a journal is kept
             self.journal.add((score, done), sum(len(w.admits) + len(w.evicts) for _d, w in done))
 
     def rewrite_journal(self, max_ops_per_call: int = 20_000) -> tuple[int, float]:

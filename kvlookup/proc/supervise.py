@@ -123,6 +123,7 @@ class Child:
 
     def exit_status(self) -> str:
         """How the child ended, reaping it unless gunicorn already did."""
+        assert self.proc is not None  # called for a child spawn() started
         try:
             pid, status = os.waitpid(self.proc.pid, os.WNOHANG)
         except ChildProcessError:
@@ -139,6 +140,7 @@ class Child:
             self._failed(now, f"exited ({self.exit_status()})")
         elif self.state == "starting":
             if all(listening(h, p) for h, p in self.ports):
+                assert self.proc is not None  # "starting" is set by spawn(), after the Popen
                 self.state, self.up_since, self.error = "up", now, None
                 log.info("%s up (pid %d)", self.name, self.proc.pid)
             elif now - self.started_at > READY_TIMEOUT_S:

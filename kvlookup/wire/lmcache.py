@@ -144,8 +144,9 @@ def decode_frame(frame: bytes) -> tuple[str, Any]:
     target = DECODE_TARGETS.get(tag) if isinstance(tag, str) else None
     if target is None:
         raise WireError("unknown_type", f"unknown message type {str(tag)[:80]!r}")
+    assert isinstance(tag, str)  # a target is found for string tags only
     try:
-        msg = msgspec.convert(raw, target)
+        msg: Any = msgspec.convert(raw, target)
     except msgspec.ValidationError as exc:
         raise WireError("invalid_fields", f"{tag}: {exc}"[:300]) from None
     except RecursionError:

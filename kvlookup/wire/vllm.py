@@ -112,6 +112,7 @@ def decode_event(raw: Any) -> Event:
 
 
 def _decode_event(raw: Any) -> Event:
+    body: list[Any] | dict[str, Any]
     if isinstance(raw, list) and raw and isinstance(raw[0], str):
         tag, body = raw[0], raw[1:]
     elif isinstance(raw, dict) and isinstance(raw.get("type"), str):
