@@ -663,7 +663,8 @@ local function fence(iid)
           local before = l1_iids(pl)
           before[iid] = nil
           reindex(kid, before, after)
-          if #keep == 0 then drop_key(bucket, field, k) else redis.call('HSET', P .. 'c:' .. bucket, field, encode(k, acc, keep)) end
+          if #keep == 0 then drop_key(bucket, field, k)
+          else redis.call('HSET', P .. 'c:' .. bucket, field, encode(k, acc, keep)) end
         end
       end
     end
@@ -707,7 +708,8 @@ local kseq = nil  -- key ids: read once, written back once
 local function gate(inst, inc, seq, tier, dropped, ts)
   local dep = redis.call('HGET', DEP, inst)
   if dep then
-    if inc > tonumber(string.match(dep, '^(%d+)')) then redis.call('HDEL', DEP, inst) elseif tier == 'l1' then return 'stale' end
+    if inc > tonumber(string.match(dep, '^(%d+)')) then redis.call('HDEL', DEP, inst)
+    elseif tier == 'l1' then return 'stale' end
   end
   local cur = redis.call('HGET', CUR, inst)
   local tracked = cur ~= false and cur ~= nil
@@ -828,7 +830,8 @@ for _ = 1, nb do
                 end
               end
               reindex(kid, before, l1_iids(pl))
-              if #pl == 0 then drop_key(bucket, field, kid) else redis.call('HSET', ckey, field, encode(kid, acc, pl)) end
+              if #pl == 0 then drop_key(bucket, field, kid)
+              else redis.call('HSET', ckey, field, encode(kid, acc, pl)) end
             end
           end
         end
@@ -863,7 +866,8 @@ fence_name(inst)
 local cur = redis.call('HGET', CUR, inst)
 redis.call('HDEL', CUR, inst)
 if cur then
-  redis.call('HSET', DEP, inst, string.match(cur, '^(%d+)') .. '\t' .. (ARGV[3] == '1' and 'deregistered' or 'timed_out') .. '\t' .. ARGV[2])
+  local why = (ARGV[3] == '1') and 'deregistered' or 'timed_out'
+  redis.call('HSET', DEP, inst, string.match(cur, '^(%d+)') .. '\t' .. why .. '\t' .. ARGV[2])
 end
 redis.call('HDEL', P .. 'instances', inst)
 redis.call('ZREM', P .. 'heartbeats', inst)

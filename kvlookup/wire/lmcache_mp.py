@@ -9,7 +9,7 @@ nothing of a rejected body is applied.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -114,7 +114,7 @@ def decode(body: bytes, model: type):
     if not body.strip():
         raise MPBodyError("body is empty (expected a JSON object)")
     try:
-        msg = msgspec.json.decode(body, type=model)
+        msg: Any = msgspec.json.decode(body, type=model)
     except msgspec.ValidationError as exc:
         raise MPBodyError(str(exc)) from None
     except msgspec.DecodeError as exc:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvlookup.app import create_app, coordinator
+from kvlookup.app import coordinator, create_app
 from tests.index.test_mp_index import C0, C1, INC, MODEL, batch, entry, key
 
 
@@ -195,7 +195,8 @@ def test_two_model_fleet_never_mixes_models(redis_settings, r):
     hashes = mphash.chunk_hashes_hex(tokens)
     for model, inst in (("model-a", "mp-a"), ("model-b", "mp-b")):
         send(http, "POST", "/instances", {**REG, "instance_id": inst})
-        send(http, "POST", "/events", {"batches": [batch(1, inst=inst, entries=[entry(h, model=model) for h in hashes])]})
+        entries = [entry(h, model=model) for h in hashes]
+        send(http, "POST", "/events", {"batches": [batch(1, inst=inst, entries=entries)]})
     everyone = send(http, "POST", "/lookup", {"tokens": tokens})[1]
     assert set(everyone) - {"event_id"} == {"classic-a", "classic-b", "classic-undeclared"}
     for model, other in (("model-a", "b"), ("model-b", "a")):

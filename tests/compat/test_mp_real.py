@@ -8,8 +8,10 @@ Needs a venv with LMCache (0.5.6 or 0.5.7rc2) named by KVLOOKUP_LMCACHE_PYTHON.
 
 from __future__ import annotations
 
+import base64
 import os
 import time
+from array import array
 
 import pytest
 import requests
@@ -24,7 +26,7 @@ pytestmark = [pytest.mark.lmcache, pytest.mark.slow,
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 P1 = list(range(1000, 1512))           # the research doc's worked example: d526…0579, 8be5…94f5
 P2 = [7, 8, 9] * 300                   # 900 tokens: 3 chunks
-BLEND_Q = __import__("base64").b64encode(__import__("array").array("I", [5, 6, 7] + P1[:256] + [9, 9]).tobytes()).decode()
+BLEND_Q = base64.b64encode(array("I", [5, 6, 7] + P1[:256] + [9, 9]).tobytes()).decode()
 
 
 @pytest.fixture()

@@ -14,8 +14,8 @@ import pytest
 import requests
 
 from kvlookup.proc.redis_server import free_port
+from tests.index.test_mp_index import C0, C1, MODEL, batch, entry
 from tests.support.helpers import wait_for
-from tests.index.test_mp_index import C0, C1, INC, MODEL, batch, entry
 
 P1 = list(range(1000, 1512))
 REG = {"instance_id": "mp-test-1", "ip": "127.0.0.1", "http_port": 19510}
