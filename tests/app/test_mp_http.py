@@ -264,3 +264,22 @@ def test_dashboard_overview_lists_mp_instances(http):
     page = http.get("/static/dashboard.js").get_data(as_text=True) if http.get("/static/dashboard.js").status_code \
         == 200 else ""
     assert "mp-instances" in http.get("/").get_data(as_text=True) or "mp-instances" in page
+
+
+def test_lookup_model_name_in_msgpack_and_packed_bodies(http):
+    from array import array
+
+    import msgspec
+
+    send(http, "POST", "/instances", REG)
+    send(http, "POST", "/events", {"batches": [batch(1, entries=[entry(C0), entry(C1)])]})
+    resp = http.post("/lookup", data=msgspec.msgpack.encode({"tokens": P1, "model_name": MODEL}),
+                     headers={"Content-Type": "application/msgpack"})
+    assert resp.get_json()["mp-test-1"] == ["l1/dram", 512]
+    packed = array("I", P1).tobytes()
+    resp = http.post(f"/lookup?model_name={MODEL}&world_size=1", data=packed,
+                     headers={"Content-Type": "application/octet-stream"})
+    assert resp.get_json()["mp-test-1"] == ["l1/dram", 512]
+    resp = http.post(f"/lookup?model_name={MODEL}&world_size=2", data=packed,
+                     headers={"Content-Type": "application/octet-stream"})
+    assert "mp-test-1" not in resp.get_json()
