@@ -175,3 +175,35 @@ def _safe(fn):
         return fn()
     except Exception:  # the cluster is failing over: ask again
         return None
+
+
+@pytest.mark.slow
+@pytest.mark.single_node
+def test_sentinel_master_kill9_loses_no_acknowledged_placement(tmp_path):
+    """A Sentinel-managed master with one replica; kill -9 the master after 40 acknowledged
+    batches (``mp_replica_acks: 1``): the promoted replica answers the same directory."""
+    from kvlookup.devtools.local_sentinel import LocalSentinel
+
+    s = LocalSentinel(tmp_path / "sentinel", replicas=1, sentinels=3, down_after_ms=1000)
+    s.start()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = _controller(["--redis-url", s.url], port, {"KVLOOKUP_MP_REPLICA_ACKS": "1"})
+    try:
+        _ready(base)
+        requests.post(base + "/instances", json=REG, timeout=5)
+        last = _traffic(base, 1, 40)
+        before = _state(base)
+        victim = s.master()
+        start = time.monotonic()
+        s.kill(victim)
+        assert wait_for(lambda: _safe(lambda: s.master() is not victim), True, timeout=30)
+        assert wait_for(lambda: _safe(lambda: _state(base)), before, timeout=30) == before
+        print(f"[mp sentinel failover] answered again after {time.monotonic() - start:.1f} s")
+        assert requests.put(base + "/instances/mp-test-1/heartbeat", timeout=5).status_code == 200
+        assert requests.post(base + "/events", json={"batches": [batch(last + 1, entries=[entry("ab" * 32)])]},
+                             timeout=5).json() == {"applied": 1, "duplicates": 0, "stale": 0}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+        s.stop()
