@@ -76,8 +76,9 @@ def wait_denied(before: float, reason: str = "peer_not_allowed", source: str = "
 
 
 def test_push_from_allowed_peer_applied_from_denied_peer_dropped(r):
-    client = Client(redis=r)
-    with SidecarThread(Store(r), peers=ONLY_1) as sc:
+    # no liveness leases: their renewal (every second) would change the state compared below
+    client = Client(redis=r, instance_ttl_s=0)
+    with SidecarThread(Store(r, instance_ttl_s=0), peers=ONLY_1) as sc:
         good = WorkerSim("good", era="0.3", pull_url=from_src("127.0.0.1", sc.pull_url))
         good.register()
         good.admit([SEED_HASH])
