@@ -3,7 +3,8 @@ HttpCacheEventSink + keep_registered on a real event bus) and the real CPU MP se
 through a fan-out proxy to kvlookup's controller and to the real coordinator at once; the
 /directory/* answers must be identical.
 
-Needs a venv with LMCache (0.5.6 or 0.5.7rc2) named by KVLOOKUP_LMCACHE_PYTHON.
+Needs a venv with LMCache named by KVLOOKUP_LMCACHE_PYTHON (0.5.6) and/or KVLOOKUP_LMCACHE057_PYTHON (0.5.7rc2;
+scripts/real-peers.sh builds both); each test runs once per version given.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import requests
 from tests.compat.mp_peers import Coordinator, Emitter, FanOut, MPServer
 from tests.support.procs import ControllerProc
 
-PYTHON = os.environ.get("KVLOOKUP_LMCACHE_PYTHON")
+#: LMCache venvs to test against: KVLOOKUP_LMCACHE_PYTHON (0.5.6) and KVLOOKUP_LMCACHE057_PYTHON (0.5.7rc2)
+PYTHONS = [p for p in (os.environ.get("KVLOOKUP_LMCACHE_PYTHON"), os.environ.get("KVLOOKUP_LMCACHE057_PYTHON")) if p]
 pytestmark = [pytest.mark.lmcache, pytest.mark.slow,
-              pytest.mark.skipif(not PYTHON, reason="KVLOOKUP_LMCACHE_PYTHON is not set (a venv with LMCache)")]
+              pytest.mark.skipif(not PYTHONS, reason="KVLOOKUP_LMCACHE_PYTHON is not set (a venv with LMCache; "
+                                                     "scripts/real-peers.sh)")]
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 P1 = list(range(1000, 1512))           # the research doc's worked example: d526…0579, 8be5…94f5
@@ -29,10 +32,17 @@ P2 = [7, 8, 9] * 300                   # 900 tokens: 3 chunks
 BLEND_Q = base64.b64encode(array("I", [5, 6, 7] + P1[:256] + [9, 9]).tobytes()).decode()
 
 
+@pytest.fixture(params=PYTHONS or [None], ids=lambda p: os.path.basename(os.path.dirname(os.path.dirname(p)))
+                if p else "none")
+def python(request) -> str:
+    """The LMCache venv's python of this run (one run per version configured)."""
+    return request.param
+
+
 @pytest.fixture()
-def pair(redis_args):
+def pair(redis_args, python):
     ctrl = ControllerProc(*redis_args, "--workers", "1", "--instance-ttl", "0").wait_ready()
-    coord = Coordinator(PYTHON, "--enable-blend-lookup")
+    coord = Coordinator(python, "--enable-blend-lookup")
     fan = FanOut(ctrl.http, coord.url)
     yield ctrl, coord, fan
     fan.stop()
@@ -84,10 +94,10 @@ def same_but_blend(ctrl, coord, method, path, body):
     return ours
 
 
-def test_real_emitter_differential(pair):
+def test_real_emitter_differential(pair, python):
     ctrl, coord, fan = pair
     inc = int(time.time())
-    em = Emitter(PYTHON, fan.url, "mp-lib-1", inc, "--heartbeat", "0.5", "--flush", "0.2")
+    em = Emitter(python, fan.url, "mp-lib-1", inc, "--heartbeat", "0.5", "--flush", "0.2")
     try:
         em.op(op="capacity", modules=[["l1", "dram", 8 << 30, False], ["l2", "fs", 100 << 30, True]])
         assert em.op(op="store", tokens=P1, model=MODEL, size=33554432)["chunk_hashes"] == [
@@ -118,10 +128,10 @@ def test_real_emitter_differential(pair):
     assert all(st == [st[0]] * 2 for _, _, st in fan.log), fan.log
 
 
-def test_real_mp_server_cpu(pair):
+def test_real_mp_server_cpu(pair, python):
     """The real CPU MP server, driven by ``lmcache bench server --mode cpu`` (tp=2, 2 requests of 512 tokens)."""
     ctrl, coord, fan = pair
-    server = MPServer(PYTHON, fan.url, "mp-real-1")
+    server = MPServer(python, fan.url, "mp-real-1")
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and "mp-real-1" not in str(requests.get(ctrl.http + "/instances").json()):
