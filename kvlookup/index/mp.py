@@ -45,7 +45,11 @@ class ChunkSizeConflict(ValueError):
 
 def chunk_b64(chunk_hash_hex: str) -> str:
     """A chunk hash as it appears in MP fields: unpadded base64url of its bytes (43 chars for 32)."""
-    return base64.urlsafe_b64encode(bytes.fromhex(chunk_hash_hex)).rstrip(b"=").decode()
+    return _b64(bytes.fromhex(chunk_hash_hex))
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
 def canon(chunk_hash_hex: str) -> str:
@@ -259,15 +263,18 @@ class MPDirectory:
         known = self._names
         for b in batches:
             args += [b.instance_id, b.incarnation, b.seq, b.event_type, b.tier, b.backend, int(b.shared),
-                     b.dropped_events, int(b.ts * 1000), b.capacity_bytes, b.capacity_revision, len(b.entries)]
+                     b.dropped_events, int(b.ts * 1000), b.capacity_bytes, b.capacity_revision, 0]
             store = b.event_type == "store"
+            parts = []
             for e in b.entries:
                 k = e.key
-                h = canon(k.chunk_hash_hex)
+                raw = bytes.fromhex(k.chunk_hash_hex)
                 tokens = tokens_text(e.token_ids, e.token_offset) if store and e.token_ids else ""
-                space = space_text(k)
+                space = f"{k.model_name}\t{k.cache_salt}\t{k.kv_rank}\t{k.object_group_id}"
                 sid = known.get("n:s" + space)
-                args += [K.mp_bucket(h), chunk_b64(h), sid or space, e.size_bytes, tokens]
+                parts.append(f"{K.mp_bucket(raw.hex())}\x1f{_b64(raw)}\x1f{sid or space}\x1f{e.size_bytes}"
+                             f"\x1f{tokens}")
+            args[-1:] = [len(b.entries), "\x1e".join(parts)]
         applied, dup, stale = self._apply(keys=[K.MP], args=args)
         self._replicated()
         self._index_blend(batches)

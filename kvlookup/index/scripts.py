@@ -694,11 +694,11 @@ _MP_LIB = _MP_LIB.replace("local PAGE, L1B, BH = 128, 256, 3",
 
 #: Apply one POST /events body: the gate, then each admitted batch, all or nothing.
 #: KEYS[1] the ``{mp}`` prefix. ARGV[1] now (unix ms), ARGV[2] number of batches, then per batch
-#: 12 fields (instance_id, incarnation, seq, event_type, tier, backend, shared 0|1,
-#: dropped_events, ts ms, capacity_bytes, capacity_revision, number of entries) and per entry 5
-#: (bucket, chunk b64, space text ``model\\tsalt\\tkv_rank\\tgroup`` or the bare space id (no tab) when
-#: the caller knows it, size_bytes, token binding
-#: ``offset\\tb64`` or ''). Returns {applied, duplicates, stale}.
+#: 13 fields (instance_id, incarnation, seq, event_type, tier, backend, shared 0|1,
+#: dropped_events, ts ms, capacity_bytes, capacity_revision, number of entries, the entries
+#: packed: one record per entry joined by byte 30, its 5 fields joined by byte 31: bucket, chunk
+#: b64, space text ``model\\tsalt\\tkv_rank\\tgroup`` or the bare space id (no tab) when the caller
+#: knows it, size_bytes, token binding ``offset\\tb64`` or ''). Returns {applied, duplicates, stale}.
 MP_APPLY = _MP_LIB + """
 local now = tonumber(ARGV[1])
 local nb = tonumber(ARGV[2])
@@ -761,8 +761,8 @@ for _ = 1, nb do
     ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
   local dropped, ts, cap, rev, ne = tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8]), ARGV[i + 9],
     tonumber(ARGV[i + 10]), tonumber(ARGV[i + 11])
-  local first = i + 12
-  i = first + 5 * ne
+  local packed = ARGV[i + 12]
+  i = i + 13
   local verdict = gate(inst, inc, seq, tier, dropped, ts)
   if verdict == 'stale' then stale = stale + 1 elseif verdict == 'dup' then dup = dup + 1 else
     applied = applied + 1
@@ -777,8 +777,10 @@ for _ = 1, nb do
       local is_l1 = tier == 'l1'
       local new_keys, new_bytes, new_l1 = 0, 0, 0
       if tb then epinfo[ep] = iid end
-      for e = first, first + 5 * (ne - 1), 5 do
-        local bucket, chunk, space, size, tokens = ARGV[e], ARGV[e + 1], ARGV[e + 2], tonumber(ARGV[e + 3]), ARGV[e + 4]
+      for rec in string.gmatch(packed, '[^\\30]+') do
+        local bucket, chunk, space, size, tokens =
+          string.match(rec, '^([^\\31]*)\\31([^\\31]*)\\31([^\\31]*)\\31([^\\31]*)\\31(.*)$')
+        size = tonumber(size)
         local ckey = P .. 'c:' .. bucket
         if etype == 'store' then
           local sid = string.find(space, '\t', 1, true) and intern('s', space) or space

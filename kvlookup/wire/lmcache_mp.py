@@ -158,6 +158,9 @@ def check_key(key: EncodedObjectKey, where: str) -> None:
         raise MPBodyError(f"chunk_hash_hex is not valid hex - at `{where}.chunk_hash_hex`") from None
     if "@" in key.model_name:
         raise MPBodyError(f"model_name must not contain '@' - at `{where}.model_name`")
+    if "\x1e" in key.model_name or "\x1f" in key.model_name or "\t" in key.model_name:
+        # kvlookup's own rule: these separate fields in its index (LMCache models never hold them)
+        raise MPBodyError(f"model_name must not contain tab, \\x1e or \\x1f - at `{where}.model_name`")
     check_salt(key.cache_salt, f"{where}.cache_salt")
 
 
@@ -167,3 +170,5 @@ def check_salt(salt: str, where: str) -> None:
         raise MPBodyError(f"cache_salt is longer than {SALT_MAX} characters - at `{where}`")
     if any(c in salt for c in SALT_FORBIDDEN):
         raise MPBodyError(f"cache_salt must not contain '@', '/', '\\\\' or NUL - at `{where}`")
+    if "\x1e" in salt or "\x1f" in salt or "\t" in salt:  # kvlookup's own rule (field separators in its index)
+        raise MPBodyError(f"cache_salt must not contain tab, \\x1e or \\x1f - at `{where}`")
