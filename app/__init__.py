@@ -67,12 +67,16 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     from kvlookup.app import openapi
 
     app.register_blueprint(openapi.bp)
+    from kvlookup.app import coordinator
+
+    coordinator.init_app(app, redis_client, settings)  # LMCache MP coordinator paths
     if tokenizer.available():
         app.register_blueprint(tokenizer.bp)
     from kvlookup.index.explain import Explainer
 
     explainer = Explainer(client, hash_seed=settings.hash.get("hash_seed"))
-    routed = lookup.LookupRoute(app.wsgi_app, client, settings.lookup_response, settings.max_tokens, explainer)
+    routed = lookup.LookupRoute(app.wsgi_app, client, settings.lookup_response, settings.max_tokens, explainer,
+                                mp=coordinator.Scoper(app.extensions["kvlookup"]["mp"], redis_client))
     app.wsgi_app = RequestBody(routed, settings.max_body_bytes, settings.body_timeout_s)  # type: ignore[method-assign]
     app.extensions["kvlookup"]["lookup_route"] = routed
     return app

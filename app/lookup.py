@@ -33,6 +33,7 @@ import sys
 import time
 from array import array
 from collections.abc import Callable, Iterable
+from typing import Annotated
 from urllib.parse import parse_qs
 
 import msgspec
@@ -62,7 +63,10 @@ class LookupRequest(msgspec.Struct):
     tokens: list[TokenId]
     lora_name: str | None = None
     cache_salt: str | None = None
+    #: scope the answer to one model (LMCache MP instances are found only with it); world_size:
+    #: the MP KV world size (a chunk counts when all its ranks hold it)
     model_name: str | None = None
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=255)] = 1
 
 
 #: Body types /lookup reads (``Content-Type``; anything else is read as JSON, LMCache's contract).
@@ -99,8 +103,15 @@ def _raw_uint32(body: bytes, query: dict[str, list[str]]) -> LookupRequest:
     ids.frombytes(body)
     if sys.byteorder == "big":
         ids.byteswap()
+    try:
+        world_size = int(query.get("world_size", ["1"])[0])
+    except ValueError:
+        raise ApiError(400, "query parameter 'world_size' must be an integer 1..255") from None
+    if not 1 <= world_size <= 255:
+        raise ApiError(400, "query parameter 'world_size' must be an integer 1..255")
     return LookupRequest(ids.tolist(), query.get("lora_name", [None])[0] or None,
-                         query.get("cache_salt", [None])[0] or None, query.get("model_name", [None])[0] or None)
+                         query.get("cache_salt", [None])[0] or None, query.get("model_name", [None])[0] or None,
+                         world_size)
 
 
 def response_body(matches: list[InstanceMatch], fmt: str, detail: bool) -> dict | msgspec.Raw:
@@ -139,8 +150,12 @@ class LookupRoute:
     OPTIONS answers the allowed methods; other methods get 405.
     """
 
-    def __init__(self, app: Callable, client: Client, default_format: str, max_tokens: int, explainer=None):
+    def __init__(self, app: Callable, client: Client, default_format: str, max_tokens: int, explainer=None,
+                 mp=None):
         self.app = app
+        #: ``mp(matches, request) -> matches``: scopes the answer to ``model_name`` and adds the
+        #: LMCache MP instances (kvlookup.app.coordinator.scoped_matches); None: no MP directory
+        self.mp = mp
         self.client = client
         self.default_format = default_format
         self.max_tokens = max_tokens
@@ -194,6 +209,8 @@ class LookupRoute:
         :meth:`kvlookup.index.explain.Explainer.explain` of the /lookup answer ``body``."""
         try:
             out = self.explainer.explain(req.tokens, body, Namespace(req.lora_name, req.cache_salt))
+            if req.model_name is not None and self.mp is not None:
+                out["mp"] = self.mp.explain(req)  # LMCache MP instances (app.coordinator.Scoper.explain)
         except redis.RedisError as exc:
             raise ApiError(503, f"index unavailable: {exc}") from None
         fleet_metrics.EXPLAINED.labels(out["cause"]).inc()
@@ -218,6 +235,8 @@ class LookupRoute:
             matches = self.client.matches(req.tokens, validate=False,
                                           namespace=Namespace(req.lora_name, req.cache_salt), causes=causes,
                                           model_name=req.model_name)
+            if req.model_name is not None and self.mp is not None:
+                matches = self.mp(matches, req)
         except redis.RedisError as exc:
             _child(fleet_metrics.LOOKUPS, "redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None

@@ -119,7 +119,30 @@ def overview(ext: dict, now: float | None = None) -> dict:
         "settings": {"chunk_size": ext["client"].profile.chunk_size, "instance_ttl_s": settings.instance_ttl_s,
                      "worker_ttl_s": settings.worker_ttl_s, "max_tokens": settings.max_tokens},
         "features": {"tokenize": "tokenize" in current_app.blueprints},
+        "mp_instances": mp_instances(ext["mp"], now) if "mp" in ext else [],
     }
+
+
+def mp_instances(d, now: float) -> list[dict]:
+    """LMCache MP instances for the dashboard: registration, liveness, gate cursor (incarnation,
+    gap, dropped events), departure, declared capacity per (tier, backend) and L1 keys."""
+    regs = {i["instance_id"]: i for i in d.instances()}
+    beats = dict(d.r.zrange(keys.mp_heartbeats_key(), 0, -1, withscores=True))
+    cursors, departed, capacity = d.cursors(), d.departed(), d.capacity()
+    l1 = d.stats()["l1_keys_by_instance"]
+    rows = []
+    for inst in sorted(set(regs) | set(cursors) | set(departed)):
+        reg, cur = regs.get(inst, {}), cursors.get(inst, {})
+        hb = beats.get(inst)
+        rows.append({
+            "instance_id": inst, "registered": inst in regs, "ip": reg.get("ip"), "http_port": reg.get("http_port"),
+            "live": hb is not None and now - hb / 1000 <= d.instance_timeout_s,
+            "last_heartbeat_age_s": None if hb is None else round(now - hb / 1000, 1),
+            "incarnation": cur.get("incarnation"), "last_seq": cur.get("last_seq"),
+            "gap": bool(cur.get("gap_detected")), "missing_batches": cur.get("missing_batches", 0),
+            "events_dropped": cur.get("events_dropped", 0), "departed": departed.get(inst),
+            "modules": capacity.get(inst, {}).get("modules", []), "l1_keys": l1.get(inst, 0)})
+    return rows
 
 
 @bp.get("/controller/overview")

@@ -27,7 +27,7 @@ DEFAULT_LMCACHE_VENV = REPO / ".venv-lmcache"
 
 #: The parts of ``kvlookup bench all``, in the order they run and are reported.
 PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk", "idle", "holders", "fresh",
-         "vllm-ingest")
+         "vllm-ingest", "mp")
 
 
 def lmcache_python(venv: str | None = None, create: bool = False) -> Path | None:

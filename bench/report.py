@@ -275,6 +275,7 @@ def markdown(res: dict, images: list[str], results_path: Path) -> str:
                            f"{pg['p50_call_ms']} / {pg['max_call_ms']}", pg["records_left"]]]), ""]
     lines += _cluster_section(res.get("cluster"))
     lines += _wrk_section(res.get("wrk"))
+    lines += _mp_section(res.get("mp"))
     notes = DOCS / "benchmarks-notes.md"
     if notes.exists():
         lines += [notes.read_text()]
@@ -344,6 +345,33 @@ def _wrk_section(wk: dict | None) -> list[str]:
             _table(["prompt tokens", "concurrency", "kvlookup req/s", "LMCache req/s", "ratio",
                     "kvlookup p50 / p99 ms", "LMCache p50 / p99 ms", *([f"{ref} req/s (p99 ms)"] if ref else [])],
                    rows), ""]
+
+
+def _mp_section(mp: dict | None) -> list[str]:
+    if not mp:
+        return []
+    k, c = mp["ingest_kvlookup"], mp["ingest_coordinator"]
+    rows = [[f"{r['tokens']:,}", f"{r['kvlookup']['p50_ms']} / {r['kvlookup']['p99_ms']}",
+             f"{r['coordinator']['p50_ms']} / {r['coordinator']['p99_ms']}", f"{r['p50_ratio']}x / {r['p99_ratio']}x",
+             f"{r['lookup_kvlookup']['p50_ms']} / {r['lookup_kvlookup']['p99_ms']}"] for r in mp["lookups"]]
+    return ["## LMCache multiprocess (MP) coordinator paths", "",
+            f"kvlookup's controller (gunicorn {mp['gunicorn']}, one Redis) and LMCache {mp['lmcache']}'s MP "
+            "coordinator (`python -m lmcache.v1.mp_coordinator`) in turn, fed the same pre-encoded bytes "
+            f"(bench/mp.py): {mp['placements']:,} L1 placements in `store` batches of {mp['batch_entries']} "
+            f"entries from {mp['clients']} emitters; then one instance holding each prompt in L1 and L2, and "
+            "`/directory/lookup` (tokens form) at concurrency 1 on both; the answers are checked identical first. "
+            "`/lookup` (kvlookup only: the coordinator has no prefix answer) is asked the same prompt with "
+            "`model_name`. Reproduce: `kvlookup bench mp` (needs `KVLOOKUP_LMCACHE_PYTHON`)."
+            + (f" Load average (1/5/15 min) at the start {mp['loadavg_start']}, at the end {mp['loadavg_end']}: "
+               "other jobs shared the 2 cores, so absolute times are inflated and noisy; compare the columns."
+               if mp.get("loadavg_start") else ""), "",
+            _table(["", "kvlookup", "MP coordinator", "ratio"],
+                   [["POST /events placements/s", f"{k['placements_per_s']:,}", f"{c['placements_per_s']:,}",
+                     f"{mp['ingest_ratio']}x"],
+                    ["memory per placement (B)", f"{mp['redis_bytes_per_placement']} (Redis used_memory)",
+                     f"{mp['coordinator_rss_bytes_per_placement']} (process RSS)", ""]]), "",
+            _table(["prompt tokens", "kvlookup /directory/lookup p50 / p99 ms", "coordinator p50 / p99 ms",
+                    "p50 / p99 ratio", "kvlookup /lookup p50 / p99 ms"], rows), ""]
 
 
 def render(res: dict, results_path: Path) -> Path:

@@ -41,6 +41,7 @@ QUICK = {
     "holders": dict(lengths=(1024, 32768), holder_counts=(8, 1024), seconds=0.5),
     "fresh": dict(lengths=(12, 1024), concurrencies=(1, 16), seconds=1.0),
     "vllm-ingest": dict(blocks=20_000),
+    "mp": dict(placements=20_000, lookups=50),
 }
 FULL = {
     "compare": dict(requests=12031, instances=8, cpu_chunks=8192, disk_chunks=24576, agree_sample=1500,
@@ -59,6 +60,7 @@ FULL = {
     "holders": dict(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds=2.0, rounds=2),
     "fresh": dict(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seconds=2.0),
     "vllm-ingest": dict(blocks=100_000),
+    "mp": dict(placements=100_000, lookups=200),
 }
 
 
@@ -109,6 +111,11 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
         from kvlookup.bench.cluster import run
 
         res = run(**params)
+    elif name == "mp":
+        from kvlookup.bench.mp import run
+
+        res = run(**params, lmcache_venv=args.lmcache_venv)
+        progress.note(f"  mp: ingest {res['ingest_ratio']}x, {res['redis_bytes_per_placement']} B/placement")
     elif name == "wrk":
         from kvlookup.bench.wrkload import run
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Build the real peers the compatibility tests drive (idempotent; skips what exists). Everything
 # it runs is in this repository (tests/compat/); it needs the package index and nothing beside the clone.
-#   .venv-lmcache  LMCache 0.5.6 on CPU torch 2.13.0 (runs tests/compat/lmcache_driver.py)
-#   .venv-vllm     the pure-Python deps of vLLM's KV-event publisher (no torch: the driver stubs it)
-#   .vllmsrc       vLLM sources 0.10.2 0.11.0 0.25.1 0.26.0 0.33.0 (sdists checked against pinned
-#                  sha256 by tests/compat/fetch_vllm.py)
+#   .venv-lmcache     LMCache 0.5.6 on CPU torch 2.13.0 (runs tests/compat/lmcache_driver.py)
+#   .venv-lmcache057  LMCache 0.5.7rc2 on CPU torch 2.13.0, with pyzmq (the MP tests: KVLOOKUP_LMCACHE057_PYTHON)
+#   .venv-vllm        the pure-Python deps of vLLM's KV-event publisher (no torch: the driver stubs it)
+#   .vllmsrc          vLLM sources 0.10.2 0.11.0 0.25.1 0.26.0 0.33.0 (sdists checked against pinned
+#                     sha256 by tests/compat/fetch_vllm.py)
 # Set KVLOOKUP_LMCACHE_VERSION=0.5.7 to build the LMCache venv on another release.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,12 @@ if [ ! -x .venv-lmcache/bin/lmcache_controller ]; then
   .venv-lmcache/bin/python -m pip install -q --upgrade pip
   .venv-lmcache/bin/python -m pip install -q torch==2.13.0      # CPU build first, or pip pulls CUDA torch
   .venv-lmcache/bin/python -m pip install -q "lmcache==$LMCACHE_VERSION" pyzmq msgpack  # 0.5.7 no longer pulls pyzmq
+fi
+if [ ! -x .venv-lmcache057/bin/python ] || ! .venv-lmcache057/bin/python -c "import lmcache, zmq" 2>/dev/null; then
+  "$PY" -m venv .venv-lmcache057
+  .venv-lmcache057/bin/python -m pip install -q --upgrade pip
+  .venv-lmcache057/bin/python -m pip install -q torch==2.13.0
+  .venv-lmcache057/bin/python -m pip install -q lmcache==0.5.7rc2 pyzmq  # 0.5.7 no longer pulls pyzmq in
 fi
 if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import msgspec, zmq, cbor2" 2>/dev/null; then
   echo "real-peers: building .venv-vllm (vLLM publisher deps, no torch)" >&2

@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 if [ "${KVLOOKUP_REAL_PEERS:-0}" = "1" ]; then
   bash scripts/real-peers.sh
   export KVLOOKUP_LMCACHE_PYTHON="$PWD/.venv-lmcache/bin/python"
+  export KVLOOKUP_LMCACHE057_PYTHON="$PWD/.venv-lmcache057/bin/python"
   export KVLOOKUP_VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
   export KVLOOKUP_VLLM_SRC="$PWD/.vllmsrc"
 fi

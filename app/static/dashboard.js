@@ -129,6 +129,29 @@
     $("no-sidecars").hidden = ov.sidecars.length > 0;
   }
 
+  function mpRow(m) {
+    const state = m.departed ? pill(m.departed.reason.replace("_", " "), "bad")
+      : m.live ? pill("live", "ok") : pill(m.registered ? "silent" : "not registered", "bad");
+    const index = m.gap ? pill(`incomplete: ${m.missing_batches} batches missing, ${m.events_dropped} events dropped`, "bad")
+      : pill("complete", "ok");
+    const tiers = m.modules.map((t) => `${t.tier}/${t.backend}${t.shared ? " (shared)" : ""} ${bytes(t.capacity_bytes)}`);
+    return el("tr", { data: { mp: m.instance_id } },
+      el("td", { class: "id" }, m.instance_id),
+      el("td", {}, state),
+      el("td", {}, m.last_heartbeat_age_s == null ? "–" : `${m.last_heartbeat_age_s.toFixed(1)} s ago`),
+      el("td", { class: "num" }, m.incarnation ?? "–"),
+      el("td", { class: "num" }, m.last_seq ?? "–"),
+      el("td", {}, index),
+      el("td", {}, tiers.join(", ") || "–"),
+      el("td", { class: "num" }, int(m.l1_keys)));
+  }
+
+  function renderMp(ov) {
+    const rows = (ov.mp_instances || []).map(mpRow);
+    $("mp-instances").tBodies[0].replaceChildren(...rows);
+    $("no-mp-instances").hidden = rows.length > 0;
+  }
+
   function renderFeatures(ov) {
     const text = Boolean(ov.features && ov.features.tokenize);
     $("mode-text").hidden = !text;
@@ -160,6 +183,7 @@
       renderSummary(state.overview);
       renderInstances(state.overview);
       renderSidecars(state.overview);
+      renderMp(state.overview);
       renderFeatures(state.overview);
       showError(null);
     } else {

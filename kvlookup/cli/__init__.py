@@ -253,8 +253,11 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, options.SIDECAR))
     setup_logging(settings.log_level)
+    if not (settings.pull_url or settings.reply_url or settings.vllm_endpoint or settings.vllm_url
+            or settings.mp_listen):
+        raise ValueError("a sidecar needs --pull-url, --reply-url, --vllm-endpoint, --vllm-url and/or --mp-listen")
     if not settings.pull_url and not settings.reply_url and not settings.vllm_endpoint and not settings.vllm_url:
-        raise ValueError("a sidecar needs --pull-url, --reply-url, --vllm-endpoint and/or --vllm-url")
+        return _mp_only(settings)
     from kvlookup.cli import preflight
 
     metrics = f"{settings.host}:{settings.metrics_port}" if settings.metrics_port else None
@@ -273,6 +276,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         preflight.say_redis(settings, log)
     store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
+    store.model = settings.model
     sidecar = Sidecar(store, settings.pull_url, settings.reply_url, sidecar_id=settings.sidecar_id,
                       instance_ids=(settings.instance_id,) if settings.instance_id else (),
                       advertise_reply=settings.advertise_reply, vllm=vllm, limits=settings.limits(),
@@ -281,6 +285,10 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
                       allowed_instance_ids=tuple(settings.allowed_instance_ids),
                       address_allowed=settings.worker_address_allowed)
     _stop_on_signals(sidecar.stop)
+    if settings.mp_listen:
+        from kvlookup.app.coordinator import serve_standalone
+
+        serve_standalone(settings)
     if settings.metrics_port:
         from kvlookup.sidecar.http import serve
 
@@ -293,6 +301,25 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
+    return 0
+
+
+def _mp_only(settings) -> int:
+    """``kvlookup sidecar --mp-listen host:port`` alone: only the LMCache MP coordinator paths."""
+    import threading
+
+    from kvlookup.app.coordinator import serve_standalone
+
+    redis_server = ensure_redis(settings)
+    stopped = threading.Event()
+    _stop_on_signals(stopped.set)
+    server = serve_standalone(settings)
+    try:
+        stopped.wait()
+    finally:
+        server.shutdown()
+        if redis_server is not None:
+            redis_server.stop()
     return 0
 
 

@@ -240,6 +240,24 @@ class Settings:
             "the model from `/v1/models` (lookups naming another `model_name` skip it), read again when the engine "
             "restarts; `instance_id` defaults to `HOST:PORT`; servers before 0.33 stop the sidecar with a one-line "
             "error unless `vllm_endpoint` is given too (docs/vllm.md)")
+    # -- LMCache MP coordinator paths (app/coordinator.py; docs/lmcache-mp.md) -------------------
+    mp_listen: str | None = setting(
+        None, readers=(SIDECAR,),
+        help="host:port on which this sidecar serves the LMCache MP coordinator paths (POST /instances, "
+             "/events, /directory/*), for deployments that keep MP ingest off the controller")
+    mp_chunk_size: int = setting(
+        256, readers=(CONTROLLER, SIDECAR),
+        help="MP chunk size (tokens) used to hash prompts until the fleet binds one; also its minimum (256)")
+    mp_instance_timeout_s: float = setting(
+        30.0, readers=(CONTROLLER, SIDECAR), flag="--mp-instance-timeout",
+        help="seconds of heartbeat silence after which an MP instance departs (30, the coordinator's default)")
+    mp_replica_acks: int = setting(
+        0, readers=(CONTROLLER, SIDECAR),
+        help="replicas of the {mp} master every MP write waits for (WAIT) before it is acknowledged (0: none)")
+    model: str | None = setting(
+        None, readers=(SIDECAR, EMBEDDED),
+        help="the model this sidecar's instances serve: /lookup with model_name answers them only for it "
+             "(default: undeclared, answered for every model)")
 
     def validate(self) -> Settings:
         """Check every setting; raise ValueError ``"<setting>: <value> is not ..."`` naming the
@@ -386,10 +404,10 @@ RANGES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("gunicorn_workers",), lambda v: 1 <= v <= 256, "an integer 1..256 (processes: about one per core)"),
     (("gunicorn_threads",), lambda v: 1 <= v <= 1024, "an integer 1..1024"),
     (("max_tokens", "max_body_bytes", "redis_max_connections", "lookup_cache_keys",
-      "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size"), lambda v: v >= 1,
+      "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size", "mp_chunk_size"), lambda v: v >= 1,
      "a positive integer"),
-    (("control_retries",), lambda v: v >= 0, "an integer >= 0"),
-    (("body_timeout_s", "control_timeout_s", "vllm_replay_timeout_s"), lambda v: v > 0,
+    (("control_retries", "mp_replica_acks"), lambda v: v >= 0, "an integer >= 0"),
+    (("body_timeout_s", "control_timeout_s", "vllm_replay_timeout_s", "mp_instance_timeout_s"), lambda v: v > 0,
      "a positive number of seconds"),
     (("instance_ttl_s", "worker_ttl_s", "disconnect_grace_s"), lambda v: v >= 0, "a number of seconds >= 0"),
 )

@@ -335,3 +335,110 @@ def location_field(location: str, space: str = "") -> str:
 def event_key(event_id: str) -> str:
     """String (JSON, TTL one hour) recording the outcome of one control call, for /check_finish."""
     return f"{PREFIX}event:{event_id}"
+
+
+# -- LMCache multiprocess (MP) coordinator directory (hash tag {mp}: one slot) ----------------
+#
+# Every MP key carries the hash tag ``{mp}``: the gate, the placements and the counters are
+# changed together by one Lua script per POST /events (never half-applied), which needs one
+# slot on Redis Cluster. kvlookup.index.mp documents the values.
+
+MP = PREFIX + "{mp}:"
+#: Chunk buckets: the first 3 hex digits of a chunk hash pick one of 4,096 hashes, each small
+#: enough to stay a listpack (compact, <= 128 fields) up to ~500k keys; few enough that the
+#: per-key overhead of the buckets stays small from ~10k keys on.
+MP_BUCKET_HEX = 3
+#: Keys per page of the insertion-ordered key list (a listpack while <= 128 fields).
+MP_PAGE = 128
+#: Buckets of an instance's L1 reverse index (sets of key ids; intsets while small).
+MP_L1_BUCKETS = 256
+
+
+def mp_bucket(chunk_hash_hex: str) -> str:
+    """The bucket of a chunk hash: its first :data:`MP_BUCKET_HEX` hex digits (zero-padded)."""
+    return chunk_hash_hex[:MP_BUCKET_HEX].ljust(MP_BUCKET_HEX, "0")
+
+
+def mp_chunks_key(bucket: str) -> str:
+    """Hash ``<chunk b64>.<space id>`` -> ``<key id>,<access count>|<tb>,<epoch>,<size>|...``:
+    the placements of every MP object key whose chunk hash starts with ``bucket``; and
+    ``<chunk b64>`` -> ``<token_offset>\t<base64 little-endian uint32 token ids>``, the chunk's
+    token binding (deleted with the chunk's last key; beside the keys, so a lookup reads both
+    with one HMGET)."""
+    return f"{MP}c:{bucket}"
+
+
+def mp_page_key(page: int) -> str:
+    """Hash ``<key id % MP_PAGE>`` -> ``<chunk b64>.<space id>``: key ids in insertion order
+    (GET /directory/keys walks the pages 0 .. seq / MP_PAGE)."""
+    return f"{MP}k:{page}"
+
+
+def mp_l1_key(instance_num: int | str, bucket: int) -> str:
+    """Set of the key ids holding an L1 placement last reported by instance number
+    ``instance_num``, bucket ``key id % MP_L1_BUCKETS`` (fencing never scans)."""
+    return f"{MP}l1:{instance_num}:{bucket}"
+
+
+def mp_blend_key(namespace_id: int | str) -> str:
+    """Hash ``<fingerprint>`` -> ``<chunk b64>,<token_offset>;...``: the blend index of one namespace
+    (model, salt, world size; interned kind ``b``): every stored chunk whose token binding is one
+    whole chunk, by a fingerprint of its tokens (blake3 of the little-endian uint32 ids, 8 bytes hex).
+    Entries are checked against the bindings and keys when read; written by ingest, never pruned
+    (bounded by the chunks ever bound)."""
+    return f"{MP}b:{namespace_id}"
+
+
+def mp_names_key() -> str:
+    """Hash of interned names: ``n:<kind><text>`` -> id and ``r:<kind><id>`` -> text, kinds
+    ``s`` space (model, salt, kv_rank, group), ``t`` tier/backend/shared, ``i`` instance id,
+    ``e`` epoch (instance number, incarnation); ``seq:<kind>`` counters; ``sps`` every space id."""
+    return MP + "names"
+
+
+def mp_stats_key() -> str:
+    """Hash of directory counters: keys, placements, l1_count, l1_bytes, l2_count, l2_bytes,
+    ``l1k:<instance_id>`` (keys with an L1 placement of that instance), ``kseq`` (key ids),
+    batches_applied, batches_duplicate, batches_stale, batches_missing, events_dropped."""
+    return MP + "stats"
+
+
+def mp_cursors_key() -> str:
+    """Hash instance_id -> gate cursor ``<incarnation>\\t<last seq>\\t<gap 0|1>\\t<last dropped_events
+    or ''>\\t<events dropped>\\t<missing batches>\\t<delay ms>``."""
+    return MP + "cursors"
+
+
+def mp_departed_key() -> str:
+    """Hash instance_id -> ``<incarnation>\t<deregistered|timed_out>\t<unix ms>``: the incarnation it
+    departed in (DELETE or timeout); its L1 batches of that incarnation or older are stale until it
+    registers again (LMCache 0.5.7)."""
+    return MP + "departed"
+
+
+def mp_instances_key() -> str:
+    """Hash instance_id -> JSON registration (ip, http_port, registration_time, metadata,
+    p2p_advertised_url, mq_port) of every registered MP instance."""
+    return MP + "instances"
+
+
+def mp_heartbeats_key() -> str:
+    """Sorted set instance_id -> last registration or heartbeat (unix ms)."""
+    return MP + "heartbeats"
+
+
+def mp_capacity_key() -> str:
+    """Hash instance_id -> JSON capacity declaration ``{"incarnation", "revision", "modules":
+    [[tier, backend, shared, capacity_bytes], ...]}`` from config batches."""
+    return MP + "capacity"
+
+
+def mp_config_key() -> str:
+    """Hash of fleet settings: ``chunk_size`` once bound (registration or PUT /config/chunk-size)."""
+    return MP + "config"
+
+
+def mp_all_keys() -> list[str]:
+    """The fixed MP registry keys (the cluster test and docs list them)."""
+    return [mp_names_key(), mp_stats_key(), mp_cursors_key(), mp_departed_key(), mp_instances_key(),
+            mp_heartbeats_key(), mp_capacity_key(), mp_config_key()]

@@ -70,6 +70,10 @@ class Store:
     keeps coherent (kvlookup.index.tracking; one Redis only; for a controller, not for writers).
     """
 
+    #: the model the instances registered through this store serve (a sidecar's ``model`` setting);
+    #: written as the instance hash field ``model`` at each registration; None: undeclared
+    model: str | None = None
+
     def __init__(self, client, *, instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0,
                  purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool | str = False,
                  cache_keys: int = 200_000):
@@ -124,6 +128,8 @@ class Store:
             )
             if int(epoch) != scripts.RETRY:
                 self.touch_instances([instance_id])
+                if self.model:  # the owning sidecar's model: model-scoped lookups (app.coordinator.Scoper)
+                    self.r.hset(keys.instance_key(instance_id), "model", self.model)
                 return int(epoch)
         raise RuntimeError(f"worker {wid} of {instance_id!r} kept changing while registering it")
 

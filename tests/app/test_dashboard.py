@@ -39,8 +39,9 @@ def test_the_page_and_every_file_it_loads_are_served(http):
 
 def test_static_files_are_package_data():
     text = (ROOT / "pyproject.toml").read_text()
-    assert '"kvlookup.app" = ["static/*.html", "static/*.css", "static/*.js"]' in text
-    assert {p.suffix for p in STATIC.iterdir()} <= {".html", ".css", ".js"}
+    assert '"kvlookup.app" = ["static/*.html", "static/*.css", "static/*.js", "static/swagger-ui/*"]' in text
+    assert {p.suffix for p in STATIC.iterdir() if p.is_file()} <= {".html", ".css", ".js"}
+    assert [p.name for p in STATIC.iterdir() if p.is_dir()] == ["swagger-ui"]
 
 
 def _fleet(store):

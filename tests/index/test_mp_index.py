@@ -1,0 +1,203 @@
+"""The LMCache MP directory (kvlookup.index.mp) on real Redis: the gate, placements, counters,
+hashing and memory; the expected values are the real coordinator's (research: §2-§4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlookup.hashing import mp as mphash
+from kvlookup.index import keys as K
+from kvlookup.index.mp import ChunkSizeConflict, MPDirectory
+from kvlookup.wire import lmcache_mp as W
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+C0 = "d526d88f0c387e4049f866a4c572cbf658276fcae250b069051fd1fff3ad0579"
+C1 = "8be5f115945ff3c4eb943172f8edfdcdf3432274c3d3dbd2436fed9a9fe494f5"
+INC = 1796108700
+WS1 = 16777472
+
+
+def key(h=C0, rank=WS1, model=MODEL, salt="", group=0):
+    return {"chunk_hash_hex": h, "model_name": model, "kv_rank": rank, "object_group_id": group, "cache_salt": salt}
+
+
+def batch(seq, etype="store", tier="l1", backend="dram", entries=(), inst="mp-test-1", inc=INC, **kw):
+    return {"instance_id": inst, "incarnation": inc, "seq": seq, "event_type": etype, "tier": tier,
+            "backend": backend, "entries": list(entries), **kw}
+
+
+def entry(h=C0, size=33554432, tokens=(), offset=-1, **kw):
+    return {"key": key(h, **kw), "size_bytes": size, "token_ids": list(tokens), "token_offset": offset}
+
+
+def post(d: MPDirectory, *batches) -> dict:
+    import msgspec
+
+    req = W.decode(msgspec.json.encode({"batches": list(batches)}), W.CacheEventsRequest)
+    return d.apply(req.batches)
+
+
+@pytest.fixture()
+def d(r):
+    return MPDirectory(r)
+
+
+def test_worked_example_hashes():
+    assert mphash.chunk_hashes_hex(list(range(1000, 1512))) == [C0, C1]
+    assert mphash.chunk_hashes_hex(list(range(1000, 1600))) == [C0, C1]
+    assert mphash.chunk_hashes_hex(list(range(1000, 1255))) == []
+    assert mphash.NONE_HASH.hex() == "7e3eff9ef7613a50340eb12677ee03b83ac759fcba9bb32705f07248d56d473b"
+    assert [mphash.kv_rank(2, r) for r in (0, 1)] == [33554944, 33620481]
+    assert [mphash.kv_rank(4, r) for r in range(4)] == [67109888, 67175425, 67240962, 67306499]
+
+
+def test_store_lookup_duplicate_and_stats(d):
+    toks = list(range(1000, 1256))
+    assert post(d, batch(1, entries=[entry(tokens=toks, offset=0)])) == {"applied": 1, "duplicates": 0, "stale": 0}
+    assert post(d, batch(1, entries=[entry(tokens=toks, offset=0)])) == {"applied": 0, "duplicates": 1, "stale": 0}
+    assert post(d, batch(2, tier="l2", backend="fs", entries=[{"key": {"chunk_hash_hex": C0, "model_name": MODEL,
+                                                                        "kv_rank": WS1}}]))["applied"] == 1
+    chunks, keys = d.keys_for_tokens(list(range(1000, 1512)), MODEL)
+    assert chunks == 2
+    res = d.lookup_keys(keys)
+    assert res[0] == {"key": key(), "placements": [
+        {"instance_id": "mp-test-1", "incarnation": INC, "tier": "l1", "backend": "dram", "size_bytes": 33554432,
+         "shared": False},
+        {"instance_id": "mp-test-1", "incarnation": INC, "tier": "l2", "backend": "fs", "size_bytes": 0,
+         "shared": False}], "token_ids": toks, "access_count": 0}
+    assert res[1] == {"key": key(C1), "placements": [], "token_ids": [], "access_count": 0}
+    assert d.stats() == {"num_keys": 1, "num_placements": 2, "l1_keys_by_instance": {"mp-test-1": 1},
+                         "blend": {"num_contents": 0, "num_chunks": 0, "num_claims": 0, "num_namespaces": 0,
+                                   "table_size": 0},
+                         "l1_count": 1, "l1_size_bytes": 33554432, "l2_count": 1, "l2_size_bytes": 0}
+    listed = d.list_keys(tier="l1", instance_id="mp-test-1", backend="dram")
+    assert listed == {"total": 1, "keys": [{"key": key(), "placements": [res[0]["placements"][0]],
+                                            "num_tokens": 256, "access_count": 0}]}
+
+
+def test_access_gap_incarnation_and_stale(d):
+    post(d, batch(1, entries=[entry()]), batch(2, tier="l2", backend="fs", entries=[entry(size=5)]))
+    post(d, batch(3, etype="access", backend="", entries=[entry(size=0)]),
+         batch(4, etype="access", tier="l2", backend="", entries=[entry(size=0)]))
+    assert d.lookup_keys([W.EncodedObjectKey(**key())])[0]["access_count"] == 2
+    assert post(d, batch(7, etype="access", backend="", entries=[entry(C1)]))["applied"] == 1  # gap admitted
+    assert d.cursors()["mp-test-1"]["gap_detected"] is True
+    assert post(d, batch(1, inc=INC - 1, tier="l2", backend="fs"))["stale"] == 1
+    # a new incarnation: L1 gone, L2 kept, its cursor starts again
+    assert post(d, batch(1, inc=INC + 1, etype="access", backend="", entries=[entry()]))["applied"] == 1
+    res = d.lookup_keys([W.EncodedObjectKey(**key())])[0]
+    assert [(p["tier"], p["backend"], p["incarnation"]) for p in res["placements"]] == [("l2", "fs", INC)]
+    assert res["access_count"] == 3
+    assert d.stats()["l1_keys_by_instance"] == {} and d.stats()["l1_count"] == 0
+    assert d.cursors()["mp-test-1"]["gap_detected"] is False
+
+
+def test_delete_removes_key_and_binding(d, r):
+    post(d, batch(1, entries=[entry(tokens=range(1000, 1256), offset=0)]))
+    post(d, batch(2, etype="delete", entries=[entry(size=0)]))
+    assert d.stats()["num_keys"] == 0
+    assert d.lookup_keys([W.EncodedObjectKey(**key())])[0]["placements"] == []
+    assert r.hkeys(K.mp_chunks_key(K.mp_bucket(C0))) == []
+    assert post(d, batch(3, etype="delete", entries=[entry(C1)]))["applied"] == 1  # absent: nothing
+
+
+def test_shared_last_reporter_wins(d):
+    post(d, batch(1, tier="l2", backend="s3", shared=True, entries=[entry(size=1)]))
+    post(d, batch(1, inst="mp-b", inc=7, tier="l2", backend="s3", shared=True, entries=[entry(size=2)]))
+    pl = d.lookup_keys([W.EncodedObjectKey(**key())])[0]["placements"]
+    assert pl == [{"instance_id": "mp-b", "incarnation": 7, "tier": "l2", "backend": "s3", "size_bytes": 2,
+                   "shared": True}]
+    assert d.stats()["num_placements"] == 1 and d.stats()["l2_size_bytes"] == 2
+
+
+def test_deregister_fences_l1_until_registered_again(d):
+    post(d, batch(1, entries=[entry()]), batch(2, tier="l2", backend="fs", entries=[entry()]))
+    d.deregister("mp-test-1")
+    assert d.stats()["l1_count"] == 0 and d.stats()["l2_count"] == 1
+    # 0.5.7: L1 batches of the departed incarnation are stale; L2 are admitted (fresh cursor)
+    assert post(d, batch(3, entries=[entry()])) == {"applied": 0, "duplicates": 0, "stale": 1}
+    assert post(d, batch(4, tier="l2", backend="fs", entries=[entry(C1)]))["applied"] == 1
+    d.register(W.RegisterRequest(instance_id="mp-test-1", ip="127.0.0.1", http_port=1))
+    assert post(d, batch(5, entries=[entry()]))["applied"] == 1
+
+
+def test_dropped_events_rise_records_gap(d):
+    post(d, batch(1, dropped_events=0))
+    post(d, batch(2, dropped_events=0))
+    assert d.cursors()["mp-test-1"]["gap_detected"] is False
+    post(d, batch(3, dropped_events=4))
+    c = d.cursors()["mp-test-1"]
+    assert c["gap_detected"] is True and c["events_dropped"] == 4
+    assert d.counters()["events_dropped"] == 4
+
+
+def test_register_heartbeat_timeout(d):
+    assert d.register(W.RegisterRequest(instance_id="mp-x", ip="127.0.0.1", http_port=19510), now=100.0) == \
+        ("mp-x", False)
+    assert d.register(W.RegisterRequest(instance_id="mp-x", ip="127.0.0.1", http_port=19510), now=100.0)[1] is True
+    assert d.heartbeat("mp-x", now=110.0) is True
+    assert d.heartbeat("nope") is False
+    post(d, batch(1, inst="mp-x", entries=[entry()]))
+    assert d.reap(now=135.0) == []
+    assert d.reap(now=141.0) == ["mp-x"]
+    assert d.heartbeat("mp-x") is False and d.stats()["num_keys"] == 0
+
+
+def test_chunk_size_binding(d):
+    assert d.chunk_size() == 256
+    assert d.bind_chunk_size(512) == 512
+    assert d.bind_chunk_size(512) == 512
+    with pytest.raises(ChunkSizeConflict):
+        d.bind_chunk_size(256)
+    assert d.chunk_size() == 512
+
+
+def test_decode_errors_name_the_field():
+    import msgspec
+
+    def bad(b):
+        with pytest.raises(W.MPBodyError) as exc:
+            W.decode(msgspec.json.encode({"batches": [b]}), W.CacheEventsRequest)
+        return str(exc.value)
+
+    assert "$.batches[0].seq" in bad(batch(0))
+    assert "$.batches[0].event_type" in bad(batch(1, etype="STORE"))
+    assert "$.batches[0].tier" in bad(batch(1, tier="all"))
+    assert "$.batches[0].backend" in bad(batch(1, backend=""))
+    assert "chunk_hash_hex" in bad(batch(1, entries=[entry("xyz")]))
+    assert "model_name" in bad(batch(1, entries=[entry(model="a@b")]))
+    assert "cache_salt" in bad(batch(1, entries=[entry(salt="a/b")]))
+    assert "token_offset" in bad(batch(1, entries=[entry(offset=-2)]))
+    assert "entries" in bad(batch(1, etype="config", entries=[entry()]))
+
+
+def test_memory_per_placement(d, r, cluster):
+    """<= 150 B of Redis memory per placement at 20k single-placement L1 keys (engine-driven: no tokens)."""
+    if cluster:
+        pytest.skip("measured on one server (INFO used_memory)")
+    import os
+
+    r.flushall()
+    before = r.info("memory")["used_memory"]
+    n = 50000
+    for s in range(0, n, 1000):
+        post(d, batch(s // 1000 + 1, entries=[entry(os.urandom(32).hex(), size=4194304) for _ in range(1000)]))
+    used = r.info("memory")["used_memory"] - before
+    assert d.stats()["num_placements"] == n
+    assert used / n <= 150, used / n
+
+
+def test_mp_key_strings_are_pinned():
+    """Every MP key (docs/redis-schema.md) carries the {mp} hash tag: one slot."""
+    from kvlookup.index.cluster_io import slot_of
+
+    assert K.mp_bucket(C0) == "d52"
+    assert K.mp_chunks_key("d52") == "kvl:v2:{mp}:c:d52"
+    assert K.mp_page_key(3) == "kvl:v2:{mp}:k:3"
+    assert K.mp_l1_key(7, 255) == "kvl:v2:{mp}:l1:7:255"
+    assert K.mp_all_keys() == ["kvl:v2:{mp}:names", "kvl:v2:{mp}:stats", "kvl:v2:{mp}:cursors",
+                               "kvl:v2:{mp}:departed", "kvl:v2:{mp}:instances", "kvl:v2:{mp}:heartbeats",
+                               "kvl:v2:{mp}:capacity", "kvl:v2:{mp}:config"]
+    slots = {slot_of(k) for k in [*K.mp_all_keys(), K.mp_chunks_key("fff"), K.mp_page_key(0), K.mp_l1_key(1, 0)]}
+    assert slots == {slot_of(K.MP)}
+    assert K.mp_blend_key(2) == "kvl:v2:{mp}:b:2" and slot_of(K.mp_blend_key(2)) == slot_of(K.MP)
