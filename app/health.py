@@ -73,7 +73,7 @@ def sidecars_check(app: Flask) -> list[Component]:
         leases = sidecar_leases(app.extensions["kvlookup"]["redis"])
     except redis.RedisError:
         return []  # redis_check reports it
-    now_ms = time.time() * 1000
+    now_ms = app.extensions["kvlookup"]["fleet"].store.clock.now_ms()  # leases are Redis server time
     gone_ms = max(app.extensions["kvlookup"]["settings"].instance_ttl_s, GONE_AFTER_S) * 1000
     out = []
     for lease in leases:

@@ -18,6 +18,7 @@ from kvlookup.hashing import vllm as vh
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.index.records import Chain, Match
 from kvlookup.proc.redis_server import connect
+from kvlookup.index.clock import ServerClock
 from kvlookup.index.store import Store
 from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
 
@@ -126,6 +127,7 @@ class VllmChains:
         self.r = redis
         self.refresh_s = refresh_s
         self.check_alive = check_alive
+        self.clock = ServerClock(redis)  # leases are Redis server time
         self._sizes: list[int] = []
         self._read_at = float("-inf")
         self._refreshing = threading.Event()
@@ -158,7 +160,7 @@ class VllmChains:
         per_rank = self.r.hgetall(keys.block_sizes_key())  # "<rank>\t<instance>" -> block size
         if self.check_alive and per_rank:
             insts = sorted({m.split(keys.SEP, 1)[1] for m in per_rank})
-            now_ms = time.time() * 1000
+            now_ms = self.clock.now_ms()
             live = {i for i, s in zip(insts, self.r.zmscore(keys.alive_key(), insts), strict=True)
                     if s is not None and s >= now_ms}
             per_rank = {m: bs for m, bs in per_rank.items() if m.split(keys.SEP, 1)[1] in live}
@@ -225,7 +227,7 @@ class Client:
             validate_tokens(tokens, self.max_tokens)
         namespace = {k: v for k, v in (("lora_name", lora_name), ("cache_salt", cache_salt)) if v}
         chains = self.chains(tokens, **namespace)
-        found = self.store.lookup(chains, now_ms=int(time.time() * 1000))
+        found = self.store.lookup(chains)
         if causes is not None:
             causes.append(found.miss)
         return merge_matches(found)

@@ -17,15 +17,18 @@ docs/operations.md ("Explaining a miss").
 from __future__ import annotations
 
 import datetime as dt
-import time
+import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from kvlookup import metrics
 from kvlookup.index import keys, scripts
 from kvlookup.hashing import vllm as vh
 from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, seeded_str_hash
 from kvlookup.index.records import Chain, raise_errors, walk_registry_keys
 from kvlookup.index.walk import ChainWalk, Holder
+
+log = logging.getLogger(__name__)
 
 #: Chunk sizes tried for the LMCache space: LMCache's usual sizes and vLLM's block sizes.
 CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -134,7 +137,7 @@ class Explainer:
         "profiles", "namespaces", "diagnosis", "cause"}`` (docs/operations.md). Raises
         redis.RedisError when Redis fails.
         """
-        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        now_ms = self.client.store.clock.now_ms() if now_ms is None else now_ms
         prof = self.client.profile
         ns = {k: v for k, v in (("lora_name", lora_name), ("cache_salt", cache_salt)) if v}
         chains = [c for c in self.client.chains(tokens, **ns) if c.hashes]
@@ -198,7 +201,7 @@ class _State:
         for c in all_chains:
             self.members.append(res[pos:pos + len(c.hashes)])
             pos += len(c.hashes)
-        self.desc = {hid: keys.parse_holder(v) for hid, v in _pairs(res[pos])}
+        self.desc = _descriptions(_pairs(res[pos]))
         self.departures = {m: float(s) for m, s in _pairs(res[pos + 1])}
         hids = sorted({h for lists in self.members for ms in lists for h in ms})
         insts = sorted({self.desc[h][0] for h in hids if h in self.desc})
@@ -463,3 +466,16 @@ def _pairs(flat) -> list[tuple]:
 
 def _dict(flat) -> dict:
     return dict(_pairs(flat)) if flat else {}
+
+
+def _descriptions(pairs) -> dict[str, tuple[str, str, str, str]]:
+    """holder id -> parsed description; an unparsable one (written by a version that did not
+    check engine strings) is skipped and counted (``kvlookup_unparsable_records_total``)."""
+    out = {}
+    for hid, value in pairs:
+        try:
+            out[hid] = keys.parse_holder(value)
+        except ValueError as exc:
+            metrics.UNPARSABLE.labels("explain").inc()
+            log.debug("holder %s skipped: %s", hid, exc)
+    return out

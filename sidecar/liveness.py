@@ -207,7 +207,7 @@ class Liveness:
     def _gone(self, w: Worker, why: str) -> None:
         log.warning("worker %s/%s is gone (%s): recording it for the reaper", *w, why)
         self.suspected.add(w)
-        self.store.suspect(*w, int(time.time() * 1000))
+        self.store.suspect(*w, self.store.clock.now_ms())
 
     def close(self) -> None:
         self.prober.close()

@@ -308,6 +308,8 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
+    import redis
+
     from kvlookup.index.fleet import reap
     from kvlookup.proc.redis_server import connect
     from kvlookup.index.store import Store
@@ -320,9 +322,15 @@ def cmd_reap(args: argparse.Namespace) -> int:
     stop = threading.Event()
     _stop_on_signals(stop.set)
     while True:
-        reaped = reap(store)
-        purged = store.purge()
-        print(json.dumps({"reaped": [f"{i}/{w}" for i, w in reaped], "purged": purged}), flush=True)
+        try:
+            reaped = reap(store, every_s=args.loop)
+            purged = store.purge()
+        except redis.RedisError as exc:  # an outage: judge again when Redis answers (a lone pass fails)
+            if not args.loop:
+                raise
+            log.warning("reap: redis error (%s); next pass in %.1f s", exc, args.loop)
+        else:
+            print(json.dumps({"reaped": [f"{i}/{w}" for i, w in reaped], "purged": purged}), flush=True)
         if not args.loop or stop.wait(args.loop):
             return 0
 
