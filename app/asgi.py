@@ -11,14 +11,17 @@ Every request body is read here first, within ``max_body_bytes`` (413) and ``bod
 (408), as :class:`app.body.RequestBody` does for WSGI. A lookup answered from the controller's
 cached reads does no I/O, so it runs in the loop; one that must ask Redis (``lookup_cache:
 off``, Redis Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup.index.tracking's
-``LOCAL_ONLY`` / ``NeedsRedis``) and every explain run in the thread pool, so a slow round trip
-never holds the other connections.
+``LOCAL_ONLY`` / ``NeedsRedis``) runs in the thread pool, so a slow round trip never holds
+the other connections. Every explain and every lookup with a large body (decoded and hashed
+off the loop) runs in a small bounded pool of its own (HEAVY_THREADS), so they never delay
+/health or ordinary lookups; when it is full they are answered 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from a2wsgi import WSGIMiddleware
 from flask import Flask
@@ -34,6 +37,13 @@ Send = Callable[[dict], Awaitable[None]]
 #: Threads per worker process for the Flask app (control calls may wait on a slow LMCache
 #: worker for ``control_timeout_s``) and for lookups that need Redis round trips.
 THREADS = 16
+#: Heavy requests (every explain, and a lookup whose body is over BIG_BODY_BYTES: decoding and
+#: hashing 1M tokens takes ~1 s) run in a pool of their own, HEAVY_THREADS wide, with at most
+#: HEAVY_WAITING more waiting; beyond that they are answered 503 at once (Retry-After: 1). So
+#: /health, the control API and ordinary lookups never wait behind them (issue 20 item 8).
+HEAVY_THREADS = 1
+HEAVY_WAITING = 16
+BIG_BODY_BYTES = 64 * 1024
 
 
 class AsgiController:
@@ -48,6 +58,8 @@ class AsgiController:
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.wsgi = WSGIMiddleware(flask_app.wsgi_app, workers=THREADS)
+        self.heavy = ThreadPoolExecutor(HEAVY_THREADS, thread_name_prefix="kvlookup-heavy")
+        self._heavy_now = 0  # heavy requests running or waiting (the event loop's thread only)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -65,13 +77,26 @@ class AsgiController:
         ctype = _header(scope, b"content-type")
         args = (path, scope["method"], scope["query_string"].decode("latin-1"), data, keep,
                 ctype.decode("latin-1") if ctype else "")
-        answer = self._respond_here(path, args)
-        if answer is None:  # the request decoded in the loop (in ``keep``) is not decoded again
+        heavy = path == EXPLAIN_PATH or len(data) > BIG_BODY_BYTES
+        answer = None if heavy else self._respond_here(path, args)
+        if heavy:
+            answer = await self._heavy(args)
+        elif answer is None:  # the request decoded in the loop (in ``keep``) is not decoded again
             answer = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self.route.respond, *args)
         status, body, headers = answer
         await send_json(send, status, body, headers)
         self.route.count(keep)  # counted, and the decoded request freed, after the answer is out
         keep.clear()
+
+    async def _heavy(self, args: tuple) -> tuple:
+        """Answer in the heavy pool; (503, busy) when HEAVY_THREADS + HEAVY_WAITING are taken."""
+        if self._heavy_now >= HEAVY_THREADS + HEAVY_WAITING:
+            return 503, {"error": "busy: too many explains or large lookups at once; retry"}, [("Retry-After", "1")]
+        self._heavy_now += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.heavy, self.route.respond, *args)
+        finally:
+            self._heavy_now -= 1
 
     def _respond_here(self, path: str, args: tuple) -> tuple | None:
         """The answer from the event loop when it needs nothing from Redis (the chunk sets and
