@@ -20,6 +20,7 @@ off the loop) runs in a small bounded pool of its own (HEAVY_THREADS), so they n
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,6 +45,9 @@ THREADS = 16
 HEAVY_THREADS = 1
 HEAVY_WAITING = 16
 BIG_BODY_BYTES = 64 * 1024
+#: How long a thread holds the GIL before it must hand it over (CPython's default is 5 ms): a
+#: request waiting behind a CPU-bound explain gets it back within this.
+SWITCH_INTERVAL_S = 0.0005
 
 
 class AsgiController:
@@ -59,6 +63,7 @@ class AsgiController:
         self.timeout_s = timeout_s
         self.wsgi = WSGIMiddleware(flask_app.wsgi_app, workers=THREADS)
         self.heavy = ThreadPoolExecutor(HEAVY_THREADS, thread_name_prefix="kvlookup-heavy")
+        sys.setswitchinterval(SWITCH_INTERVAL_S)  # a CPU-bound explain hands the GIL over sooner
         self._heavy_now = 0  # heavy requests running or waiting (the event loop's thread only)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:

@@ -219,6 +219,9 @@ def cmd_controller(args: argparse.Namespace) -> int:
     master, lease, supervisor = os.getpid(), None, None
     try:
         lease = ensure_redis(settings)
+        if why := _refused_redis(settings):
+            print(f"kvlookup controller: error: {why}", file=sys.stderr)
+            return 1
         children = [_spawn_embedded_sidecar(settings)] if settings.pull_port() else []
         supervisor = Supervisor(children, new_status_file(), extra=lambda: {"redis": lease.status()} if lease else {})
         supervisor.start()
@@ -235,6 +238,16 @@ def cmd_controller(args: argparse.Namespace) -> int:
             if metrics_dir:
                 shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def _refused_redis(settings: kvconfig.Settings, client=None) -> str | None:
+    """Why the configured Redis must not hold the index (kvlookup.proc.redis_policy), or None."""
+    from kvlookup.proc.redis_policy import eviction_refusal
+    from kvlookup.proc.redis_server import connect
+
+    if client is None:
+        client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=5)
+    return eviction_refusal(client)
 
 
 def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> Child:
@@ -284,6 +297,9 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     server = ensure_redis(settings)
     store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
+    if why := _refused_redis(settings, store.r):
+        print(f"kvlookup sidecar: error: {why}", file=sys.stderr)
+        return 1
     sidecar = Sidecar(store, settings.pull_url, settings.reply_url, sidecar_id=settings.sidecar_id,
                       instance_ids=(settings.instance_id,) if settings.instance_id else (),
                       advertise_reply=settings.advertise_reply, vllm=vllm, limits=settings.limits(),

@@ -282,6 +282,12 @@ def sidecars_key() -> str:
     return REGISTRY + "sidecars"
 
 
+def health_probe_key() -> str:
+    """String written (10 s TTL) by each controller /health: whether Redis accepts writes
+    (OOM under maxmemory, MISCONF on a full disk) is reported there."""
+    return REGISTRY + "health:probe"
+
+
 def sidecar_status_key(sidecar_id: str) -> str:
     """Hash of a sidecar's last reported state (pid, host, endpoints, pending ops, lag)."""
     return f"{REGISTRY}sidecar:{key_name(sidecar_id)}:status"
