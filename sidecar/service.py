@@ -51,6 +51,10 @@ REAP_EVERY_S = 5.0
 RELEASE_AFTER_OPS = 200_000
 #: How long a sidecar's own lease lasts (its status in /health goes "down" after this).
 SIDECAR_LEASE_S = 5.0
+#: A stopping sidecar (SIGTERM) reads what its sockets hold and writes every queued op, for at
+#: most this long; it stops reading once the PULL socket stayed quiet for DRAIN_QUIET_S.
+DRAIN_S = 10.0
+DRAIN_QUIET_S = 0.1
 
 
 def default_sidecar_id(*urls: str | None) -> str:
@@ -218,6 +222,7 @@ class Sidecar:
         self._next_tick = self._next_reap = 0.0
         self._started = False
         run_turns(self._turn, self._stop, "sidecar")
+        self._drain()
         self._sign_off()
         self.close()
 
@@ -240,6 +245,32 @@ class Sidecar:
         self._purge(BUSY_PURGE_BUDGET if self.lmcache.queued_ops else PURGE_BUDGET)
         self._after_burst()
         self.last_turn = time.monotonic()
+
+    def _drain(self) -> None:
+        """Stopping on purpose loses no acknowledged op (issue 20 item 5): what the LMCache sockets
+        already received is read and answered, and every queued op written, until the PULL
+        socket is quiet and the queue empty, or DRAIN_S passed (Redis failing throughout)."""
+        if not self._started:
+            return
+        end = time.monotonic() + DRAIN_S
+        quiet_since = time.monotonic()
+        while time.monotonic() < end:
+            try:
+                for sock in self.sockets.poll(0):
+                    self.sockets.handlers[sock](sock)
+                    if sock in (self.pull, self.router):
+                        quiet_since = time.monotonic()
+                self.lmcache.flush(self.limits.slice_ops)
+            except redis.RedisError as exc:
+                log.warning("sidecar %s: draining: redis error (%s); retrying", self.sidecar_id, exc)
+                time.sleep(0.1)
+                continue
+            if not self.lmcache.queued_ops and time.monotonic() - quiet_since >= DRAIN_QUIET_S:
+                return
+            if not self.lmcache.queued_ops:
+                time.sleep(0.005)
+        log.warning("sidecar %s: stopped with %d op(s) unwritten after %.0f s of draining", self.sidecar_id,
+                    self.lmcache.queued_ops, DRAIN_S)
 
     def _sign_off(self) -> None:
         if not self._started:
