@@ -13,6 +13,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kvlookup import config as kvconfig
+from kvlookup.proc.redis_urls import redacted
 from kvlookup.proc.runtime import GunicornController, ensure_redis, master_temp_dir, setup_logging
 
 if TYPE_CHECKING:
@@ -258,7 +259,8 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> Child:
     """
     from kvlookup.proc.supervise import Child
 
-    cmd = [sys.executable, "-P", "-m", "kvlookup", "sidecar", "--redis-url", settings.redis_url,
+    # the Redis URL (it may carry a password) goes by environment, never on the command line (ps)
+    cmd = [sys.executable, "-P", "-m", "kvlookup", "sidecar",
            "--pull-url", f"{settings.host}:{settings.pull_port()}", "--log-level", settings.log_level]
     if settings.redis_cluster:
         cmd += ["--redis-cluster"]
@@ -270,7 +272,7 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> Child:
         cmd += ["--instance-ttl", str(settings.instance_ttl_s)]
     cmd += ["--worker-ttl", str(settings.worker_ttl_s), "--allowed-peers", json.dumps(settings.allowed_peers),
             "--allowed-instance-ids", json.dumps(settings.allowed_instance_ids)]
-    return Child("embedded_sidecar", cmd, ports)
+    return Child("embedded_sidecar", cmd, ports, env={f"{kvconfig.ENV_PREFIX}REDIS_URL": settings.redis_url})
 
 
 SIDECAR_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "log_level", "instance_id", "pull_url",
@@ -313,7 +315,8 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
         serve(sidecar, settings.host, settings.metrics_port)
     log.info("sidecar %s: PULL %s, ROUTER %s, vLLM %s, Redis %s; peers %s, instances %s", sidecar.sidecar_id,
-             settings.pull_url or "-", settings.reply_url or "-", settings.vllm_endpoint or "-", settings.redis_url,
+             settings.pull_url or "-", settings.reply_url or "-", settings.vllm_endpoint or "-",
+             redacted(settings.redis_url),
              settings.peer_networks(), ", ".join(settings.allowed_instance_ids) or "any")
     try:
         sidecar.run()

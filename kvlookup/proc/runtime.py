@@ -15,6 +15,7 @@ from gunicorn.app.base import BaseApplication
 from kvlookup.proc import embedded, redis_server
 from kvlookup.config import Settings
 from kvlookup.proc.lifetime import set_parent_death_signal
+from kvlookup.proc.redis_urls import redacted
 
 log = logging.getLogger("kvlookup")
 
@@ -39,7 +40,7 @@ def ensure_redis(settings: Settings, *, watch: bool = True) -> embedded.Lease | 
     data_dir = settings.data_dir or str(redis_server.default_data_dir())
     lease = embedded.acquire(data_dir, watch=watch)
     settings.redis_url = lease.url
-    log.info("embedded Redis at %s (data dir %s, AOF everysec, keeper pid %s)", lease.url, data_dir,
+    log.info("embedded Redis at %s (data dir %s, AOF everysec, keeper pid %s)", redacted(lease.url), data_dir,
              lease.info.get("pid"))
     return lease
 

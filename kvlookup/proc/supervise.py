@@ -88,8 +88,9 @@ class Child:
     backoff). Call :meth:`tick` from the thread that should own the child.
     """
 
-    def __init__(self, name: str, argv: list[str], ports: list[tuple[str, int]]):
+    def __init__(self, name: str, argv: list[str], ports: list[tuple[str, int]], env: dict[str, str] | None = None):
         self.name, self.argv, self.ports = name, argv, ports
+        self.env = env  # added to the environment (secrets stay off the command line)
         self.state = "down"
         self.restarts = 0
         self.error: str | None = None
@@ -105,7 +106,8 @@ class Child:
             error = bind_error(port, host)
             if error:
                 raise StartError(f"port {port} on {host} cannot be bound: {error}")
-        self.proc = subprocess.Popen(self.argv, preexec_fn=dies_with_parent(signal.SIGTERM))
+        env = {**os.environ, **self.env} if self.env else None
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=dies_with_parent(signal.SIGTERM))
         try:
             self.pidfd = os.pidfd_open(self.proc.pid)
         except (AttributeError, OSError):  # no pidfd (old kernel) or already reaped
