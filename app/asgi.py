@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from a2wsgi import WSGIMiddleware
 from flask import Flask
 
+from kvlookup.app.auth import host_allowed
 from kvlookup.app.body import declared_length
 from kvlookup.app.errors import ApiError, json_bytes
 from kvlookup.app.lookup import EXPLAIN_PATH, LookupRoute
@@ -57,8 +58,10 @@ class AsgiController:
     events are acknowledged; websockets are refused.
     """
 
-    def __init__(self, flask_app: Flask, route: LookupRoute, max_bytes: int, timeout_s: float):
+    def __init__(self, flask_app: Flask, route: LookupRoute, max_bytes: int, timeout_s: float,
+                 bind_host: str = "0.0.0.0"):
         self.route = route
+        self.bind_host = bind_host  # the Flask app checks Host itself (app.create_app)
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.wsgi = WSGIMiddleware(flask_app.wsgi_app, workers=THREADS)
@@ -76,6 +79,8 @@ class AsgiController:
         except ApiError as exc:  # the rest of the body is never read: the connection closes
             return await send_json(send, exc.status, {"error": exc.message}, [("Connection", "close")])
         path = scope["path"]
+        if self.route.serves(path) and not host_allowed(_text(_header(scope, b"host")), self.bind_host):
+            return await send_json(send, 421, {"error": "Host is not this controller's (bound to loopback)"})
         if not self.route.serves(path):
             return await self.wsgi(_with_length(scope, len(data)), _replay(data), send)
         keep: dict = {}
@@ -157,6 +162,10 @@ def _header(scope: dict, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1")
 
 
 def _with_length(scope: dict, length: int) -> dict:
