@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flask import Flask, jsonify, request
+from flask.json.provider import DefaultJSONProvider
 
 from kvlookup import config as kvconfig
 from kvlookup.client import Client, VllmChains
@@ -31,6 +32,7 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     if not settings.redis_url:
         raise ValueError("redis_url is not set (KVLOOKUP_REDIS_URL, --redis-url, or run `kvlookup controller`)")
     app = Flask(__name__)
+    assert isinstance(app.json, DefaultJSONProvider)  # Flask's own, as no json_provider_class is set
     app.json.sort_keys = False
     # one bounded pool per worker process: under gevent every lookup in flight holds a
     # connection, so a burst waits (up to 5 s) for one instead of failing at once
@@ -71,7 +73,7 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     app.register_blueprint(overview.bp)
     if tokenizer.available():
         app.register_blueprint(tokenizer.bp)
-    from kvlookup.explain import Explainer
+    from kvlookup.index.explain import Explainer
 
     explainer = Explainer(client, hash_seed=settings.hash.get("hash_seed"))
     routed = lookup.LookupRoute(app.wsgi_app, client, settings.lookup_response, settings.max_tokens, explainer)

@@ -23,8 +23,9 @@ import asyncio
 import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
-from a2wsgi import WSGIMiddleware
+from a2wsgi import WSGIMiddleware, asgi_typing, wsgi_typing
 from flask import Flask
 
 from kvlookup.app.auth import host_allowed
@@ -64,7 +65,9 @@ class AsgiController:
         self.bind_host = bind_host  # the Flask app checks Host itself (app.create_app)
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
-        self.wsgi = WSGIMiddleware(flask_app.wsgi_app, workers=THREADS)
+        # cast: a2wsgi types the WSGI environ and the ASGI messages as TypedDicts, Flask and this
+        # module as plain dicts (the same values)
+        self.wsgi = WSGIMiddleware(cast(wsgi_typing.WSGIApp, flask_app.wsgi_app), workers=THREADS)
         self.heavy = ThreadPoolExecutor(HEAVY_THREADS, thread_name_prefix="kvlookup-heavy")
         sys.setswitchinterval(SWITCH_INTERVAL_S)  # a CPU-bound explain hands the GIL over sooner
         self._heavy_now = 0  # heavy requests running or waiting (the event loop's thread only)
@@ -82,7 +85,8 @@ class AsgiController:
         if self.route.serves(path) and not host_allowed(_text(_header(scope, b"host")), self.bind_host):
             return await send_json(send, 421, {"error": "Host is not this controller's (bound to loopback)"})
         if not self.route.serves(path):
-            return await self.wsgi(_with_length(scope, len(data)), _replay(data), send)
+            return await self.wsgi(cast(asgi_typing.HTTPScope, _with_length(scope, len(data))),
+                                   cast(asgi_typing.Receive, _replay(data)), cast(asgi_typing.Send, send))
         keep: dict = {}
         ctype = _header(scope, b"content-type")
         args = (path, scope["method"], scope["query_string"].decode("latin-1"), data, keep,

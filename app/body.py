@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 from gevent import Timeout
 
 from kvlookup.app.errors import ApiError, send_json
-from kvlookup.app.gevent_worker import patched
+from kvlookup.proc.green import patched
 
 try:  # the errors gunicorn raises while decoding a chunked body
     from gunicorn.http.errors import NoMoreData, ParseException

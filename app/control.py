@@ -20,10 +20,10 @@ from flask import Blueprint, current_app, jsonify, request
 
 from kvlookup.app.auth import require_token
 from kvlookup.app.errors import ApiError, decode_body
-from kvlookup.index import keys
-from kvlookup.wire import lmcache_control as ctl
 from kvlookup.client import TokenId, new_event_id
+from kvlookup.index import keys
 from kvlookup.index.fleet import WorkerInfo
+from kvlookup.wire import lmcache_control as ctl
 
 bp = Blueprint("control", __name__)
 
@@ -81,9 +81,9 @@ def lmcache_workers(instance_id: str) -> list[WorkerInfo]:
     kind = fleet.instance_kind(instance_id)
     if not workers:
         raise ApiError(404, f"instance {instance_id!r} has no registered workers")
-    if kind not in (None, "lmcache"):
+    if not kind.control:
         raise ApiError(
-            409, f"instance {instance_id!r} is a {kind} instance; only LMCache workers take control calls"
+            409, f"instance {instance_id!r} is a {kind.name} instance; only LMCache workers take control calls"
         )
     return workers
 

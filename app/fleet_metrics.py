@@ -28,7 +28,7 @@ LOOKUPS = Counter("kvlookup_lookups_total", "Lookups answered", ["outcome"])
 #: (hit, hit); (miss, no_holder | dead_instance | ranks | short_prompt | unclassified).
 #: ``unclassified``: the walk ran in Lua (lookup_cache: off on one Redis), which does not say.
 OUTCOMES = Counter("kvlookup_lookup_outcomes_total", "Lookups by outcome and miss cause", ["outcome", "cause"])
-#: Every /lookup/explain by the cause it found (kvlookup.explain._cause): hit,
+#: Every /lookup/explain by the cause it found (kvlookup.index.explain._cause): hit,
 #: profile_mismatch_suspected, namespace, ranks, dead_instance, evicted, short_prompt, no_holder.
 EXPLAINED = Counter("kvlookup_explained_lookups_total", "Explained lookups by the cause found", ["cause"])
 LOOKUP_SECONDS = Histogram(

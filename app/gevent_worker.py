@@ -1,6 +1,6 @@
 """gunicorn's gevent worker, patched without the ssl warning, quitting once per Ctrl-C;
-:func:`patched` tells code that must wait cooperatively (control calls, body deadlines) whether
-it runs inside one.
+kvlookup.proc.green.patched tells code that must wait cooperatively (control calls, body
+deadlines) whether it runs inside one.
 
 gunicorn patches the standard library in each worker after the fork, while the controller's
 master process has already imported ``ssl`` (through redis-py), so gevent warns on every
@@ -25,15 +25,8 @@ from __future__ import annotations
 import warnings
 
 import gevent
-from gevent import monkey
 from gevent.monkey import MonkeyPatchWarning
 from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
-
-
-def patched() -> bool:
-    """True in a process gevent has patched (a gevent worker): blocking waits must then be
-    gevent's (green ZMQ sockets, gevent.Timeout) or they stall every greenlet."""
-    return monkey.is_module_patched("socket")
 
 
 class GeventWorker(_GunicornGeventWorker):

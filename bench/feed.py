@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import zmq
 
 from kvlookup.bench.workload import CHUNK, CPU, Op, synthetic_block
-from kvlookup.wire import lmcache as proto
-from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.wire import lmcache as proto
 
 OPS_PER_MSG = 50
 FRAMES_PER_SEND = 50

@@ -20,8 +20,8 @@ import zmq
 from kvlookup.bench import feed, progress
 from kvlookup.bench.procs import Procs
 from kvlookup.bench.workload import CPU, Op
-from kvlookup.index import keys
 from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.index import keys
 from kvlookup.proc.redis_server import connect
 
 

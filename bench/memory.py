@@ -14,8 +14,8 @@ from kvlookup.bench import progress
 from kvlookup.bench.procs import Procs
 from kvlookup.bench.workload import CPU
 from kvlookup.index import keys
-from kvlookup.proc.redis_server import connect
 from kvlookup.index.store import ADMIT, Store
+from kvlookup.proc.redis_server import connect
 
 BATCH = 2500
 

@@ -25,6 +25,9 @@ log = logging.getLogger("bench")
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LMCACHE_VENV = REPO / ".venv-lmcache"
 
+#: The parts of ``kvlookup bench all``, in the order they run and are reported.
+PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk")
+
 
 def lmcache_python(venv: str | None = None, create: bool = False) -> Path | None:
     """Python of a venv holding LMCache 0.5.6: ``venv``, else ``$KVLOOKUP_LMCACHE_PYTHON``, else

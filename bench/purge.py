@@ -4,7 +4,7 @@ A fresh Redis; one worker's holder gets ``records`` records through :meth:`Store
 sidecar's write path, bench.memory.fill); the worker registers again (a restarted engine: a new
 epoch retires the holder) and :meth:`Store.purge` runs in the turns an idle sidecar gives it
 (``PURGE_BUDGET`` records a call) until the holder is forgotten. Reported: seconds, records/s,
-and how long one call held the loop (p50 and longest). tests/test_faults.py measures the same
+and how long one call held the loop (p50 and longest). tests/faults/test_faults.py measures the same
 with two sidecar processes purging side by side under traffic.
 """
 
@@ -17,8 +17,8 @@ from kvlookup.bench.memory import fill
 from kvlookup.bench.procs import Procs
 from kvlookup.bench.workload import CPU
 from kvlookup.index import keys
-from kvlookup.proc.redis_server import connect
 from kvlookup.index.store import Store
+from kvlookup.proc.redis_server import connect
 from kvlookup.sidecar.service import PURGE_BUDGET
 
 

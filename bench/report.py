@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvlookup.bench.procs import REPO
+from kvlookup.bench.procs import PARTS, REPO
 
 DOCS = REPO / "docs"
 IMG = DOCS / "img"
@@ -141,8 +141,6 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 
 def _parts(res: dict) -> list[tuple[str, dict]]:
-    from kvlookup.bench.runner import PARTS
-
     return [(name, res[name]) for name in PARTS if name in res]
 
 
@@ -263,8 +261,8 @@ def markdown(res: dict, images: list[str], results_path: Path) -> str:
         lines += ["## Purge of a retired holder", "",
                   "Fresh Redis; one holder's records written by `Store.apply`, then its worker registers again "
                   f"(a new epoch retires the holder) and `Store.purge` runs in calls of {pg['budget']:,} records "
-                  "(an idle sidecar's turn) until the holder is forgotten. tests/test_faults.py measures it with "
-                  "two sidecars under traffic (docs/operations.md, \"Fault injection: measured\")."
+                  "(an idle sidecar's turn) until the holder is forgotten. tests/faults/test_faults.py measures it "
+                  "with two sidecars under traffic (docs/operations.md, \"Fault injection: measured\")."
                   + (f" Run alone on another machine: {pg['machine']['nproc']} cores ({pg['machine']['cpu']})."
                      if pg.get("machine") else ""), "",
                   _table(["records", "seconds", "records/s", "calls", "p50 / max call ms", "records left"],

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from kvlookup.bench import progress
-from kvlookup.bench.procs import REPO
+from kvlookup.bench.procs import PARTS, REPO
 
 RESULTS = REPO / "bench" / "results"
 
@@ -48,7 +48,6 @@ FULL = {
     "wrk": dict(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds=2.0, rounds=3),
     "purge": dict(records=1_000_000),
 }
-PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk")
 
 
 def machine() -> dict:

@@ -23,8 +23,8 @@ from kvlookup.bench import progress
 from kvlookup.bench.compare import _load
 from kvlookup.bench.procs import Procs, free_port, wait_http
 from kvlookup.bench.sweeps import hold, prompt
-from kvlookup.proc.redis_server import connect
 from kvlookup.index.store import Store
+from kvlookup.proc.redis_server import connect
 
 STAGES = ("read", "decode", "hash", "walk")
 

@@ -26,8 +26,8 @@ from kvlookup.bench.procs import Procs
 from kvlookup.bench.workload import CPU, synthetic_block
 from kvlookup.client import Client
 from kvlookup.hashing.lmcache import HashProfile
-from kvlookup.proc.redis_server import connect
 from kvlookup.index.store import ADMIT, Store
+from kvlookup.proc.redis_server import connect
 
 
 def prompt(tokens: int, seed: int) -> list[int]:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from kvlookup.bench import progress
 from kvlookup.bench.procs import Procs, lmcache_python
-from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.devtools.workersim import WorkerSim
+from kvlookup.hashing.lmcache import HashProfile
 
 #: Seconds of load on each target before each measured point (not counted).
 WARMUP_S = 1.0

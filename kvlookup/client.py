@@ -8,19 +8,20 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, cast
 
 import msgspec
 import redis
 
-from kvlookup.index import keys
 from kvlookup.hashing import vllm as vh
 from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.hashing.namespace import DEFAULT, Namespace
+from kvlookup.index import keys
 from kvlookup.index.records import Chain, Match
-from kvlookup.proc.redis_server import connect
 from kvlookup.index.clock import ServerClock
 from kvlookup.index.store import Store
 from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
+from kvlookup.proc.redis_server import connect
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +106,9 @@ def merge_matches(matches: Sequence[Match]) -> list[InstanceMatch]:
     return sorted(by_inst.values(), key=lambda im: (-im.matched_prefix_length, im.instance_id))
 
 
-#: ``source(tokens, **namespace) -> [Chain]``; namespace holds the request's ``lora_name`` /
-#: ``cache_salt`` when given (sources ignore what they do not use).
-ChainSource = Callable[..., list[Chain]]
+#: ``source(tokens, namespace) -> [Chain]``: the chains of another hash space (sources ignore
+#: what of the :class:`kvlookup.hashing.namespace.Namespace` they do not use).
+ChainSource = Callable[[Sequence[int], Namespace], list[Chain]]
 
 
 #: Distinct vLLM block sizes a lookup walks (fleets use one or two).
@@ -118,7 +119,8 @@ class VllmChains:
     """Chain source for vLLM instances: kvlookup's own chain (kvlookup.hashing.vllm) at every
     block size a live vLLM rank uses (``keys.block_sizes_key``; read at most every
     ``refresh_s`` seconds), in the request's namespace (base model unless ``lora_name`` /
-    ``cache_salt`` are given). check_alive: count only ranks of instances with a current
+    ``cache_salt`` are given). redis: a client with ``decode_responses=True`` (as
+    kvlookup.proc.redis_server.connect makes). check_alive: count only ranks of instances with a current
     liveness lease (the store's ``instance_ttl_s`` > 0), so a block size no live rank uses
     leaves the walk.
     """
@@ -157,7 +159,8 @@ class VllmChains:
             self._refreshing.clear()
 
     def _read_sizes(self) -> list[int]:
-        per_rank = self.r.hgetall(keys.block_sizes_key())  # "<rank>\t<instance>" -> block size
+        # "<rank>\t<instance>" -> block size; str: redis-py's types cannot follow decode_responses=True
+        per_rank = cast(dict[str, str], self.r.hgetall(keys.block_sizes_key()))
         if self.check_alive and per_rank:
             insts = sorted({m.split(keys.SEP, 1)[1] for m in per_rank})
             now_ms = self.clock.now_ms()
@@ -169,11 +172,10 @@ class VllmChains:
             log.warning("%d vLLM block sizes in use; lookups walk the first %d", len(sizes), MAX_BLOCK_SIZES)
         return sizes[:MAX_BLOCK_SIZES]
 
-    def __call__(self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None,
-                 **_other) -> list[Chain]:
+    def __call__(self, tokens: Sequence[int], namespace: Namespace = DEFAULT) -> list[Chain]:
         chains = []
         for bs in self.block_sizes():
-            hashes = vh.chain(vh.request_root(bs, lora_name, cache_salt), tokens, bs)
+            hashes = vh.chain(vh.request_root(bs, namespace.lora_name, namespace.cache_salt), tokens, bs)
             space = keys.vllm_space(bs)
             chains.append(Chain(keys.chunk_prefix(space), hashes, bs, bs * len(hashes)))
         return chains
@@ -204,29 +206,28 @@ class Client:
         self.extra_chains = list(extra_chains)
         self.max_tokens = max_tokens
 
-    def chains(self, tokens: Sequence[int], **namespace: str) -> list[Chain]:
-        """Every hash chain a lookup of ``tokens`` walks (namespace: see :data:`ChainSource`)."""
+    def chains(self, tokens: Sequence[int], namespace: Namespace = DEFAULT) -> list[Chain]:
+        """Every hash chain a lookup of ``tokens`` in ``namespace`` walks (see :data:`ChainSource`)."""
         hashes = self.profile.chunk_hashes(tokens)
         chains = [Chain(keys.chunk_prefix(), hashes, self.profile.chunk_size,
                         self.profile.hashed_length(len(tokens)))]
         for source in self.extra_chains:
-            chains.extend(source(tokens, **namespace))
+            chains.extend(source(tokens, namespace))
         return chains
 
-    def matches(self, tokens: Sequence[int], *, validate: bool = True, lora_name: str | None = None,
-                cache_salt: str | None = None, causes: list[str] | None = None) -> list[InstanceMatch]:
+    def matches(self, tokens: Sequence[int], *, validate: bool = True, namespace: Namespace = DEFAULT,
+                causes: list[str] | None = None) -> list[InstanceMatch]:
         """Every instance holding a prefix of ``tokens``, longest first.
 
         validate: check tokens first (see :func:`validate_tokens`); callers that already
-        validated (the HTTP layer) pass False. lora_name / cache_salt: the request's LoRA
-        adapter and vLLM cache salt; vLLM blocks match only within the same namespace
-        (LMCache chunks are looked up as before). causes: a list that gets the miss cause the
+        validated (the HTTP layer) pass False. namespace: the request's LoRA adapter and
+        vLLM cache salt; vLLM blocks match only within the same namespace (LMCache chunks are
+        looked up as before). causes: a list that gets the miss cause the
         walk knew for free appended (kvlookup.index.records.Matches.miss; '' on a hit or unknown).
         """
         if validate:
             validate_tokens(tokens, self.max_tokens)
-        namespace = {k: v for k, v in (("lora_name", lora_name), ("cache_salt", cache_salt)) if v}
-        chains = self.chains(tokens, **namespace)
+        chains = self.chains(tokens, namespace)
         found = self.store.lookup(chains)
         if causes is not None:
             causes.append(found.miss)

@@ -3,25 +3,12 @@ definition each, in prometheus-client's default registry.
 
 The lookup metrics (``LOOKUPS``, ``LOOKUP_SECONDS``, ``LOOKUP_MATCHED_TOKENS``) are the
 controller's alone: they are defined in kvlookup.app.fleet_metrics, which only the app imports, so
-a standalone sidecar's ``/metrics`` does not carry them at zero. They can still be reached as
-``metrics.LOOKUPS`` and so on (the name is resolved on first use).
+a standalone sidecar's ``/metrics`` does not carry them at zero.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import Counter
-
-#: Names resolved from kvlookup.app.fleet_metrics (controller-only metrics).
-CONTROLLER_ONLY = ("LOOKUPS", "LOOKUP_SECONDS", "LOOKUP_MATCHED_TOKENS")
-
-
-def __getattr__(name: str) -> Any:
-    if name in CONTROLLER_ONLY:
-        from kvlookup.app import fleet_metrics
-        return getattr(fleet_metrics, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: outcome: applied; unregistered (its worker is not registered: dropped, as LMCache 0.5 does);
 #: superseded (dropped unapplied: its worker re-registered, deregistered or began a full sync

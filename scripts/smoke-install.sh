@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Packaging smoke test (CI runs it before the suite): what `pip install .` alone gives must run.
 # Builds the wheel, installs it WITHOUT extras into a fresh venv outside the checkout, and from
-# another directory starts `kvlookup controller` (embedded Redis) and `kvlookup sidecar` on the
+# a project directory with its own app/ and sidecar/ packages starts `python -m kvlookup
+# controller` (embedded Redis) and `kvlookup sidecar` on the
 # same fresh data dir at once, sends LMCache worker traffic (`kvlookup demo`), then checks
 # GET /health, a POST /lookup and the dashboard (GET /, its static files, GET /controller/overview;
 # POST /tokenize is absent without the demo extra). Prints the timings; exit 0 when everything answered.
@@ -24,11 +25,22 @@ start=$SECONDS
 "$work/venv/bin/python" -m pip wheel -q --no-deps . -w "$work/dist"
 "$work/venv/bin/python" -m pip install -q "$work"/dist/kvlookup-*.whl
 echo "smoke: wheel built and installed without extras in $((SECONDS - start)) s"
+# the wheel installs one top-level name: a project's own app/, sidecar/ or bench/ cannot shadow it
+tops=$("$PY" -c 'import sys, zipfile; print(" ".join(sorted({n.split("/")[0] for n in zipfile.ZipFile(sys.argv[1]).namelist() if ".dist-info/" not in n})))' "$work"/dist/kvlookup-*.whl)
+if [ "$tops" != "kvlookup" ]; then
+  echo "smoke: the wheel's top-level names are '$tops', not 'kvlookup'" >&2
+  exit 1
+fi
 
-cd "$work"  # away from the checkout: only the installed package can be imported
+# away from the checkout, in a project directory with packages of its own named app and sidecar:
+# only the installed package is kvlookup's, and `python -m kvlookup` (cwd on sys.path) still works
+mkdir -p "$work/project/app" "$work/project/sidecar"
+printf 'raise ImportError("the user project'"'"'s own app package was imported")\n' > "$work/project/app/__init__.py"
+cp "$work/project/app/__init__.py" "$work/project/sidecar/__init__.py"
+cd "$work/project"
 bin="$work/venv/bin"
 read -r http pull < <("$bin/python" -c "from kvlookup.proc.redis_server import free_port as f; print(f(), f())")
-"$bin/kvlookup" controller --port "$http" --data-dir "$work/data" --log-level WARNING &
+"$bin/python" -m kvlookup controller --port "$http" --data-dir "$work/data" --log-level WARNING &
 pids+=($!)
 "$bin/kvlookup" sidecar --pull-url "127.0.0.1:$pull" --data-dir "$work/data" --log-level WARNING &
 pids+=($!)

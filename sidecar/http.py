@@ -15,7 +15,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import redis
 from prometheus_client import make_wsgi_app
 
-from kvlookup import __version__  #: A loop turn older than this means the ingest loop is stuck.
+from kvlookup import __version__
+
+#: A loop turn older than this means the ingest loop is stuck.
 STALLED_S = 5.0
 
 

@@ -31,10 +31,10 @@ from collections.abc import Callable
 
 import zmq
 
-from kvlookup.wire import lmcache_control as ctl
 from kvlookup import metrics
 from kvlookup.index.fleet import Fleet, WorkerInfo
 from kvlookup.index.store import Store
+from kvlookup.wire import lmcache_control as ctl
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +182,8 @@ class Liveness:
                 self.asking[w] = self.asking[w] or w in closed
                 continue
             info = infos.get(w)
-            if info is None or self.fleet.instance_kind(w[0]) == "vllm":
-                continue  # gone from the registry meanwhile; vLLM ranks have their stream's evidence
+            if info is None or not self.fleet.instance_kind(w[0]).probed:
+                continue  # gone from the registry meanwhile, or its evidence is elsewhere (a vLLM stream)
             if info.port > 0 and self.address_allowed(info.ip or "127.0.0.1"):
                 self.asking[w] = w in closed
                 self.prober.ask(info)

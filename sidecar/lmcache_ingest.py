@@ -28,15 +28,16 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
-from kvlookup.wire import lmcache as proto
 from kvlookup import metrics
 from kvlookup.index.failover import MasterWatch
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store, chunk_text
 from kvlookup.sidecar.admission import InstancePolicy
+from kvlookup.wire import lmcache as proto
+from kvlookup.wire.errors import WireError
 
 text = chunk_text
 
@@ -61,9 +62,19 @@ class Batch:
     queued_at: float = field(default_factory=time.monotonic)
 
 
-class Observer:
+class Observer(Protocol):
     """What the ingest tells about workers (sidecar.liveness.Liveness implements it): a message
     of a worker arrived on a connection; a worker registered; a worker left the registry."""
+
+    def seen(self, conn: Any, instance_id: str, worker_id: int) -> None: ...
+
+    def registered(self, instance_id: str, worker_id: int) -> None: ...
+
+    def forget(self, instance_id: str, worker_id: int) -> None: ...
+
+
+class Unobserved:
+    """The :class:`Observer` of an ingest given none: it ignores everything."""
 
     def seen(self, conn: Any, instance_id: str, worker_id: int) -> None:
         pass
@@ -91,7 +102,7 @@ class LMCacheIngest:
         self.sidecar_id = sidecar_id
         self.policy = policy or InstancePolicy()
         self.heartbeat_url = heartbeat_url
-        self.observer = observer or Observer()
+        self.observer: Observer = observer or Unobserved()
         self.queue: deque[Batch] = deque()
         self.queued_ops = 0  # chunk operations queued, not written yet (folded per chunk and holder)
         self._registered: set[tuple[str, int]] = set()  # known registered (cache; NotRegistered resets)
@@ -110,7 +121,7 @@ class LMCacheIngest:
         for frame in frames:
             try:
                 tag, msg = proto.decode_frame(frame)
-            except proto.FrameError as exc:
+            except WireError as exc:
                 metrics.REJECTED.labels("lmcache", exc.reason).inc()
                 log.warning("rejected frame (%d bytes): %s", len(frame), exc)
                 continue
@@ -166,7 +177,8 @@ class LMCacheIngest:
     def drop_queued(self, instance_id: str, worker_id: int, location: str | None = None) -> int:
         """Drop the queued ops of a worker (of one location, when given): its holder is being
         retired, so they are moot. Returns the ops dropped."""
-        keep, gone = deque(), 0
+        keep: deque[Batch] = deque()
+        gone = 0
         for b in self.queue:
             if b.instance_id == instance_id and b.worker_id == worker_id and location in (None, b.location):
                 gone += len(b.ops)
@@ -315,7 +327,7 @@ class LMCacheIngest:
         self._gaps.discard((instance_id, wid))
         self._reset_seq(instance_id, wid)
 
-    def _reset_seq(self, instance_id: str, worker_id: int) -> None:
+    def _reset_seq(self, instance_id: str, worker_id: int | str) -> None:
         """Forget the expected seq_num of every location of a worker (new epoch or reaped)."""
         for source in [s for s in self._next_seq if s[:2] == (instance_id, worker_id)]:
             del self._next_seq[source]
@@ -340,10 +352,10 @@ class LMCacheIngest:
         """Answer one worker request (0.3.12+ DEALER, or a 0.3.x REQ); returns the reply frame."""
         try:
             tag, msg = proto.decode_frame(payload)
-        except proto.FrameError as exc:
+        except WireError as exc:
             metrics.REJECTED.labels("lmcache", exc.reason).inc()
             log.warning("rejected request (%d bytes): %s", len(payload), exc)
-            return proto.encode(proto.ErrorMsg(error=str(exc)))
+            return proto.encode(proto.ErrorMsg(error=f"{exc.reason}: {exc}"))
         if refused := self.policy.refuse(tag, msg):
             return proto.encode(proto.ErrorMsg(error=refused))
         metrics.MESSAGES.labels(tag).inc()

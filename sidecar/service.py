@@ -22,19 +22,19 @@ from collections.abc import Callable
 import redis
 import zmq
 
-from kvlookup.wire import lmcache as proto
 from kvlookup import metrics
 from kvlookup.index.fleet import reap
-from kvlookup.proc.lifetime import release_memory
-from kvlookup.netpolicy import LOOPBACK_NETWORKS, Networks
 from kvlookup.index.store import Store
-from kvlookup.wire.zmqaddr import endpoint
+from kvlookup.netpolicy import LOOPBACK_NETWORKS, Networks
+from kvlookup.proc.lifetime import release_memory
 from kvlookup.sidecar.admission import InstancePolicy, PeerGate
 from kvlookup.sidecar.liveness import Liveness
 from kvlookup.sidecar.lmcache_ingest import LMCacheIngest
 from kvlookup.sidecar.sockets import Limits, SocketSet, source_fd
 from kvlookup.sidecar.turns import run_turns
 from kvlookup.sidecar.vllm_zmq import VllmLoop, VllmSource
+from kvlookup.wire import lmcache as proto
+from kvlookup.wire.zmqaddr import endpoint
 
 log = logging.getLogger(__name__)
 

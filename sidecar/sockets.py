@@ -7,6 +7,7 @@ the loop learns when a peer connects or goes away (liveness evidence, sidecar.li
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,7 +70,7 @@ class SocketSet:
             mon = sock.get_monitor_socket(CONNECTION_EVENTS)
             self.monitors[mon] = sock
             self.poller.register(mon, zmq.POLLIN)
-            self.handlers[mon] = lambda m, cb=on_event: _drain_events(m, cb)
+            self.handlers[mon] = functools.partial(_drain_events, on_event=on_event)
         if bind:
             if self.guard is not None:
                 self.guard(sock, bind)

@@ -18,11 +18,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvlookup.index import keys
-
 from kvlookup import metrics
 from kvlookup.hashing import vllm as vh
+from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store
+from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored, Event, Malformed
 
 log = logging.getLogger(__name__)
@@ -40,12 +40,6 @@ REASONS = {
     "unknown_hashes": "token-less store of block hashes never stored with tokens",
 }
 DEFAULT_MEDIUM = "GPU"
-
-
-class EventRejected(ValueError):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
 
 
 @dataclass
@@ -100,7 +94,7 @@ class BatchApplier:
         for ev in events:
             try:
                 self._event(ev)
-            except EventRejected as exc:
+            except WireError as exc:
                 self.ctx.rejected[exc.reason] += 1
                 metrics.REJECTED.labels("vllm", exc.reason).inc()
                 log.warning("%s rank %d: rejected %s: %s", self.ctx.instance_id, self.ctx.rank,
@@ -109,7 +103,7 @@ class BatchApplier:
 
     def _event(self, ev: Event) -> None:
         if isinstance(ev, Malformed):
-            raise EventRejected(ev.reason, ev.detail)
+            raise WireError(ev.reason, ev.detail)
         if isinstance(ev, AllBlocksCleared):
             self.flush({})
             self.ctx.wipe()
@@ -130,9 +124,9 @@ class BatchApplier:
     def _stored(self, ev: BlockStored) -> None:
         bs = ev.block_size
         if bs is None or not 0 < bs <= MAX_BLOCK_SIZE:
-            raise EventRejected("block_size", f"block_size is {bs!r}")
+            raise WireError("block_size", f"block_size is {bs!r}")
         if self.ctx.block_size is not None and bs != self.ctx.block_size:
-            raise EventRejected("block_size_changed", f"block_size {bs}, records use {self.ctx.block_size}")
+            raise WireError("block_size_changed", f"block_size {bs}, records use {self.ctx.block_size}")
         if not ev.block_hashes:
             return
         owns = self._own_hashes(ev, bs) if ev.token_ids else self._resolve_tokenless(ev)
@@ -150,10 +144,10 @@ class BatchApplier:
     def _own_hashes(self, ev: BlockStored, bs: int) -> list[int]:
         n = len(ev.block_hashes)
         if len(ev.token_ids) != n * bs:
-            raise EventRejected("token_count", f"{len(ev.token_ids)} tokens for {n} blocks of {bs}")
+            raise WireError("token_count", f"{len(ev.token_ids)} tokens for {n} blocks of {bs}")
         extra_keys = ev.extra_keys
         if extra_keys is not None and len(extra_keys) != n:
-            raise EventRejected("extra_keys", f"{len(extra_keys)} extra_keys entries for {n} blocks")
+            raise WireError("extra_keys", f"{len(extra_keys)} extra_keys entries for {n} blocks")
         per_block = [vh.split_extra_keys(e, ev.lora_name) for e in extra_keys] if extra_keys else [()] * n
         extras = [tuple(e) or None for e in per_block]
         if ev.parent_block_hash is None:
@@ -164,7 +158,7 @@ class BatchApplier:
         else:
             entry = self._get(ev.parent_block_hash)
             if entry is None:
-                raise EventRejected("unknown_parent", f"parent {ev.parent_block_hash} is not known")
+                raise WireError("unknown_parent", f"parent {ev.parent_block_hash} is not known")
             parent = entry.own
         return vh.chain(parent, ev.token_ids, bs, extras)
 
@@ -172,7 +166,7 @@ class BatchApplier:
         entries = [self._get(h) for h in ev.block_hashes]
         missing = [h for h, e in zip(ev.block_hashes, entries, strict=True) if e is None]
         if missing:
-            raise EventRejected("unknown_hashes", f"{len(missing)} of {len(entries)} hashes never stored "
+            raise WireError("unknown_hashes", f"{len(missing)} of {len(entries)} hashes never stored "
                                                   f"with tokens (first {missing[0]})")
         return [e.own for e in entries if e is not None]
 

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import redis
 
+from kvlookup import kinds, metrics
 from kvlookup.index import keys
-
-from kvlookup import metrics
 from kvlookup.index.store import Store
-from kvlookup.wire.vllm import DecodeError, decode_batch, parse_live
 from kvlookup.sidecar.vllm_apply import BatchApplier, RankContext
+from kvlookup.wire.errors import WireError
+from kvlookup.wire.vllm import decode_batch, parse_live
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class VllmIngest:
         """One live SUB message of ``rank``. Never raises except for Redis outages."""
         try:
             _topic, seq, payload = parse_live(frames)
-        except DecodeError as exc:
+        except WireError as exc:
             self._reject(exc.reason, str(exc))
             return
         metrics.MESSAGES.labels("vllm_batch").inc()
@@ -168,13 +168,14 @@ class VllmIngest:
     # -- writes ---------------------------------------------------------------------------
 
     def _apply(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
-        persist = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): digest(payload)}
+        persist: dict[str, str | int] = {keys.rank_field("seq", rank): seq,
+                                         keys.rank_field("digest", rank): digest(payload)}
         ctx = RankContext(self.store, self.instance_id, rank, st.block_size, lambda: self._wipe(rank),
                           lambda: self._register_rank(rank),
                           self.rejected, self.skipped)
         try:
             events = decode_batch(payload).events
-        except DecodeError as exc:
+        except WireError as exc:
             self._reject(exc.reason, f"rank {rank} seq {seq}: {exc}")
             events = ()
         BatchApplier(ctx).run(events, persist)
@@ -183,7 +184,7 @@ class VllmIngest:
 
     def _register_rank(self, rank: int) -> None:
         """A new epoch of the rank in the registry, owned by this sidecar."""
-        self.store.register_worker(self.instance_id, rank, kind="vllm", worker_rule="any")
+        self.store.register_worker(self.instance_id, rank, kind=kinds.VLLM)
         if self.owner:
             self.store.own(self.owner, self.instance_id)
 

@@ -18,11 +18,12 @@ import zmq
 
 from kvlookup import metrics
 from kvlookup.index.store import Store
-from kvlookup.wire.vllm import REPLAY_END, DecodeError, parse_replay
-from kvlookup.wire.zmqaddr import endpoint, with_port_offset
 from kvlookup.sidecar.sockets import Limits, SocketSet
 from kvlookup.sidecar.turns import run_turns
 from kvlookup.sidecar.vllm_ingest import VllmIngest
+from kvlookup.wire.errors import WireError
+from kvlookup.wire.vllm import REPLAY_END, parse_replay
+from kvlookup.wire.zmqaddr import endpoint, with_port_offset
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class ReplayClient:
                 break
             try:
                 seq, payload = parse_replay(sock.recv_multipart())
-            except DecodeError as exc:
+            except WireError as exc:
                 metrics.REJECTED.labels("vllm", exc.reason).inc()
                 continue
             if seq == REPLAY_END:

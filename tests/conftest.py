@@ -12,8 +12,8 @@ import os
 import pytest
 
 from kvlookup.devtools.local_cluster import LocalCluster
-from kvlookup.proc.redis_server import EmbeddedRedis, connect
 from kvlookup.index.store import Store
+from kvlookup.proc.redis_server import EmbeddedRedis, connect
 
 SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 SEED_HASH = 4690244967161877535

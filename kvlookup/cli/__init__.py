@@ -9,10 +9,12 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 from typing import TYPE_CHECKING, Any
 
 from kvlookup import config as kvconfig
+from kvlookup.config import options
 from kvlookup.proc.redis_urls import redacted
 from kvlookup.proc.runtime import GunicornController, ensure_redis, master_temp_dir, setup_logging
 
@@ -22,29 +24,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvlookup")
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _settings_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """``--config`` and a flag for every setting ``command`` reads (kvlookup.config.options)."""
     p.add_argument("--config", help="kvlookup YAML settings file (see config/)")
-    p.add_argument("--redis-url", help="redis://, rediss://, unix:// or redis+sentinel:// URL "
-                   "(default: embedded Redis); with --redis-cluster, any one node of the cluster")
-    p.add_argument("--redis-cluster", action="store_true", default=None,
-                   help="the index lives on a Redis Cluster (redis_cluster: true)")
-    p.add_argument("--data-dir", help="embedded Redis data dir (default ~/.local/share/kvlookup)")
-    p.add_argument("--instance-ttl", type=float, dest="instance_ttl_s",
-                   help="seconds an instance stays live without its sidecar's heartbeat (0 = off)")
-    p.add_argument("--worker-ttl", type=float, dest="worker_ttl_s",
-                   help="seconds a heartbeating worker stays live after its last heartbeat (0 = off)")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
-
-
-def _access_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--allowed-peers", help="IPs/CIDR networks that may connect to the sidecar's bound ZMQ sockets, "
-                   "comma list or JSON ('*' = any; default 127.0.0.0/8,::1)")
-    p.add_argument("--allowed-instance-ids", help="instance ids whose LMCache messages the sidecar accepts, "
-                   "comma list or JSON (default: any)")
+    options.add_flags(p, kvconfig.Settings, command)
 
 
 def _hash_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lmcache-config", help="the engines' LMCache YAML (chunk_size, save_unfull_chunk)")
     p.add_argument("--chunk-size", type=int, help="tokens per chunk (256)")
     p.add_argument("--save-unfull-chunk", action=argparse.BooleanOptionalAction, default=None,
                    help="hash the trailing partial chunk (default on)")
@@ -54,11 +40,14 @@ def _hash_flags(p: argparse.ArgumentParser) -> None:
                    help="LMCache era: empty (0.4+), none (0.3.4-0.3.15), absent (0.3.3), sha256 (0.3.0-0.3.2)")
 
 
-def _overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
-    out = {n: getattr(args, n, None) for n in names}
-    hash_keys = {"chunk_size": "chunk_size", "save_unfull_chunk": "save_unfull_chunk",
-                 "none_hash": "none_hash", "hash_seed": "hash_seed", "extra_keys": "extra_keys"}
-    hashes = {k: getattr(args, a) for k, a in hash_keys.items() if getattr(args, a, None) is not None}
+def _overrides(args: argparse.Namespace, command: str | tuple[str, ...]) -> dict[str, Any]:
+    """The settings given as flags, ``hash`` keys folded in: every setting ``command``
+    (controller, sidecar, reap) reads, or the settings named."""
+    if isinstance(command, str):
+        out = options.overrides(args, kvconfig.Settings, command)
+    else:
+        out = {name: getattr(args, name, None) for name in command}
+    hashes = {k: getattr(args, k) for k in kvconfig.HASH_KEYS if getattr(args, k, None) is not None}
     if hashes:
         out["hash"] = hashes
     return out
@@ -71,51 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("controller", help="serve POST /lookup (gunicorn); optional embedded sidecar")
-    _common(c)
+    _settings_flags(c, options.CONTROLLER)
     _hash_flags(c)
-    c.add_argument("--host", help="HTTP bind host (default 127.0.0.1)")
-    c.add_argument("--port", type=int, help="HTTP port (default 9000)")
-    c.add_argument("--monitor-port", type=int, help="run an embedded sidecar with its PULL socket on this port")
-    c.add_argument("--monitor-ports", help='JSON {"pull": P, "reply": R} for the embedded sidecar')
-    c.add_argument("--workers", type=int, dest="gunicorn_workers", help="gunicorn worker processes (2)")
-    c.add_argument("--threads", type=int, dest="gunicorn_threads", help="threads per gthread worker (4)")
-    c.add_argument("--worker-class", choices=kvconfig.WORKER_CLASSES, dest="gunicorn_worker_class",
-                   help="gunicorn worker class (uvicorn)")
-    c.add_argument("--lookup-response", choices=kvconfig.LOOKUP_RESPONSES, help="flat (default) or layout_info")
-    c.add_argument("--lookup-cache", choices=kvconfig.LOOKUP_CACHE,
-                   help="keep the chunk sets lookups read, coherent with Redis: on (default), fenced, off")
-    c.add_argument("--worker-networks", help="IPs/CIDR networks of LMCache workers the controller may call, "
-                   "comma list or JSON ('*' = any, hostnames too; default 127.0.0.0/8,::1)")
-    _access_flags(c)  # for the embedded sidecar
     c.set_defaults(func=cmd_controller)
 
     s = sub.add_parser("sidecar", help="ingest LMCache worker traffic and/or vLLM KV events into Redis")
-    _common(s)
-    s.add_argument("--instance-id", help="the instance this sidecar vouches for (traffic adds others)")
-    s.add_argument("--pull-url", help="host:port to bind PULL (LMCache controller_pull_url)")
-    s.add_argument("--reply-url", help="host:port to bind ROUTER (LMCache controller_reply_url, 0.3.12+)")
-    s.add_argument("--advertise-reply", help="host:port workers use for heartbeats (default: reply url)")
-    s.add_argument("--metrics-port", type=int, help="serve this sidecar's /metrics and /health on this port")
-    s.add_argument("--sidecar-id", help="this sidecar's name in the registry; a restart with the same id resumes "
-                   "its instances (default: <hostname>/<first bound address>)")
-    s.add_argument("--disconnect-grace", type=float, dest="disconnect_grace_s",
-                   help="seconds a worker whose connections closed may stay silent before it is asked (5)")
-    s.add_argument("--vllm-endpoint",
-                   help="vLLM KV events PUB, tcp://HOST:5557 (rank r: port + r); needs --instance-id")
-    s.add_argument("--vllm-replay-endpoint", help="vLLM replay ROUTER, tcp://HOST:5558 (rank r: port + r)")
-    s.add_argument("--vllm-dp-size", type=int, help="data-parallel ranks of the vLLM instance (1)")
-    s.add_argument("--vllm-bind", action=argparse.BooleanOptionalAction, default=None,
-                   help="bind the SUB socket(s) instead of connecting (vLLM given a concrete address connects)")
-    s.add_argument("--vllm-topic", help="topic prefix to subscribe to (default: all)")
-    s.add_argument("--vllm-replay-timeout", type=float, dest="vllm_replay_timeout_s",
-                   help="seconds to wait for each replay reply (2)")
-    _access_flags(s)
+    _settings_flags(s, options.SIDECAR)
     s.set_defaults(func=cmd_sidecar)
 
     rp = sub.add_parser("reap", help="deregister silent workers and purge retired records (once, or --loop)",
                         description="Reap and purge on the Redis of --redis-url, or on the embedded Redis "
                                     "serving --data-dir (it must be running).")
-    _common(rp)
+    _settings_flags(rp, options.REAP)
     rp.add_argument("--loop", type=float, help="repeat every LOOP seconds until interrupted")
     rp.set_defaults(func=cmd_reap)
 
@@ -147,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print one line per chunk: start token, end token, chunk hash.")
     _hash_flags(h)
     h.add_argument("--config", help="kvlookup YAML settings file")
+    options.add_flag_named(h, kvconfig.Settings, "lmcache_config")
     h.add_argument("tokens", help="token ids, comma separated or a JSON list")
     h.set_defaults(func=cmd_hash)
 
@@ -160,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit after the lookups, leaving the simulated engines silent (the controller reaps "
                         "them soon after); default: they stay registered, answering health calls, until Ctrl-C")
     _hash_flags(d)
+    options.add_flag_named(d, kvconfig.Settings, "lmcache_config")
     d.set_defaults(func=cmd_demo)
 
     q = sub.add_parser("quickstart", help="controller + embedded Redis + sidecar on LMCache's default ports "
@@ -202,28 +160,23 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- commands --------------------------------------------------------------------------------
 
-CONTROLLER_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "log_level", "lmcache_config",
-                       "host", "port", "monitor_port", "monitor_ports", "gunicorn_workers", "gunicorn_threads",
-                       "gunicorn_worker_class", "lookup_response", "lookup_cache", "worker_ttl_s", "worker_networks",
-                       "allowed_peers", "allowed_instance_ids")
-
-
 def cmd_controller(args: argparse.Namespace) -> int:
     from kvlookup.proc.supervise import StartError, Supervisor, check_ports, new_status_file
 
-    settings = kvconfig.load(args.config, overrides=_overrides(args, CONTROLLER_SETTINGS))
+    settings = kvconfig.load(args.config, overrides=_overrides(args, options.CONTROLLER))
     setup_logging(settings.log_level)
     check_ports(settings.host, {"port": settings.port, "monitor pull port": settings.pull_port(),
                                 "monitor reply port": settings.reply_port()})
     # counters of gunicorn workers and the embedded sidecar summed (prometheus multiprocess mode)
     metrics_dir = master_temp_dir("PROMETHEUS_MULTIPROC_DIR", "kvlookup-metrics-")
     master, lease, supervisor = os.getpid(), None, None
+    settings_dir = tempfile.mkdtemp(prefix="kvlookup-controller-")
     try:
         lease = ensure_redis(settings)
         if why := _refused_redis(settings):
             print(f"kvlookup controller: error: {why}", file=sys.stderr)
             return 1
-        children = [_spawn_embedded_sidecar(settings)] if settings.pull_port() else []
+        children = [_spawn_embedded_sidecar(settings, settings_dir)] if settings.pull_port() else []
         supervisor = Supervisor(children, new_status_file(), extra=lambda: {"redis": lease.status()} if lease else {})
         supervisor.start()
         GunicornController(settings, on_stop=supervisor.hold).run()
@@ -238,6 +191,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
                 lease.stop()
             if metrics_dir:
                 shutil.rmtree(metrics_dir, ignore_errors=True)
+            shutil.rmtree(settings_dir, ignore_errors=True)
     return 0
 
 
@@ -251,52 +205,47 @@ def _refused_redis(settings: kvconfig.Settings, client=None) -> str | None:
     return eviction_refusal(client)
 
 
-def _spawn_embedded_sidecar(settings: kvconfig.Settings) -> Child:
+def _spawn_embedded_sidecar(settings: kvconfig.Settings, settings_dir: str) -> Child:
     """The monitor port(s) of a single-box controller, served by a supervised sidecar child.
 
-    ``python -P``: the working directory is not put on sys.path, so a ``kvlookup/`` folder there
-    (the checkout, run from the directory above it) cannot shadow the installed package.
+    The child gets the controller's resolved settings as one unit: a mode-0600 JSON file in
+    ``settings_dir`` (no setting, password or token on its command line), read as its
+    ``--config`` (kvlookup.config.Settings.embedded_sidecar). ``python -P``: the working
+    directory is not put on sys.path, so a ``kvlookup/`` folder there (the checkout, run from the
+    directory above it) cannot shadow the installed package.
     """
     from kvlookup.proc.supervise import Child
 
-    # the Redis URL (it may carry a password) goes by environment, never on the command line (ps)
-    cmd = [sys.executable, "-P", "-m", "kvlookup", "sidecar",
-           "--pull-url", f"{settings.host}:{settings.pull_port()}", "--log-level", settings.log_level]
-    if settings.redis_cluster:
-        cmd += ["--redis-cluster"]
-    ports = [(settings.host, settings.pull_port())]
-    if settings.reply_port():
-        cmd += ["--reply-url", f"{settings.host}:{settings.reply_port()}"]
-        ports.append((settings.host, settings.reply_port()))
-    if settings.instance_ttl_s is not None:
-        cmd += ["--instance-ttl", str(settings.instance_ttl_s)]
-    cmd += ["--worker-ttl", str(settings.worker_ttl_s), "--allowed-peers", json.dumps(settings.allowed_peers),
-            "--allowed-instance-ids", json.dumps(settings.allowed_instance_ids)]
-    return Child("embedded_sidecar", cmd, ports, env={f"{kvconfig.ENV_PREFIX}REDIS_URL": settings.redis_url})
-
-
-SIDECAR_SETTINGS = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "log_level", "instance_id", "pull_url",
-                    "reply_url", "advertise_reply", "worker_ttl_s", "metrics_port", "sidecar_id", "disconnect_grace_s",
-                    "vllm_endpoint", "vllm_replay_endpoint", "vllm_dp_size", "vllm_bind", "vllm_topic",
-                    "vllm_replay_timeout_s", "allowed_peers", "allowed_instance_ids")
+    path = os.path.join(settings_dir, "embedded-sidecar.json")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(settings.embedded_sidecar(), out)
+    pull, reply = settings.pull_port(), settings.reply_port()
+    assert pull is not None  # cmd_controller starts this child only with a monitor port
+    ports = [(settings.host, pull)]
+    if reply:
+        ports.append((settings.host, reply))
+    return Child("embedded_sidecar", [sys.executable, "-P", "-m", "kvlookup", "sidecar", "--config", path], ports)
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
-    from kvlookup.proc.redis_server import connect
     from kvlookup.index.store import Store
+    from kvlookup.proc.redis_server import connect
     from kvlookup.sidecar.service import Sidecar
     from kvlookup.sidecar.vllm_zmq import VllmSource
 
-    settings = kvconfig.load(args.config, overrides=_overrides(args, SIDECAR_SETTINGS))
+    settings = kvconfig.load(args.config, overrides=_overrides(args, options.SIDECAR))
     setup_logging(settings.log_level)
     if not settings.pull_url and not settings.reply_url and not settings.vllm_endpoint:
         raise ValueError("a sidecar needs --pull-url, --reply-url and/or --vllm-endpoint")
-    vllm = ()
+    vllm: tuple[VllmSource, ...] = ()
     if settings.vllm_endpoint:
+        assert settings.instance_id  # Settings.validate(): vllm_endpoint needs instance_id
         vllm = (VllmSource(settings.instance_id, settings.vllm_endpoint, settings.vllm_replay_endpoint,
                            settings.vllm_dp_size, settings.vllm_bind, settings.vllm_topic,
                            settings.vllm_replay_timeout_s),)
     server = ensure_redis(settings)
+    assert settings.redis_url is not None  # ensure_redis() set it
     store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
     if why := _refused_redis(settings, store.r):
@@ -330,11 +279,10 @@ def cmd_reap(args: argparse.Namespace) -> int:
     import redis
 
     from kvlookup.index.fleet import reap
-    from kvlookup.proc.redis_server import connect
     from kvlookup.index.store import Store
+    from kvlookup.proc.redis_server import connect
 
-    names = ("redis_url", "redis_cluster", "data_dir", "instance_ttl_s", "worker_ttl_s", "log_level")
-    settings = kvconfig.load(args.config, overrides=_overrides(args, names))
+    settings = kvconfig.load(args.config, overrides=_overrides(args, options.REAP))
     setup_logging(settings.log_level)
     store = Store(connect(running_redis_url(settings), cluster=settings.redis_cluster, socket_timeout=10),
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)

@@ -29,11 +29,11 @@ def add_parser(sub) -> None:
 def read_tokens(args: argparse.Namespace) -> list[int]:
     """The tokens to explain; ValueError naming the problem."""
     if args.text is not None:
-        from kvlookup.app.tokenizer import available
+        from kvlookup.tokenizer import available
 
         if not available():
             raise ValueError("--text needs a tokenizer: pip install 'kvlookup[demo]'")
-        from kvlookup.devtools.demo import load_tokenizer
+        from kvlookup.tokenizer import load_tokenizer
 
         return load_tokenizer().encode(args.text, add_special_tokens=False).ids
     text = (args.tokens if args.tokens is not None else sys.stdin.read()).strip()

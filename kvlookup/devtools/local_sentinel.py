@@ -97,17 +97,6 @@ class LocalSentinel(Processes):
                         return n
         raise LookupError("no Sentinel names a master")
 
-    def wait_new_master(self, old: Node, timeout: float = 30.0) -> Node:
-        """Until the Sentinels name another master than ``old`` and it serves as one; returns it."""
-        def promoted() -> Node | None:
-            try:
-                new = self.master()
-            except LookupError:
-                return None
-            return new if new is not old and new.client().info("replication").get("role") == "master" else None
-
-        return wait(promoted, timeout, "the Sentinels did not promote a replica", every=0.05)
-
     def restart(self, node: Node, timeout: float = 30.0) -> None:
         """Start a killed data node again on its port, empty and as a master, as a supervisor
         would; the Sentinels see it back and make it a replica of the current master. Waits

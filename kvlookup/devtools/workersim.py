@@ -6,7 +6,7 @@ Era ``"0.5"`` (0.3.12-0.5.6): RegisterMsg over DEALER -> ROUTER (waits for Regis
 then BatchedKVOperationMsg with seq_num per location on PUSH.
 
 Used by the demo, the tests and the benchmarks. It is not LMCache: tests prove compatibility
-against the real LMCache code separately (tests/test_lmcache_real.py).
+against the real LMCache code separately (tests/compat/test_lmcache_real.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from kvlookup.wire import lmcache as proto
 from kvlookup.hashing.lmcache import ChunkHash
+from kvlookup.wire import lmcache as proto
 from kvlookup.wire.zmqaddr import endpoint
 
 MAX_FRAMES = 50
@@ -152,7 +152,7 @@ class SimEngine:
 
         self.instance_id = instance_id
         self.ctx = ctx or zmq.Context.instance()
-        self.held: dict[str, set[int]] = {}
+        self.held: dict[str, set[ChunkHash]] = {}
         self.reps = []
         self.workers = []
         for rank in range(tp):
@@ -183,17 +183,17 @@ class SimEngine:
         for w in self.workers:
             w.register()
 
-    def store(self, hashes: Sequence[int], location: str = "LocalCPUBackend") -> None:
+    def store(self, hashes: Sequence[ChunkHash], location: str = "LocalCPUBackend") -> None:
         self.held.setdefault(location, set()).update(hashes)
         for w in self.workers:
             w.admit(list(hashes), location)
 
-    def evict(self, hashes: Sequence[int], location: str = "LocalCPUBackend") -> None:
+    def evict(self, hashes: Sequence[ChunkHash], location: str = "LocalCPUBackend") -> None:
         self.held.setdefault(location, set()).difference_update(hashes)
         for w in self.workers:
             w.evict(list(hashes), location)
 
-    def lose(self, stored: Sequence[int] = (), evicted: Sequence[int] = (),
+    def lose(self, stored: Sequence[ChunkHash] = (), evicted: Sequence[ChunkHash] = (),
              location: str = "LocalCPUBackend") -> None:
         """Change what the engine holds without telling anyone: the messages were lost (sent
         while nothing listened, or in flight when a sidecar died)."""
@@ -212,7 +212,7 @@ class SimEngine:
                     w.full_sync(sorted(self.held.get("LocalCPUBackend", set())))
         return reasons
 
-    def truth(self) -> dict[str, set[int]]:
+    def truth(self) -> dict[str, set[ChunkHash]]:
         """Location -> chunk hashes this engine holds (every rank holds the same)."""
         return {loc: set(h) for loc, h in self.held.items() if h}
 

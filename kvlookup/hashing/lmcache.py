@@ -128,7 +128,7 @@ class HashProfile:
         end = self.hashed_length(n_tokens)
         return [(i, min(i + self.chunk_size, n_tokens)) for i in range(0, end, self.chunk_size)]
 
-    def chunk_hashes(self, tokens: Sequence[int]) -> list[ChunkHash]:
+    def chunk_hashes(self, tokens: Sequence[int]) -> list[int] | list[str]:
         """Chained chunk hashes of ``tokens`` (token ids, ints in [0, 2^32)).
 
         Returns one hash per chunk of :meth:`chunk_bounds`: ints for the builtin algorithm,

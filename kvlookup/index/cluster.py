@@ -18,7 +18,8 @@ from redis.cluster import RedisCluster
 
 from kvlookup.index import keys, scripts
 from kvlookup.index.cluster_io import ClusterIO
-from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, purge_step
+from kvlookup.index.io import purge_step, raise_errors
+from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches
 from kvlookup.index.staged import HolderCache, StagedLookup
 
 
@@ -72,13 +73,19 @@ class ClusterRecords:
 
     # -- lookup ------------------------------------------------------------------------------
 
-    def lookup(self, chains: Sequence[Chain], live: Liveness) -> list[Match]:
+    def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         return StagedLookup(self.io.execute, self.resolve_sha, self.cache, chains, live).run()
 
     # -- purge -------------------------------------------------------------------------------
 
     def purge_step(self, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
         return purge_step(self.io.execute, holder_id, space, bucket, budget)
+
+    def reads_locally(self) -> bool:
+        return False  # a cluster keeps holder answers only: every lookup reads its chunks
+
+    def holders(self, chunk_keys: Sequence[str]) -> list[list[str]]:
+        return raise_errors(self.io.execute([("ZRANGE", k, 0, -1) for k in chunk_keys]))
 
 
 def _by_bucket(holder_id: str, hashes: Sequence[str]) -> dict[str, list[str]]:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from kvlookup import kinds
 from kvlookup.index import keys
 from kvlookup.index.store import Store
+from kvlookup.kinds import Kind
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +89,9 @@ class Fleet:
         """Every registered instance id, sorted."""
         return sorted(self.r.smembers(keys.instances_key()))
 
-    def instance_kind(self, instance_id: str) -> str | None:
-        """``lmcache`` or ``vllm``; None for an unknown instance."""
-        return self.r.hget(keys.instance_key(instance_id), "kind")
+    def instance_kind(self, instance_id: str) -> Kind:
+        """The instance's :class:`kvlookup.kinds.Kind` (LMCache's for an unknown instance)."""
+        return kinds.of(self.r.hget(keys.instance_key(instance_id), "kind"))
 
     def workers(self, instance_ids: list[str] | None = None) -> list[WorkerInfo]:
         """Registered workers of the given instances (default: all), sorted by instance, worker id."""

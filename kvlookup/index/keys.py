@@ -2,7 +2,7 @@
 
 The schema is a persisted public API: the prefix carries its version (``kvl:v2:``) so a
 future layout can live beside this one. docs/redis-schema.md lists each key with its type,
-writer, reader and lifetime; tests/test_keys.py pins the exact strings.
+writer, reader and lifetime; tests/index/test_keys.py pins the exact strings.
 
 Two families, so that the index works on one Redis and on Redis Cluster alike:
 

@@ -439,7 +439,7 @@ return out
 #: ARGV[1] holder id, ARGV[2] score (admit time, unix ms), ARGV[3] number of admits,
 #: ARGV[4..3+n] chunk hashes (reverse-index members), in KEYS order; ARGV[4+n] evictions the log
 #: keeps, ARGV[5+n] its lifetime (ms) after the last eviction.
-#: An evict that removed a record logs (hash, score) in the eviction log (kvlookup.explain).
+#: An evict that removed a record logs (hash, score) in the eviction log (kvlookup.index.explain).
 #: Returns 1, or -1 when the holder was retired (the caller resolves the current holder and
 #: applies again).
 APPLY_OPS = """

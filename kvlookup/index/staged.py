@@ -95,7 +95,7 @@ class StagedLookup:
             reads = [(ci, span) for ci, span in reads if span]
             if not reads and not new_hids:
                 break
-            cmds = [("ZRANGE", k, 0, -1) for _ci, span in reads for k in span]
+            cmds: list[tuple] = [("ZRANGE", k, 0, -1) for _ci, span in reads for k in span]
             if new_hids:
                 cmds.append(("EVALSHA", self.resolve_sha, 6, *walk_registry_keys(), keys.registry_version_key(),
                              *self.live.argv(), *new_hids))

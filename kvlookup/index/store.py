@@ -18,15 +18,17 @@ import random
 import time
 from collections.abc import Iterable, Sequence
 
-import redis
 from redis.cluster import RedisCluster
 
+from kvlookup import kinds
 from kvlookup.index import keys, scripts
 from kvlookup.index.clock import ServerClock
 from kvlookup.index.failover import Journal
-from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches, Records, SingleNodeRecords
+from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches, Records
+from kvlookup.index.single import SingleNodeRecords
+from kvlookup.kinds import Kind
 
-__all__ = ["ADMIT", "EVICT", "Chain", "Match", "NotRegistered", "Store", "fold_ops"]
+__all__ = ["ADMIT", "EVICT", "Chain", "Match", "NotRegistered", "Store"]
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +36,6 @@ ADMIT = "a"
 EVICT = "e"
 
 #: Worker rules: LMCache TP ranks must all hold a chunk; vLLM DP ranks are walked one by one.
-RULE_ALL = "all"
-RULE_ANY = "any"
 
 #: How many times a registry script is retried when the state it was given changed meanwhile.
 MAX_RETRIES = 8
@@ -48,7 +48,7 @@ class NotRegistered(LookupError):
     """Raised when records arrive for a worker the registry does not know."""
 
 
-def make_records(client, cache_reads: bool = False) -> Records:
+def make_records(client, cache_reads: bool | str = False) -> Records:
     """The records backend for a redis-py client: cluster or single node (cache_reads: see
     SingleNodeRecords; a cluster keeps holder answers only)."""
     if isinstance(client, RedisCluster):
@@ -76,7 +76,7 @@ class Store:
     """
 
     def __init__(self, client, *, instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0,
-                 purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool = False):
+                 purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool | str = False):
         self.r = client
         self.cluster = isinstance(client, RedisCluster)
         self.instance_ttl_ms = int(instance_ttl_s * 1000)
@@ -103,8 +103,7 @@ class Store:
         port: int = 0,
         peer_init_url: str | None = None,
         *,
-        kind: str = "lmcache",
-        worker_rule: str = RULE_ALL,
+        kind: Kind = kinds.LMCACHE,
         now: float | None = None,
     ) -> int:
         """Register a worker (TP rank) of an instance; returns its epoch (1 = first time).
@@ -126,7 +125,7 @@ class Store:
                       keys.ip_index_key(ip if old_ip is None else old_ip), keys.rules_key(), keys.heartbeats_key(),
                       keys.block_sizes_key(), keys.suspects_key(), keys.registry_version_key()],
                 args=[wid, instance_id, keys.worker_member(instance_id, wid), old_ip or "",
-                      f"{int(port)}:{instance_id}", kind, worker_rule, int(now * 1000), *fields],
+                      f"{int(port)}:{instance_id}", kind.name, kind.worker_rule, int(now * 1000), *fields],
             )
             if int(epoch) != scripts.RETRY:
                 self.touch_instances([instance_id])
@@ -329,7 +328,7 @@ class Store:
 
     def apply(
         self,
-        batches: Iterable[tuple[str, int | str, str, Sequence[tuple[str, int | str]]]],
+        batches: Iterable[tuple[str, int | str, str, Sequence[tuple[str, int | str]] | dict[str, str]]],
         *,
         space: str = "",
         now_ms: int | None = None,
@@ -386,6 +385,7 @@ class Store:
         done = [(keys.holder_value(inst, wid, loc, w.space), w)
                 for (inst, wid, loc, _ops), w, good in zip(todo, writes, ok, strict=True) if good]
         if done:
+            assert self.journal is not None  # apply() journals only while a journal is kept
             self.journal.add((score, done), sum(len(w.admits) + len(w.evicts) for _d, w in done))
 
     def rewrite_journal(self, max_ops_per_call: int = 20_000) -> tuple[int, float]:
@@ -467,8 +467,7 @@ class Store:
         """Do lookups read from process-local copies now (cached reads on, unfenced, their
         invalidation connection up)? Then most cost no round trip (app.asgi runs them in the
         event loop); False: each asks Redis."""
-        cached = getattr(self.records, "cached", None)
-        return cached is not None and cached.local_now()
+        return self.records.reads_locally()
 
     def lookup(self, chains: Sequence[Chain], now_ms: int | None = None) -> Matches:
         """Walk the chains and return every match, in no particular order (``.miss``: see
@@ -486,22 +485,3 @@ def chunk_text(chunk_hash: int | str) -> str:
     """A chunk key's one identity, whatever its wire type: int and str with the same digits are
     the same chunk (decimal for LMCache 0.3.3+ ints, hex for 0.3.0-0.3.2 digests)."""
     return chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)
-
-
-def fold_ops(ops: Sequence[tuple[str, int | str]]) -> tuple[list[str], list[str]]:
-    """Fold an ordered batch of (ADMIT|EVICT, chunk hash) to each chunk's last op.
-
-    Returns (admitted, evicted) chunk hashes as text, disjoint. Applying them in any order
-    leaves the index exactly as applying ``ops`` one by one would. An int and a str key with
-    the same text are one chunk.
-    """
-    last: dict[str, str] = {}
-    for op, chunk_hash in ops:
-        last[chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)] = op  # chunk_text, inlined
-    admits = [h for h, op in last.items() if op == ADMIT]
-    evicts = [h for h, op in last.items() if op != ADMIT]
-    return admits, evicts
-
-
-# The connection type callers may pass (documentation only).
-RedisClient = redis.Redis | RedisCluster

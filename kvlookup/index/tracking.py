@@ -29,11 +29,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import cast
 
 import redis
 
 from kvlookup.index import keys
-from kvlookup.index.records import SingleIO
+from kvlookup.index.io import SingleIO
 
 log = logging.getLogger(__name__)
 
@@ -138,14 +139,18 @@ class CachedReads:
     def _disconnect_tracked(self) -> None:
         """Disconnect every tracked connection after the copies were dropped (so their next
         connection is a fresh start, not a loss)."""
-        pool = self.tracked.connection_pool
+        pool = self._tracked_pool()
         pool.disconnect()
         for c in list(pool._connections):
             c._kvl_tracked = False
 
+    def _tracked_pool(self) -> redis.BlockingConnectionPool:
+        # redis-py types Redis.connection_pool as ConnectionPool; __init__ gave it a BlockingConnectionPool
+        return cast(redis.BlockingConnectionPool, self.tracked.connection_pool)
+
     def _tracked_lost(self) -> bool:
         """Was an idle tracked connection closed by the server (readable: EOF)? It is dropped."""
-        idle = [c for c in list(self.tracked.connection_pool.pool.queue) if c is not None and c._sock is not None]
+        idle = [c for c in list(self._tracked_pool().pool.queue) if c is not None and c._sock is not None]
         if not idle:
             return False
         try:
@@ -169,6 +174,7 @@ class CachedReads:
             if not self._connect_listener():
                 self._retry_at = time.monotonic() + RECONNECT_S
                 return False
+        assert self._listener is not None  # it was there, or _connect_listener just made it
         try:
             if self.fence:
                 self._listener.send_command("PING")

@@ -4,7 +4,7 @@ Same rule as the single-node Lua ``LOOKUP`` (kvlookup.index.scripts): every live
 instance (worker_rule 'all': every registered TP rank must hold a chunk) or one rank of an
 instance (worker_rule 'any', vLLM DP ranks) — is credited with its longest run of
 consecutive chunks from chunk 0; per location, the tokens of those chunks it holds there (a
-chunk held in two locations counts for both). tests/test_walk_model.py pins both walks
+chunk held in two locations counts for both). tests/contract/test_walk_model.py pins both walks
 against one plain model.
 """
 
@@ -49,14 +49,14 @@ class _Group:
 class ChainWalk:
     """The walk of one chain; :meth:`feed` it the member lists of the next chunks.
 
-    chunk_size, n_tokens: as :class:`kvlookup.index.store.Chain` (chunk i ends at
+    chunk_size, n_tokens: as :class:`kvlookup.index.records.Chain` (chunk i ends at
     ``min((i + 1) * chunk_size, n_tokens)``).
 
     ``miss`` names why chunk 0 extended no group (for the miss counter; '' otherwise):
     ``no_holder`` (no record), ``dead_instance`` (records of holders that do not count: retired,
     lease expired, heartbeat stale), ``ranks`` (held by only some of an instance's TP ranks).
     report: also keep, per group, the ranks that held the chunk where it stopped short of its
-    need (:meth:`stops`; kvlookup.explain), which costs a dict write per such chunk.
+    need (:meth:`stops`; kvlookup.index.explain), which costs a dict write per such chunk.
     """
 
     def __init__(self, chunk_size: int, n_tokens: int, report: bool = False):

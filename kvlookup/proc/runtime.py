@@ -12,8 +12,8 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
-from kvlookup.proc import embedded, redis_server
 from kvlookup.config import Settings
+from kvlookup.proc import embedded, redis_server
 from kvlookup.proc.lifetime import set_parent_death_signal
 from kvlookup.proc.redis_urls import redacted
 

@@ -88,9 +88,8 @@ class Child:
     backoff). Call :meth:`tick` from the thread that should own the child.
     """
 
-    def __init__(self, name: str, argv: list[str], ports: list[tuple[str, int]], env: dict[str, str] | None = None):
+    def __init__(self, name: str, argv: list[str], ports: list[tuple[str, int]]):
         self.name, self.argv, self.ports = name, argv, ports
-        self.env = env  # added to the environment (secrets stay off the command line)
         self.state = "down"
         self.restarts = 0
         self.error: str | None = None
@@ -106,8 +105,7 @@ class Child:
             error = bind_error(port, host)
             if error:
                 raise StartError(f"port {port} on {host} cannot be bound: {error}")
-        env = {**os.environ, **self.env} if self.env else None
-        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=dies_with_parent(signal.SIGTERM))
+        self.proc = subprocess.Popen(self.argv, preexec_fn=dies_with_parent(signal.SIGTERM))
         try:
             self.pidfd = os.pidfd_open(self.proc.pid)
         except (AttributeError, OSError):  # no pidfd (old kernel) or already reaped
@@ -125,6 +123,7 @@ class Child:
 
     def exit_status(self) -> str:
         """How the child ended, reaping it unless gunicorn already did."""
+        assert self.proc is not None  # called for a child spawn() started
         try:
             pid, status = os.waitpid(self.proc.pid, os.WNOHANG)
         except ChildProcessError:
@@ -141,6 +140,7 @@ class Child:
             self._failed(now, f"exited ({self.exit_status()})")
         elif self.state == "starting":
             if all(listening(h, p) for h, p in self.ports):
+                assert self.proc is not None  # "starting" is set by spawn(), after the Popen
                 self.state, self.up_since, self.error = "up", now, None
                 log.info("%s up (pid %d)", self.name, self.proc.pid)
             elif now - self.started_at > READY_TIMEOUT_S:

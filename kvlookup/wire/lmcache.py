@@ -6,7 +6,7 @@ order below are facts from LMCache 0.3.x and 0.5.6 (../shared/research/lmcache-c
 
 Decoding accepts every era at once: a frame is JSON when it starts with ``{``, msgpack
 otherwise; the ``"type"`` tag picks a lenient target struct whose era-specific fields are
-optional. Anything else raises :class:`FrameError` with a short reason, for counting.
+optional. Anything else raises :class:`WireError` with a short reason, for counting.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import re
 from typing import Any, Literal
 
 import msgspec
+
+from kvlookup.wire.errors import WireError
 
 # -- decoding targets (lenient: era-specific fields optional, unknown fields ignored) -------
 
@@ -119,14 +121,6 @@ MAX_NAME = 256
 _HEX_KEY = re.compile(r"[0-9a-f]{1,64}")
 
 
-class FrameError(ValueError):
-    """A frame that cannot be applied. ``reason`` is a short metric label."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
 _json = msgspec.json.Decoder()
 _msgpack = msgspec.msgpack.Decoder()
 
@@ -135,27 +129,28 @@ def decode_frame(frame: bytes) -> tuple[str, Any]:
     """Decode one worker frame into ``(tag, message)``.
 
     frame: msgpack map or JSON object bytes with a ``"type"`` tag. Returns the tag and an
-    instance of its target struct. Raises FrameError(reason) with reason one of
+    instance of its target struct. Raises WireError(reason) with reason one of
     ``undecodable``, ``not_a_map``, ``unknown_type``, ``invalid_fields``, ``invalid_key``.
     """
     try:
         raw = _json.decode(frame) if frame[:1] == b"{" else _msgpack.decode(frame)
     except (msgspec.DecodeError, UnicodeDecodeError, ValueError) as exc:
-        raise FrameError("undecodable", str(exc)[:200]) from None
+        raise WireError("undecodable", str(exc)[:200]) from None
     except RecursionError:
-        raise FrameError("undecodable", "nested too deeply") from None
+        raise WireError("undecodable", "nested too deeply") from None
     if not isinstance(raw, dict):
-        raise FrameError("not_a_map", f"expected a map with 'type', got {type(raw).__name__}")
+        raise WireError("not_a_map", f"expected a map with 'type', got {type(raw).__name__}")
     tag = raw.get("type")
     target = DECODE_TARGETS.get(tag) if isinstance(tag, str) else None
     if target is None:
-        raise FrameError("unknown_type", f"unknown message type {str(tag)[:80]!r}")
+        raise WireError("unknown_type", f"unknown message type {str(tag)[:80]!r}")
+    assert isinstance(tag, str)  # a target is found for string tags only
     try:
-        msg = msgspec.convert(raw, target)
+        msg: Any = msgspec.convert(raw, target)
     except msgspec.ValidationError as exc:
-        raise FrameError("invalid_fields", f"{tag}: {exc}"[:300]) from None
+        raise WireError("invalid_fields", f"{tag}: {exc}"[:300]) from None
     except RecursionError:
-        raise FrameError("invalid_fields", f"{tag}: nested too deeply") from None
+        raise WireError("invalid_fields", f"{tag}: nested too deeply") from None
     _check(tag, msg)
     return tag, msg
 
@@ -165,17 +160,17 @@ def _check(tag: str, msg: Any) -> None:
     for name in ("instance_id", "location"):
         value = getattr(msg, name, None)
         if value is not None and not (0 < len(value) <= MAX_NAME and value.isprintable()):
-            raise FrameError("invalid_fields", f"{tag}: {name} must be 1..{MAX_NAME} printable characters")
+            raise WireError("invalid_fields", f"{tag}: {name} must be 1..{MAX_NAME} printable characters")
     worker_id = getattr(msg, "worker_id", 0)
     if not 0 <= worker_id < 1 << 31:
-        raise FrameError("invalid_fields", f"{tag}: worker_id {worker_id} out of range")
+        raise WireError("invalid_fields", f"{tag}: worker_id {worker_id} out of range")
     port = getattr(msg, "port", 0)
     if not 0 <= port < 65536:
-        raise FrameError("invalid_fields", f"{tag}: port {port} out of range 0..65535")
+        raise WireError("invalid_fields", f"{tag}: port {port} out of range 0..65535")
     for name in ("ip", "distributed_url", "peer_init_url"):
         value = getattr(msg, name, None)
         if value is not None and not (len(value) <= MAX_NAME and value.isprintable() and " " not in value):
-            raise FrameError("invalid_fields", f"{tag}: {name} must be a host or URL of at most {MAX_NAME} characters")
+            raise WireError("invalid_fields", f"{tag}: {name} must be a host or URL of at most {MAX_NAME} characters")
     keys: list = []
     if isinstance(msg, KVOp):
         keys = [msg.key]
@@ -185,9 +180,9 @@ def _check(tag: str, msg: Any) -> None:
         keys = msg.keys
     for key in keys:
         if isinstance(key, int) and not -(1 << 63) <= key < 1 << 64:
-            raise FrameError("invalid_key", f"{tag}: chunk key {str(key)[:40]} is outside the 64-bit range")
+            raise WireError("invalid_key", f"{tag}: chunk key {str(key)[:40]} is outside the 64-bit range")
         if isinstance(key, str) and not _HEX_KEY.fullmatch(key):
-            raise FrameError("invalid_key", f"{tag}: chunk key {key[:80]!r} is neither an int nor a hex digest")
+            raise WireError("invalid_key", f"{tag}: chunk key {key[:80]!r} is neither an int nor a hex digest")
 
 
 # -- exact encodings (what LMCache itself sends and expects) ---------------------------------

@@ -1,9 +1,9 @@
 """Controller -> LMCache worker control calls (clear, pin, compress, decompress, move, health).
 
-Wire facts (LMCache 0.5.6, ../shared/research/lmcache-controller.md §2.1, notes/lmcache-facts.md
-§4, §5c): the controller connects a REQ socket to the worker's REP port (``RegisterMsg.ip``
-and ``port``, i.e. the engine's ``lmcache_worker_ports``), sends one msgpack frame and reads
-one frame back. Messages are msgspec structs tagged ``"type"`` = class name, every field in
+Wire facts (LMCache 0.5.6, ``lmcache/v1/cache_controller/message.py`` and
+``controllers/kv_controller.py``): the controller connects a REQ socket to the worker's REP
+port (``RegisterMsg.ip`` and ``port``, i.e. the engine's ``lmcache_worker_ports``), sends one
+msgpack frame and reads one frame back. Messages are msgspec structs tagged ``"type"`` = class name, every field in
 declaration order.
 
 Unlike LMCache's controller, every call here has a deadline: :class:`ControlClient` opens a
@@ -29,9 +29,9 @@ import zmq
 import zmq.green
 
 from kvlookup import metrics
-from kvlookup.app.gevent_worker import patched
-from kvlookup.wire.lmcache import ErrorMsg
 from kvlookup.netpolicy import LOOPBACK_NETWORKS, Networks, address_allowed
+from kvlookup.proc.green import patched
+from kvlookup.wire.lmcache import ErrorMsg
 
 log = logging.getLogger(__name__)
 

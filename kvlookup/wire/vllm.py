@@ -12,7 +12,7 @@ Its shape changed across versions (../shared/research/peers.md §1.3, fixtures i
   BLOCK_HASHES=0``), all normalised to the unsigned low 64 bits, big-endian for bytes, exactly
   as vLLM's ``maybe_convert_block_hash`` does.
 
-:func:`decode_batch` raises :class:`DecodeError` when the batch itself is unreadable; a bad
+:func:`decode_batch` raises :class:`WireError` when the batch itself is unreadable; a bad
 event inside a readable batch becomes a :class:`Malformed` entry, so the others still apply.
 """
 
@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from kvlookup.index import keys
+from kvlookup.wire.errors import WireError
 
 U64_MASK = (1 << 64) - 1
 
@@ -31,14 +32,6 @@ STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size",
                  "lora_name", "extra_keys", "group_idx")
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 BATCH_FIELDS = ("ts", "events", "data_parallel_rank")
-
-
-class DecodeError(ValueError):
-    """A payload that is not a KV event batch. reason: short metric label."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -97,17 +90,17 @@ class EventBatch:
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one msgpack payload (the third frame of a live message, or a replay reply).
 
-    Raises DecodeError (reasons ``msgpack``, ``batch_shape``) when the batch is unreadable.
+    Raises WireError (reasons ``msgpack``, ``batch_shape``) when the batch is unreadable.
     """
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
-        raise DecodeError("msgpack", f"payload is not msgpack: {exc}") from None
+        raise WireError("msgpack", f"payload is not msgpack: {exc}") from None
     ts, events, rank = _fields(raw, BATCH_FIELDS)
     if not isinstance(events, list) or not isinstance(ts, (int, float)) or isinstance(ts, bool):
-        raise DecodeError("batch_shape", f"not a KV event batch: {type(raw).__name__}")
+        raise WireError("batch_shape", f"not a KV event batch: {type(raw).__name__}")
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
-        raise DecodeError("batch_shape", f"data_parallel_rank is {rank!r}")
+        raise WireError("batch_shape", f"data_parallel_rank is {rank!r}")
     return EventBatch(float(ts), tuple(decode_event(e) for e in events), rank)
 
 
@@ -120,6 +113,7 @@ def decode_event(raw: Any) -> Event:
 
 
 def _decode_event(raw: Any) -> Event:
+    body: list[Any] | dict[str, Any]
     if isinstance(raw, list) and raw and isinstance(raw[0], str):
         tag, body = raw[0], raw[1:]
     elif isinstance(raw, dict) and isinstance(raw.get("type"), str):
@@ -149,7 +143,7 @@ def _fields(raw: Any, names: tuple[str, ...]) -> list[Any]:
         return [raw[i] if i < len(raw) else None for i in range(len(names))]
     if isinstance(raw, dict):
         return [raw.get(n) for n in names]
-    raise DecodeError("batch_shape", f"expected an array or a map, got {type(raw).__name__}")
+    raise WireError("batch_shape", f"expected an array or a map, got {type(raw).__name__}")
 
 
 def block_hash(value: Any) -> int:
@@ -221,10 +215,10 @@ REPLAY_END = -1
 def parse_live(frames: list[bytes]) -> tuple[bytes, int, bytes]:
     """A live PUB message ``[topic, seq (8-byte big-endian), payload]`` -> (topic, seq, payload).
 
-    Raises DecodeError (reason ``frames``) on any other shape.
+    Raises WireError (reason ``frames``) on any other shape.
     """
     if len(frames) != 3 or len(frames[1]) != 8:
-        raise DecodeError("frames", f"live message has {len(frames)} frame(s), not [topic, seq8, payload]")
+        raise WireError("frames", f"live message has {len(frames)} frame(s), not [topic, seq8, payload]")
     return frames[0], int.from_bytes(frames[1], "big"), frames[2]
 
 
@@ -232,8 +226,8 @@ def parse_replay(frames: list[bytes]) -> tuple[int, bytes]:
     """A replay reply seen by a DEALER -> (seq, payload); seq is :data:`REPLAY_END` at the end.
 
     Accepts ``[b"", seq8, payload]`` (vLLM <= 0.25) and ``[b"", topic, seq8, payload]`` (0.26+).
-    Raises DecodeError (reason ``replay_frames``) on any other shape.
+    Raises WireError (reason ``replay_frames``) on any other shape.
     """
     if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
-        raise DecodeError("replay_frames", f"replay reply of {len(frames)} frame(s) has an unknown shape")
+        raise WireError("replay_frames", f"replay reply of {len(frames)} frame(s) has an unknown shape")
     return int.from_bytes(frames[-2], "big", signed=True), frames[-1]

@@ -1,0 +1,83 @@
+"""Chunk records on one Redis server (or a Sentinel-managed master): Lua scripts that do each
+step in one atomic round trip, or cached reads walked in Python."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis
+
+from kvlookup.index import keys, scripts
+from kvlookup.index.io import SingleIO, parse_matches, purge_step, raise_errors
+from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches, walk_registry_keys
+from kvlookup.index.staged import HolderCache, StagedLookup
+from kvlookup.index.tracking import CachedReads
+
+#: Chunk operations per APPLY_OPS call: a script blocks Redis while it runs, so a huge batch
+#: (a full sync) is applied in slices of this many admits and evicts.
+MAX_OPS_PER_CALL = 5000
+
+
+class SingleNodeRecords:
+    """Records on one Redis server: APPLY_OPS and LOOKUP scripts, one round trip each.
+
+    cache_reads: True (or ``"fenced"``) to look up through process-local copies of the chunk
+    sets that Redis keeps coherent (kvlookup.index.tracking.CachedReads) and walk in Python
+    (kvlookup.index.staged): a lookup whose chunks and holders are known costs no round trip
+    (``"fenced"``: one short one, and it sees every write completed before it). False: the
+    LOOKUP script.
+    """
+
+    def __init__(self, client: redis.Redis, cache_reads: bool | str = False):
+        self.r = client
+        self.io = SingleIO(client)
+        self._apply = self.io.register(scripts.APPLY_OPS)
+        self._lookup = self.io.register(scripts.LOOKUP)
+        self.cached = None
+        if cache_reads:
+            self.cached = CachedReads(client, fence=cache_reads == "fenced")
+            self._resolve = self.cached.register(scripts.RESOLVE)
+            self.holder_cache = HolderCache()
+
+    def apply(self, writes: Sequence[HolderWrite], score: int) -> list[bool]:
+        cmds: list[tuple] = []
+        calls = []
+        head = (keys.holders_key(), keys.dead_holders_key(), keys.records_key())
+        for w in writes:
+            prefix = keys.chunk_prefix(w.space)
+            buckets = keys.holder_bucket_keys(w.holder_id)
+            bucket, tails = keys.chunk_bucket, keys.DECIMAL_TAILS
+            n = 0
+            ops = [*w.admits, *w.evicts]
+            for i in range(0, max(len(ops), 1), MAX_OPS_PER_CALL):
+                part = ops[i:i + MAX_OPS_PER_CALL]
+                n_admits = max(0, min(len(w.admits) - i, len(part)))
+                cmds.append(("EVALSHA", self._apply, 4 + 2 * len(part), *head, *[prefix + h for h in part],
+                             *[buckets[b if (b := tails.get(h[-4:])) is not None else bucket(h)] for h in part],
+                             keys.holder_evicted_key(w.holder_id), w.holder_id, score, n_admits, *part,
+                             keys.EVICTED_MAX, keys.EVICTED_TTL_MS))
+                n += 1
+            calls.append(n)
+        results = iter(raise_errors(self.io.execute(cmds)))
+        return [min(int(next(results)) for _ in range(n)) >= 0 for n in calls]
+
+    def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
+        if self.cached is not None:
+            return StagedLookup(self.cached.execute, self._resolve, self.holder_cache, chains, live).run()
+        chunk_keys: list[str] = []
+        args: list = [*live.argv(), len(chains)]
+        for chain in chains:
+            chunk_keys += chain.chunk_keys()
+            args += [len(chain.hashes), chain.chunk_size, chain.n_tokens]
+        registry = walk_registry_keys()
+        cmd = ("EVALSHA", self._lookup, len(registry) + len(chunk_keys), *registry, *chunk_keys, *args)
+        return Matches.of(parse_matches(raise_errors(self.io.execute([cmd]))[0]))
+
+    def purge_step(self, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
+        return purge_step(self.io.execute, holder_id, space, bucket, budget)
+
+    def reads_locally(self) -> bool:
+        return self.cached is not None and self.cached.local_now()
+
+    def holders(self, chunk_keys: Sequence[str]) -> list[list[str]]:
+        return raise_errors(self.io.execute([("ZRANGE", k, 0, -1) for k in chunk_keys]))

@@ -1,0 +1,170 @@
+"""The default worker's HTTP front (app.asgi, kvlookup.app.asgi_worker) through a real gunicorn +
+uvicorn controller: bodies, chunked encoding, the Flask paths behind a2wsgi, errors as JSON."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.conftest import SEED_TOKENS
+from tests.e2e.test_e2e import _raw, _response, _seed
+from tests.support.procs import ControllerProc
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def ctrl(r, redis_args):
+    _seed(r, [8001])
+    proc = ControllerProc(*redis_args, "--workers", "1", "--instance-ttl", "0",
+                          env={"KVLOOKUP_MAX_BODY_BYTES": "4096"})
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def _chunked(path: str, body: bytes, pieces: int = 3) -> bytes:
+    step = max(1, len(body) // pieces)
+    parts = [body[i:i + step] for i in range(0, len(body), step)]
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts)
+    return (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode() + chunks + b"0\r\n\r\n"
+
+
+def _json(response: bytes) -> tuple[str, dict]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0].decode(), json.loads(body)
+
+
+def test_chunked_bodies_reach_lookup_and_the_flask_paths(ctrl):
+    status, body = _json(_raw(ctrl.port, _chunked("/lookup?format=layout_info",
+                                                  json.dumps({"tokens": SEED_TOKENS}).encode())))
+    assert status == "HTTP/1.1 200 OK"
+    assert body["layout_info"] == {"inst": ["LocalCPUBackend", 12]}
+    status, body = _json(_raw(ctrl.port, _chunked("/query_instance", b'{"ip": "127.0.0.1", "port": 8001}')))
+    assert status == "HTTP/1.1 200 OK" and body["res"] == "inst"
+
+
+def test_errors_are_json(ctrl):
+    status, body = _json(_raw(ctrl.port, b"GARBAGE\r\n\r\n"))
+    assert status == "HTTP/1.1 400 Bad Request"
+    assert body == {"error": "malformed HTTP request (bad request line, header or chunked encoding)"}
+    big = b'{"tokens": [' + b"1, " * 2000 + b"1]}"
+    status, body = _json(_raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s"
+                              % (len(big), big)))
+    assert (status, body) == ("HTTP/1.1 413 Request Entity Too Large", {"error": "request body too large"})
+    status, body = _json(_raw(ctrl.port, _chunked("/lookup", big, pieces=8)))  # no length declared
+    assert (status, body) == ("HTTP/1.1 413 Request Entity Too Large", {"error": "request body too large"})
+    status, body = _json(_raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: 9\r\n\r\n[1, 2, 3]"))
+    assert status == "HTTP/1.1 400 Bad Request"
+    assert body == {"error": "invalid request: Expected `object`, got `array`"}
+    resp = ctrl.session.get(ctrl.http + "/lookup", timeout=5)
+    assert (resp.status_code, resp.json(), resp.headers["Allow"]) == (
+        405, {"error": "The method is not allowed for the requested URL."}, "OPTIONS, POST")
+    resp = ctrl.session.options(ctrl.http + "/lookup", timeout=5)
+    assert (resp.status_code, resp.headers["Allow"], resp.content) == (200, "OPTIONS, POST", b"")
+    assert ctrl.session.get(ctrl.http + "/nope", timeout=5).json() == {
+        "error": "The requested URL was not found on the server. If you entered the URL manually please check "
+                 "your spelling and try again."}
+
+
+def test_keep_alive_connection_serves_lookups_back_to_back(ctrl):
+    body = json.dumps({"tokens": SEED_TOKENS}).encode()
+    request = b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    with socket.create_connection(("127.0.0.1", ctrl.port), timeout=5) as s:
+        answers = []
+        for _ in range(50):
+            s.sendall(request)
+            answers.append(_json(_response(s)))
+    assert {(st, json.dumps({k: v for k, v in b.items() if k != "event_id"})) for st, b in answers} == {
+        ("HTTP/1.1 200 OK", '{"inst": ["LocalCPUBackend", 12]}')}
+
+
+def test_packed_uint32_body_through_the_server(ctrl):
+    import struct
+
+    resp = ctrl.session.post(ctrl.http + "/lookup", data=struct.pack(f"<{len(SEED_TOKENS)}I", *SEED_TOKENS),
+                             headers={"Content-Type": "application/octet-stream"}, timeout=5)
+    assert resp.status_code == 200
+    assert {k: v for k, v in resp.json().items() if k != "event_id"} == {"inst": ["LocalCPUBackend", 12]}
+
+
+
+def test_stalled_heads_and_huge_headers_are_refused(r, redis_args):
+    """A connection that sends nothing, or dribbles its headers, gets 408 after body_timeout_s
+    and is closed (silent connections used to fill uvicorn's connection limit: every other client
+    got 503); over 100 header fields gets 431; a 413 closes the connection."""
+    _seed(r, [8001])
+    ctrl = ControllerProc(*redis_args, "--workers", "1", "--instance-ttl", "0",
+                          env={"KVLOOKUP_BODY_TIMEOUT_S": "1", "KVLOOKUP_MAX_BODY_BYTES": "4096"})
+    try:
+        ctrl.wait_ready()
+        silent = [socket.create_connection(("127.0.0.1", ctrl.port), timeout=5) for _ in range(50)]
+        dribbling = socket.create_connection(("127.0.0.1", ctrl.port), timeout=5)
+        dribbling.sendall(b"POST /lookup HTTP/1.1\r\nHost: localhost\r\n")
+        assert ctrl.layout(SEED_TOKENS) == {"inst": ["LocalCPUBackend", 12]}  # served meanwhile
+        for s in [*silent, dribbling]:
+            assert _json(_response(s)) == ("HTTP/1.1 408 Request Timeout",
+                                           {"error": "request headers not received within 1 s"})
+            assert s.recv(1) == b""  # closed
+            s.close()
+        many = b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(101)) + b"\r\n"
+        assert _json(_raw(ctrl.port, many)) == ("HTTP/1.1 431 Request Header Fields Too Large", {
+            "error": "request header fields too large (at most 100 fields of 8190 bytes)"})
+        with socket.create_connection(("127.0.0.1", ctrl.port), timeout=5) as s:
+            s.sendall(b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: 20000000\r\n\r\n")
+            assert _json(_response(s)) == ("HTTP/1.1 413 Request Entity Too Large",
+                                           {"error": "request body too large"})
+            assert s.recv(1) == b""
+    finally:
+        ctrl.stop()
+
+
+@pytest.mark.single_node
+def test_a_hung_redis_never_holds_the_event_loop(tmp_path):
+    """Redis stopped (SIGSTOP) while lookups wait on it: they wait in threads (then 503), and the
+    worker's event loop goes on answering what needs no Redis (OPTIONS, a 413, a bad request)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from kvlookup.proc.redis_server import EmbeddedRedis, connect
+
+    server = EmbeddedRedis(tmp_path / "redis", appendonly=False)
+    url = server.start()
+    ctrl = ControllerProc("--redis-url", url, "--workers", "1", "--instance-ttl", "0",
+                          env={"KVLOOKUP_MAX_BODY_BYTES": "4096"})
+    try:
+        _seed(connect(url), [8001])
+        ctrl.wait_ready()
+        assert ctrl.layout(SEED_TOKENS) == {"inst": ["LocalCPUBackend", 12]}
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        waiting: list = []
+
+        def lookup(tokens):
+            import requests
+            waiting.append(requests.post(ctrl.http + "/lookup", json={"tokens": tokens}, timeout=30))
+
+        threads = [threading.Thread(target=lookup, args=(t,)) for t in (list(range(300)), SEED_TOKENS)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        assert ctrl.session.options(ctrl.http + "/lookup", timeout=5).headers["Allow"] == "OPTIONS, POST"
+        assert _json(_raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: 9999\r\n\r\n"))[0] \
+            == "HTTP/1.1 413 Request Entity Too Large"
+        assert _json(_raw(ctrl.port, b"GARBAGE\r\n\r\n"))[0] == "HTTP/1.1 400 Bad Request"
+        assert time.monotonic() - start < 1.0
+        assert any(t.is_alive() for t in threads)
+        for t in threads:
+            t.join(30)
+        assert {w.status_code for w in waiting} <= {200, 503}
+        assert any(w.status_code == 503 and w.json()["error"].startswith("index unavailable") for w in waiting)
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        ctrl.stop()
+        server.stop()

@@ -1,0 +1,149 @@
+"""Redis Cluster under faults, with real processes: kill -9 of a master mid-ingest, and a new
+master rebalanced in while ingest and lookups run. The index must keep answering and converge
+exactly to what the engines hold."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvlookup.client import Client
+from kvlookup.devtools.local_cluster import LocalCluster
+from kvlookup.index import keys
+from kvlookup.index.cluster_io import slot_of
+from kvlookup.index.store import ADMIT, Store
+from kvlookup.proc.redis_server import connect
+from tests.conftest import BACKENDS
+from tests.support.ha_fleet import (
+    CPU,
+    PROFILE,
+    Fleet,
+    HttpClient,
+    Lookups,
+    layouts_match,
+    make_prompts,
+    report,
+    true_records,
+)
+from tests.support.procs import ControllerProc
+
+pytestmark = pytest.mark.skipif("cluster" not in BACKENDS, reason="KVLOOKUP_TEST_BACKENDS excludes the cluster")
+
+
+@pytest.fixture()
+def six(tmp_path):
+    """A 3-master + 3-replica cluster of this test's own (cluster-node-timeout 1.5 s)."""
+    c = LocalCluster(tmp_path / "cluster", masters=3, replicas=1, node_timeout_ms=1500)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture()
+def fleet(six, tmp_path):
+    rc = connect(six.url, cluster=True)
+    f = Fleet(["--redis-url", six.url, "--redis-cluster"], Client(six.url, redis_cluster=True), rc,
+              lambda: [n.client() for n in six.masters()], tmp_path, seed=11)
+    yield f
+    f.close()
+    rc.close()
+
+
+@pytest.fixture()
+def controller(six):
+    c = ControllerProc("--redis-url", six.url, "--redis-cluster", "--workers", "1").wait_ready()
+    yield c
+    c.stop()
+
+
+def test_master_kill9_mid_ingest_fails_over_and_converges_exactly(six, fleet, controller):
+    cluster, f = six, fleet
+    victim = cluster.node_of(keys.holders_key())  # the registry's master: the worst one to lose
+    (replica,) = cluster.replicas_of(victim)
+    f.fail_over("cluster failover", cluster, victim, replica, lambda: cluster.node_of(keys.holders_key()) is replica,
+                Lookups(HttpClient(controller), f.prompts, seed=8, pace_s=0.02))
+    print(f"[cluster failover] io_stats={f.client.store.records.io.stats}")
+    # the killed master comes back as a replica of its successor, and nothing changes
+    cluster.restart(victim)
+    assert victim.client().info("replication")["role"] == "slave"
+    assert cluster.node_of(keys.holders_key()) is replica
+    time.sleep(1)
+    assert f.state().records == true_records(f.all)
+    assert layouts_match(f.client, f.all, f.prompts) == []
+
+
+def test_add_master_and_rebalance_while_ingest_and_lookups_run(six, fleet):
+    cluster, f = six, fleet
+    f.lookups.start()
+    time.sleep(2)
+    t0 = time.monotonic()
+    new = cluster.add_master()  # add-node, then --cluster rebalance --cluster-use-empty-masters
+    rebalance_s = time.monotonic() - t0
+    slots = cluster.slot_counts()
+    time.sleep(1)
+    _stopped, converged = f.converge()
+    f.lookups.stop()
+    out = f.lookups.outage(t0)
+    s = f.state()
+    report("rebalance", rebalance_s=rebalance_s, slots_on_new_master=slots[new.port],
+            lookups=len([a for a in f.lookups.answers if a.ended >= t0]), **out, converged_after_stop_s=converged,
+            records=len(s.records), io_stats=f.client.store.records.io.stats)
+    assert slots[new.port] >= 16384 // 4 - 1 and len(slots) == 4
+    new_keys = new.client().dbsize()
+    assert new_keys > 0  # records moved onto the new master
+    assert out["errors"] == 0, f.lookups.answers  # MOVED/ASK/TRYAGAIN followed, never an error
+    assert not f.static_wrong()
+    assert f.client.store.records.io.stats["moved"] + f.client.store.records.io.stats["ask"] > 0
+    for e in f.engines:
+        assert not e.errors, e.errors
+    assert converged is not None, f"index did not converge: {f.why_not()}"
+    assert not f.sidecar.lines("failover: wrote the ops")  # adding a master loses nothing
+
+
+def test_half_moved_slots_ask_and_tryagain_are_followed(six):
+    """One slot moved by hand, key by key: a lookup follows ASK to a master the client has never
+    seen, and waits out TRYAGAIN on the registry's slot while only some of its keys have moved."""
+    cluster = six
+    new = cluster.add_master(rebalance=False)  # a master with no slot yet
+    rc = connect(cluster.url, cluster=True)
+    store = Store(rc, purge_grace_s=0)
+    client = Client(store=store)
+    prompt = make_prompts(seed=5, n=1)[0]
+    chain = PROFILE.chunk_hashes(prompt)
+    store.register_worker("a", 0)
+    store.touch_instance("a")
+    store.apply([("a", 0, CPU, [(ADMIT, h) for h in chain])])
+    want = [("a", CPU, len(prompt))]
+
+    def answer():
+        return [(m.instance_id, m.location, m.matched_prefix_length) for m in client.matches(prompt)]
+
+    assert answer() == want
+    stats = store.records.io.stats
+    key = keys.chunk_key(chain[2])
+    src, slot = cluster.node_of(key), slot_of(key)
+    cluster.migrate(slot, src, new, [key])  # the key has moved, the slot not yet
+    assert answer() == want
+    assert stats["ask"] >= 1
+    cluster.finish_migration(slot, src, new)
+    assert answer() == want
+    assert stats["moved"] >= 1
+    # the registry's slot half moved: RESOLVE (five registry keys) gets TRYAGAIN until it is whole
+    reg = cluster.node_of(keys.holders_key())
+    reg_slot = slot_of(keys.holders_key())
+    cluster.migrate(reg_slot, reg, new, [keys.rules_key()])
+    finisher = threading.Timer(0.8, cluster.finish_migration, (reg_slot, reg, new))
+    finisher.start()
+    store.records.cache.clear()  # a lookup whose holders are not cached: it must RESOLVE
+    t0 = time.monotonic()
+    assert answer() == want
+    waited = time.monotonic() - t0
+    finisher.join()
+    report("half-moved slots", ask=stats["ask"], moved=stats["moved"], tryagain=stats["tryagain"],
+            waited_for_registry_slot_s=waited)
+    assert stats["tryagain"] >= 1 and waited >= 0.5
+    assert answer() == want
+    assert cluster.node_of(keys.holders_key()) is new and store.heartbeat_worker("a", 0)
+    rc.close()

@@ -1,0 +1,135 @@
+"""Cached reads (kvlookup.index.tracking): a controller keeps the chunk sets it reads, and Redis tells
+it when one changes (CLIENT TRACKING ... REDIRECT). A lookup whose chunks are known costs no
+round trip; a change reaches it as soon as its invalidation arrives (fenced: before it begins)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from kvlookup.client import Client
+from kvlookup.index import keys
+from kvlookup.index.store import ADMIT, EVICT, Store
+from kvlookup.proc.redis_server import EmbeddedRedis, connect
+from tests.conftest import SEED_HASH, SEED_TOKENS
+from tests.support.helpers import wait_for
+
+CPU = "LocalCPUBackend"
+pytestmark = pytest.mark.single_node  # one Redis: a cluster caches holder answers only
+
+
+def _commands(r, name: str) -> int:
+    return int(r.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+@pytest.fixture()
+def writer(redis_url):
+    store = Store(connect(redis_url), purge_grace_s=0)
+    store.register_worker("a", 0)
+    store.apply([("a", 0, CPU, [(ADMIT, SEED_HASH)])])
+    return store
+
+
+def layout(client) -> dict:
+    return {m.instance_id: m.matched_prefix_length for m in client.matches(SEED_TOKENS)}
+
+
+def test_known_chunks_cost_no_round_trip_and_changes_arrive(redis_url, r, writer):
+    client = Client(redis_url, cache_reads=True)
+    assert layout(client) == {"a": 12}
+    reads = _commands(r, "zrange") + _commands(r, "evalsha") + _commands(r, "get")
+    for _ in range(50):
+        assert layout(client) == {"a": 12}
+    assert _commands(r, "zrange") + _commands(r, "evalsha") + _commands(r, "get") == reads  # served here
+    writer.apply([("a", 0, CPU, [(EVICT, SEED_HASH)])])
+    assert wait_for(lambda: layout(client), {}, timeout=2) == {}  # unfenced: as soon as it arrives
+    writer.apply([("a", 0, CPU, [(ADMIT, SEED_HASH)])])
+    assert wait_for(lambda: layout(client), {"a": 12}, timeout=2) == {"a": 12}
+    assert client.store.records.cached.stats["invalidations"] >= 2
+
+
+def test_fenced_reads_see_every_completed_write(redis_url, writer):
+    client = Client(redis_url, cache_reads="fenced")
+    for i in range(30):
+        op = EVICT if i % 2 == 0 else ADMIT
+        writer.apply([("a", 0, CPU, [(op, SEED_HASH)])])
+        assert layout(client) == ({} if op == EVICT else {"a": 12})
+    writer.register_worker("a", 0)  # a new epoch: its records stop counting at once
+    assert layout(client) == {}
+
+
+def test_a_lost_invalidation_connection_drops_every_copy(redis_url, r, writer):
+    client = Client(redis_url, cache_reads="fenced")
+    cached = client.store.records.cached
+    assert layout(client) == {"a": 12}
+    r.client_kill_filter(_type="pubsub")  # the invalidation connection goes
+    writer.apply([("a", 0, CPU, [(EVICT, SEED_HASH)])])
+    assert layout(client) == {}  # not the stale copy
+    assert cached.stats["resets"] >= 2
+    writer.apply([("a", 0, CPU, [(ADMIT, SEED_HASH)])])
+    assert wait_for(lambda: layout(client), {"a": 12}) == {"a": 12}
+    hits = cached.stats["hits"]
+    assert layout(client) == {"a": 12} and cached.stats["hits"] > hits  # caching again
+
+
+def test_flushall_empties_the_copies(redis_url, r, writer):
+    client = Client(redis_url, cache_reads="fenced")
+    assert layout(client) == {"a": 12}
+    r.flushall()
+    assert layout(client) == {}
+    assert r.exists(keys.chunk_key(SEED_HASH)) == 0
+
+
+@pytest.mark.parametrize("mode", [True, "fenced"])
+def test_the_first_lookup_after_a_redis_kill_and_restart_answers(tmp_path, mode):
+    """Reads never fail for want of the cache: after Redis comes back (a new server, so the
+    listener id that tracked connections redirect to is gone), the first lookup answers from
+    Redis and caching resumes."""
+    server = EmbeddedRedis(tmp_path, appendonly=True)
+    url = server.start()
+    try:
+        Store(connect(url), purge_grace_s=0).register_worker("a", 0)
+        Store(connect(url), purge_grace_s=0).apply([("a", 0, CPU, [(ADMIT, SEED_HASH)])])
+        client = Client(url, cache_reads=mode)
+        cached = client.store.records.cached
+        assert layout(client) == {"a": 12}
+        time.sleep(1.2)  # appendfsync everysec
+        server.proc.kill()
+        server.proc.wait()
+        for _ in range(2):
+            with pytest.raises(redis.ConnectionError):
+                layout(client)  # down: the listener is gone and is tried again only after a while
+        server.start()
+        assert layout(client) == {"a": 12}  # no 503: the AOF brought it back and reads go plainly
+        assert wait_for(lambda: (layout(client), cached._listener is not None), ({"a": 12}, True)) == ({"a": 12}, True)
+        hits = cached.stats["hits"]
+        assert layout(client) == {"a": 12} and cached.stats["hits"] > hits  # caching again
+        Store(connect(url), purge_grace_s=0).apply([("a", 0, CPU, [(EVICT, SEED_HASH)])])
+        assert wait_for(lambda: layout(client), {}, timeout=2) == {}  # invalidations reach this process
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("mode", [True, "fenced"])
+@pytest.mark.parametrize("how", ["client-kill", "idle-timeout"])
+def test_a_tracked_connection_closed_by_redis_drops_every_copy(redis_url, r, writer, mode, how):
+    """Redis watches a key only while the connection that read it lives: once Redis closes it
+    (CLIENT KILL, the ``timeout`` setting) its copies would never be invalidated again."""
+    client = Client(redis_url, cache_reads=mode)
+    cached = client.store.records.cached
+    assert layout(client) == {"a": 12}
+    assert layout(client) == {"a": 12}  # served from the copy
+    if how == "client-kill":
+        r.execute_command("CLIENT", "KILL", "TYPE", "normal")  # data connections, not the pub/sub listener
+    else:
+        r.config_set("timeout", 1)
+        try:
+            time.sleep(2.5)  # Valkey closes idle normal clients, never pub/sub ones
+        finally:
+            connect(redis_url).config_set("timeout", 0)
+    resets = cached.stats["resets"]
+    Store(connect(redis_url), purge_grace_s=0).apply([("a", 0, CPU, [(EVICT, SEED_HASH)])])
+    assert wait_for(lambda: layout(client), {}, timeout=2) == {}
+    assert cached.stats["resets"] > resets

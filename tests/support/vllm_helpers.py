@@ -1,0 +1,237 @@
+"""Test side of vLLM event streams: payload builders, a loopback PUB+ROUTER publisher that
+speaks vLLM's wire protocol, and a driver for vLLM's REAL publisher (tests/support/vllm_pub_driver.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from kvlookup.proc.redis_server import free_port
+from tests.support.procs import SHARED
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = SHARED / "fixtures"
+TOOL = SHARED / "tools" / "vllm_real_publisher.py"
+DRIVER = Path(__file__).with_name("vllm_pub_driver.py")
+END = (-1).to_bytes(8, "big", signed=True)
+
+STORED_ORDER = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                "lora_name", "extra_keys", "group_idx")
+
+
+def stored(hashes, tokens=(), bs=16, parent=None, medium="GPU", **extra) -> dict:
+    """A BlockStored event as a map (vLLM 0.25+ field names)."""
+    return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
+            "token_ids": list(tokens), "block_size": bs, "lora_id": None, "medium": medium,
+            "lora_name": None, **extra}
+
+
+def removed(hashes, medium="GPU") -> dict:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
+
+
+def cleared() -> dict:
+    return {"type": "AllBlocksCleared"}
+
+
+def as_array(event: dict) -> list:
+    """The positional (vLLM <= 0.25) form of a map event, trailing Nones left off."""
+    order = {"BlockStored": STORED_ORDER, "BlockRemoved": ("block_hashes", "medium", "group_idx")}.get(
+        event["type"], ())
+    values = [event.get(k) for k in order]
+    while values and values[-1] is None and order[len(values) - 1] not in ("parent_block_hash", "medium"):
+        values.pop()
+    return [event["type"], *values]
+
+
+def payload(*events: dict, ts: float = 1700000000.5, rank: int = 0, form: str = "map") -> bytes:
+    """msgpack batch ``[ts, events, rank]``; form "array" encodes events positionally."""
+    evs = [as_array(e) for e in events] if form == "array" else list(events)
+    return msgspec.msgpack.encode([ts, evs, rank])
+
+
+class LoopbackPublisher:
+    """vLLM's publisher protocol on loopback: PUB (bound) + replay ROUTER (bound, a thread).
+
+    replay_topic: True answers in the 0.26+ form ``[b"", topic, seq, payload]``. Every
+    published seq is buffered (``buffer`` most recent); :meth:`publish` with ``send=False``
+    buffers without sending (a gap for live subscribers).
+    """
+
+    def __init__(self, topic: bytes = b"kv@test", replay: bool = True, replay_topic: bool = True,
+                 buffer: int = 10_000, port: int | None = None):
+        self.ctx = zmq.Context()
+        self.port = port or free_port()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.topic, self.replay_topic, self.buffer_size = topic, replay_topic, buffer
+        self.seq, self.buffer = 0, []
+        self.lock = threading.Lock()
+        self.replay_port = free_port() if replay else None
+        self._stop = threading.Event()
+        if replay:
+            self.thread = threading.Thread(target=self._serve, daemon=True)
+            self.thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return f"tcp://127.0.0.1:{self.replay_port}" if self.replay_port else None
+
+    def publish(self, data: bytes, send: bool = True) -> int:
+        with self.lock:
+            seq = self.seq
+            self.seq += 1
+            self.buffer = (self.buffer + [(seq, data)])[-self.buffer_size:]
+        if send:
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), data])
+        return seq
+
+    def restart(self) -> None:
+        """Engine restart: seq back to 0, empty buffer."""
+        with self.lock:
+            self.seq, self.buffer = 0, []
+
+    def _serve(self) -> None:
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(self.replay_endpoint)
+        while not self._stop.is_set():
+            if not router.poll(50):
+                continue
+            ident, _empty, start = router.recv_multipart()
+            start = int.from_bytes(start, "big")
+            with self.lock:
+                items = [(s, p) for s, p in self.buffer if s >= start]
+            head = [ident, b""] + ([self.topic] if self.replay_topic else [])
+            for s, p in items:
+                router.send_multipart([*head, s.to_bytes(8, "big"), p])
+            router.send_multipart([ident, b""] + ([b""] if self.replay_topic else []) + [END, b""])
+        router.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.replay_port:
+            self.thread.join(5)
+        self.pub.close(0)
+        self.ctx.term()
+
+
+# -- the real vLLM publisher ----------------------------------------------------------------
+
+def real_vllm() -> tuple[str, str] | None:
+    """(python, sources root) from KVLOOKUP_VLLM_PYTHON / KVLOOKUP_VLLM_SRC, or None."""
+    py, src = os.environ.get("KVLOOKUP_VLLM_PYTHON"), os.environ.get("KVLOOKUP_VLLM_SRC")
+    if not py or not src or not Path(py).exists() or not TOOL.exists():
+        return None
+    return py, src
+
+
+class RealPublisher:
+    """vLLM's own ZmqEventPublisher in a child process, one batch per :meth:`send` row.
+
+    Rows use the tool's JSON-lines format ({"stored": {...}}, {"removed": ...}, {"cleared": {}},
+    {"batch": [...]}); :meth:`send` returns the published batch as the tool reports it
+    (hashes as ints, or "hex:..." strings for bytes hashes).
+    """
+
+    def __init__(self, version: str, port: int, replay_port: int | None, *, topic: str = "kv@pod-a",
+                 int_hashes: bool = True, dp_rank: int = 0, buffer_steps: int = 10_000):
+        py, src = real_vllm()
+        argv = [py, str(DRIVER), "--tool", str(TOOL), "--vllm-src", f"{src}/x/vllm-{version}",
+                "--endpoint", f"tcp://127.0.0.1:{port}", "--topic", topic, "--dp-rank", str(dp_rank),
+                "--int-hashes", "1" if int_hashes else "0", "--buffer-steps", str(buffer_steps)]
+        if replay_port:
+            argv += ["--replay-endpoint", f"tcp://127.0.0.1:{replay_port}"]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.out: queue.Queue = queue.Queue()
+        self.err: list[str] = []
+        threading.Thread(target=self._read_out, daemon=True).start()
+        threading.Thread(target=self._read_err, daemon=True).start()
+        ready = self._next(20)
+        assert ready.get("ready"), f"{ready} {''.join(self.err)}"
+
+    def _read_out(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.out.put(json.loads(line))
+        self.out.put({"eof": True})
+
+    def _read_err(self) -> None:
+        for line in self.proc.stderr:
+            self.err.append(line)
+
+    def _next(self, timeout: float = 10) -> dict:
+        try:
+            return self.out.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError("publisher driver did not answer: " + "".join(self.err[-20:])) from None
+
+    def send(self, row: dict) -> dict:
+        self.proc.stdin.write(json.dumps(row) + "\n")
+        self.proc.stdin.flush()
+        reply = self._next()
+        assert "published" in reply, f"{reply} {''.join(self.err[-20:])}"
+        return reply
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                return self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(10)
+
+
+class Relay:
+    """Forwards a PUB stream verbatim to a new loopback PUB, dropping chosen seqs (a lossy
+    network between vLLM and the sidecar)."""
+
+    def __init__(self, upstream: str, drop: set[int]):
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(upstream)
+        self.port = free_port()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.drop = drop
+        self.forwarded: list[int] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sub.poll(50):
+                frames = self.sub.recv_multipart()
+                seq = int.from_bytes(frames[1], "big")
+                if seq not in self.drop:
+                    self.pub.send_multipart(frames)
+                    self.forwarded.append(seq)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.sub.close(0)
+        self.pub.close(0)
+        self.ctx.term()
