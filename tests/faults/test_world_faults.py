@@ -109,8 +109,8 @@ def test_a_redis_outage_longer_than_the_lease_reaps_nobody(server, tmp_path, kin
     store = Store(r, instance_ttl_s=TTL_S)
     fleet = {"side-a": [f"a{i}" for i in range(5)], "side-b": [f"b{i}" for i in range(5)]}
     everyone = {i for insts in fleet.values() for i in insts}
+    procs = [_sidecar(server.url, sid).start() for sid in fleet]  # renewing before they own anything
     _fleet(store, fleet)
-    procs = [_sidecar(server.url, sid).start() for sid in fleet]
     procs.append(_reaper(server.url, tmp_path / "reap.log"))
     client = Client(store=store)
     try:
@@ -140,8 +140,8 @@ def test_a_sidecar_whose_instance_really_died_is_still_reaped_after_an_outage(se
     is gone for good is reaped ``max(instance_ttl_s, worker_ttl_s)`` + 5 s after renewals resumed."""
     r = connect(server.url)
     store = Store(r, instance_ttl_s=TTL_S)
-    _fleet(store, {"side-a": ["a0"], "side-gone": ["g0"]})
     side = _sidecar(server.url, "side-a").start()
+    _fleet(store, {"side-a": ["a0"], "side-gone": ["g0"]})
     try:
         time.sleep(1)
         _outage(server, "kill9_restart", OUTAGE_S)
@@ -165,11 +165,11 @@ def test_clock_skew_of_a_sidecar_host_changes_nothing(server, skew):
     r = connect(server.url)
     store = Store(r, instance_ttl_s=TTL_S)
     fleet = {"side-skewed": ["s0", "s1"], "side-ok": ["k0", "k1"]}
-    _fleet(store, fleet)
     env = {"LD_PRELOAD": str(FAKETIME), "FAKETIME": f"{skew}s", "FAKETIME_DONT_FAKE_MONOTONIC": "1",
            "FAKETIME_DONT_RESET": "1"}
     skewed = _sidecar(server.url, "side-skewed", env=env).start()
     ok = _sidecar(server.url, "side-ok").start()
+    _fleet(store, fleet)
     client = Client(store=store)
     try:
         assert skewed.health()  # it runs (and its clock is shifted: see the check below)
