@@ -17,8 +17,8 @@ from kvlookup.hashing import vllm as vh
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.hashing.namespace import DEFAULT, Namespace
 from kvlookup.index import keys
-from kvlookup.index.records import Chain, Match
 from kvlookup.index.clock import ServerClock
+from kvlookup.index.records import Chain, Match
 from kvlookup.index.store import Store
 from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
 from kvlookup.proc.redis_server import connect

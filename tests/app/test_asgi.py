@@ -58,7 +58,8 @@ def test_errors_are_json(ctrl):
     assert (status, body) == ("HTTP/1.1 413 Request Entity Too Large", {"error": "request body too large"})
     status, body = _json(_raw(ctrl.port, _chunked("/lookup", big, pieces=8)))  # no length declared
     assert (status, body) == ("HTTP/1.1 413 Request Entity Too Large", {"error": "request body too large"})
-    status, body = _json(_raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: 9\r\n\r\n[1, 2, 3]"))
+    status, body = _json(_raw(ctrl.port,
+                              b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: 9\r\n\r\n[1, 2, 3]"))
     assert status == "HTTP/1.1 400 Bad Request"
     assert body == {"error": "invalid request: Expected `object`, got `array`"}
     resp = ctrl.session.get(ctrl.http + "/lookup", timeout=5)

@@ -18,9 +18,9 @@ import pytest
 import requests
 
 from kvlookup.app.asgi import HEAVY_THREADS, HEAVY_WAITING
+from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.index.store import ADMIT, Store
 from tests.conftest import SEED_TOKENS
-from kvlookup.hashing.lmcache import HashProfile
 from tests.support.procs import ControllerProc
 
 HOLDERS = 2000

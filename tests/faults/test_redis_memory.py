@@ -70,8 +70,9 @@ def test_an_eviction_policy_that_can_evict_index_keys_is_refused_at_start(server
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert done.returncode == 1
         lines = done.stderr.strip().splitlines()
-        assert lines[-1] == (f"kvlookup {role}: error: Redis maxmemory-policy is {policy}, which can evict index "
-                             "keys (records and the registry); set maxmemory-policy noeviction (or a volatile-* policy)")
+        assert lines[-1] == (f"kvlookup {role}: error: Redis maxmemory-policy is {policy}, which can evict "
+                             "index keys (records and the registry); set maxmemory-policy noeviction (or a "
+                             "volatile-* policy)")
 
 
 def test_refused_writes_show_in_health_and_lookups_go_on(server):

@@ -44,7 +44,8 @@ def test_no_password_in_ps_or_logs(tmp_path):
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "kvlookup", "controller", "--host", "127.0.0.1", "--port",
              str(port), "--monitor-port", str(free_port()), "--log-level", "INFO"],
-            env={**os.environ, "KVLOOKUP_REDIS_URL": url}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            env={**os.environ, "KVLOOKUP_REDIS_URL": url}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True))
         slog = (tmp_path / "sidecar.log").open("w")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "kvlookup", "sidecar", "--pull-url", f"tcp://127.0.0.1:{free_port()}",
