@@ -237,3 +237,32 @@ def test_sigterm_of_a_sidecar_under_ingest_loses_no_op(server):
     finally:
         w.close()
         side.kill()
+
+
+def test_silent_control_ports_are_probed_concurrently(server):
+    """Issue 20 item 9 (probes): 31 quiet workers whose control ports answered once and are now
+    silent (each health call costs 2 x 2 s). The restarted sidecar asks them all; with one call
+    at a time that took 31 x 4 s = 124 s, so a dead worker queued behind 30 silent ones stayed
+    counted for two minutes. Now 16 calls run at once: every one is reaped within a few rounds."""
+    from kvlookup.sidecar.liveness import PROBE_CONCURRENCY
+
+    r = connect(server.url)
+    store = Store(r, instance_ttl_s=30)
+    n = 31
+    for i in range(n):
+        store.register_worker(f"silent-{i}", 0, "127.0.0.1", free_port())  # nobody listens there
+        store.mark_probed(f"silent-{i}", 0)  # its control port answered before: silence is evidence
+        store.own("prober", f"silent-{i}")
+    side = _sidecar(server.url, "prober").start()
+    started = time.monotonic()
+    try:
+        while r.scard(keys.instances_key()) and time.monotonic() - started < 60:
+            time.sleep(0.1)
+        took = time.monotonic() - started
+        assert r.scard(keys.instances_key()) == 0
+        rounds = -(-n // PROBE_CONCURRENCY)
+        assert took < 5 + rounds * 4 + 5 + 10  # grace + probe rounds + a reaper pass + slack (was 124 s + ...)
+        print(f"\n{n} silent control ports: every worker reaped {took:.1f} s after the sidecar started "
+              f"({PROBE_CONCURRENCY} probes at once)")
+    finally:
+        side.kill()
