@@ -52,9 +52,12 @@ RELEASE_AFTER_OPS = 200_000
 #: How long a sidecar's own lease lasts (its status in /health goes "down" after this).
 SIDECAR_LEASE_S = 5.0
 #: A stopping sidecar (SIGTERM) reads what its sockets hold and writes every queued op, for at
-#: most this long; it stops reading once the PULL socket stayed quiet for DRAIN_QUIET_S.
+#: most DRAIN_S; it stops reading once the PULL socket stayed quiet for DRAIN_QUIET_S, or after
+#: DRAIN_READ_S however busy its senders are (what they send later waits in their queues, or
+#: goes to the next sidecar process).
 DRAIN_S = 10.0
 DRAIN_QUIET_S = 0.1
+DRAIN_READ_S = 1.0
 
 
 def default_sidecar_id(*urls: str | None) -> str:
@@ -252,14 +255,18 @@ class Sidecar:
         socket is quiet and the queue empty, or DRAIN_S passed (Redis failing throughout)."""
         if not self._started:
             return
-        end = time.monotonic() + DRAIN_S
-        quiet_since = time.monotonic()
+        start = time.monotonic()
+        end = start + DRAIN_S
+        quiet_since = start
         while time.monotonic() < end:
             try:
-                for sock in self.sockets.poll(0):
+                reading = time.monotonic() - start < DRAIN_READ_S
+                for sock in self.sockets.poll(0) if reading else ():
                     self.sockets.handlers[sock](sock)
                     if sock in (self.pull, self.router):
                         quiet_since = time.monotonic()
+                if not reading:
+                    quiet_since = float("-inf")
                 self.lmcache.flush(self.limits.slice_ops)
             except redis.RedisError as exc:
                 log.warning("sidecar %s: draining: redis error (%s); retrying", self.sidecar_id, exc)
