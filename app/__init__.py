@@ -40,7 +40,7 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
                            health_check_interval=30, max_connections=settings.redis_max_connections)
     client = Client(redis=redis_client, profile=settings.profile(), max_tokens=settings.max_tokens,
                     instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s,
-                    cache_reads=settings.cache_reads(),
+                    cache_reads=settings.cache_reads(), cache_keys=settings.lookup_cache_keys,
                     extra_chains=[VllmChains(redis_client, check_alive=settings.instance_ttl_s > 0)])
     from kvlookup.app import control, dashboard, errors, health, lookup, metrics_view, overview, registry, tokenizer
     from kvlookup.app.body import RequestBody
@@ -71,6 +71,9 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
     app.register_blueprint(metrics_view.bp)
     app.register_blueprint(dashboard.bp)
     app.register_blueprint(overview.bp)
+    from kvlookup.app import openapi
+
+    app.register_blueprint(openapi.bp)
     if tokenizer.available():
         app.register_blueprint(tokenizer.bp)
     from kvlookup.index.explain import Explainer

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
+import msgspec
 from a2wsgi import WSGIMiddleware, asgi_typing, wsgi_typing
 from flask import Flask
 
@@ -150,7 +151,8 @@ class AsgiController:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def send_json(send: Send, status: int, body: dict | None, headers: list[tuple[str, str]] | None = None) -> None:
+async def send_json(send: Send, status: int, body: dict | msgspec.Raw | None,
+                    headers: list[tuple[str, str]] | None = None) -> None:
     """Answer with ``body`` as JSON (``None``: no body, the headers given name its length)."""
     data = b"" if body is None else json_bytes(body)
     head = [(b"content-type", b"application/json")] if body is not None else []

@@ -9,6 +9,8 @@ like every other error of the API.
 
 from __future__ import annotations
 
+from typing import Any
+
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn_worker import UvicornWorker as _UvicornWorker
 
@@ -112,3 +114,27 @@ class UvicornWorker(_UvicornWorker):
     CONFIG_KWARGS = {"loop": "uvloop", "http": JsonErrorsProtocol, "lifespan": "off", "access_log": False,
                      "server_header": False, "ws": "none", "proxy_headers": False}
 
+    async def _serve(self) -> None:
+        listeners: list[Any] = self.sockets  # type: ignore[has-type]
+        self.sockets = [_UvloopOwned(s) for s in listeners]
+        await super()._serve()
+
+
+class _UvloopOwned:
+    """One of gunicorn's listening sockets as uvicorn sees it. uvloop closes the file descriptor
+    itself when the server stops serving; uvicorn then closes the socket object too, which
+    failed with EBADF ("Error while closing socket [Errno 9] Bad file descriptor", once per
+    worker at every stop). Here that second close forgets the descriptor (``detach``) instead:
+    closing it again could close a descriptor the process reused meanwhile."""
+
+    def __init__(self, listener: Any):
+        self._listener = listener
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._listener, name)
+
+    def close(self) -> None:
+        sock = getattr(self._listener, "sock", None)
+        if sock is not None:
+            sock.detach()
+            self._listener.sock = None

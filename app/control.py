@@ -1,6 +1,6 @@
 """LMCache's control API: clear, pin, compress, decompress, move, health, check_finish.
 
-Request and response shapes are LMCache 0.5.6's (../shared/research/lmcache-controller.md §3);
+Request and response shapes are LMCache 0.5.6's (docs/lmcache-protocol.md §3);
 the controller fans each call out to every worker of the instance (sorted by worker id)
 through :class:`kvlookup.wire.lmcache_control.ControlClient`, with a deadline. Differences from
 LMCache, all on error paths: bad bodies get 400 ``{"error"}`` instead of 422; an instance

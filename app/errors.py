@@ -46,12 +46,12 @@ def decode_body(body: bytes, model: type, codec: str = "JSON"):
 _encoder = msgspec.json.Encoder()
 
 
-def json_bytes(body: dict) -> bytes:
+def json_bytes(body: dict | msgspec.Raw) -> bytes:
     """``body`` as the API sends it: compact JSON, keys in insertion order, a newline."""
     return _encoder.encode(body) + b"\n"
 
 
-def send_json(environ: dict, start_response: Callable, status: int, body: dict,
+def send_json(environ: dict, start_response: Callable, status: int, body: dict | msgspec.Raw,
               headers: list[tuple[str, str]] | None = None) -> list[bytes]:
     """Answer a WSGI request with ``body`` as JSON (no body bytes for HEAD)."""
     data = json_bytes(body)

@@ -1,7 +1,8 @@
 """``POST /lookup``: which instance holds the longest prefix of a prompt, and where.
 
-Request ``{"tokens": [int, ...], "lora_name"?: str, "cache_salt"?: str}`` (the last two select
-the namespace of vLLM blocks: a LoRA adapter, vLLM's per-request cache salt), as JSON (LMCache's
+Request ``{"tokens": [int, ...], "lora_name"?: str, "cache_salt"?: str, "model_name"?: str}``
+(lora_name and cache_salt select the namespace of vLLM blocks: a LoRA adapter, vLLM's per-request
+cache salt; model_name skips discovered vLLM servers serving another model), as JSON (LMCache's
 contract), MessagePack (``application/msgpack``) or, for routers that tokenize anyway, the token
 ids packed as little-endian uint32 (``application/octet-stream``; the namespace in the query).
 Response (``lookup_response: flat``, the default)::
@@ -13,7 +14,8 @@ or LMCache's own wire shape with ``lookup_response: layout_info`` / ``?format=la
     {"event_id": "Lookup<uuid4>", "layout_info": {"<instance_id>": ["<location>", <length>]}}
 
 Instances are listed longest match first. ``?detail=1`` adds ``"detail": {instance_id:
-{location, matched_prefix_length, locations, ranks?}}``. No match: only ``event_id``
+{location, matched_prefix_length, locations, ranks?, reusable_prefix_length?}}`` (the last for
+vLLM instances: the hit vLLM's own coordinator would take, kvlookup.index.vllm_groups). No match: only ``event_id``
 (and an empty ``layout_info``).
 
 /lookup is the hot path, so it is served by :class:`LookupRoute` in front of Flask (Flask's
@@ -53,10 +55,14 @@ COUNT_KEY = "kvlookup.count"
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
+_ENCODER = msgspec.json.Encoder()
+
+
 class LookupRequest(msgspec.Struct):
     tokens: list[TokenId]
     lora_name: str | None = None
     cache_salt: str | None = None
+    model_name: str | None = None
 
 
 #: Body types /lookup reads (``Content-Type``; anything else is read as JSON, LMCache's contract).
@@ -94,11 +100,26 @@ def _raw_uint32(body: bytes, query: dict[str, list[str]]) -> LookupRequest:
     if sys.byteorder == "big":
         ids.byteswap()
     return LookupRequest(ids.tolist(), query.get("lora_name", [None])[0] or None,
-                         query.get("cache_salt", [None])[0] or None)
+                         query.get("cache_salt", [None])[0] or None, query.get("model_name", [None])[0] or None)
 
 
-def response_body(matches: list[InstanceMatch], fmt: str, detail: bool) -> dict:
-    """The JSON answer for ``matches`` (longest first) in shape ``fmt`` (flat | layout_info)."""
+def response_body(matches: list[InstanceMatch], fmt: str, detail: bool) -> dict | msgspec.Raw:
+    """The JSON answer for ``matches`` (longest first) in shape ``fmt`` (flat | layout_info).
+
+    For a kept answer (kvlookup.client.SharedAnswer) the layout is encoded once and kept with it:
+    a prefix held by a thousand instances is not built and encoded again for every lookup."""
+    shared = getattr(matches, "shared", None)
+    if shared is not None and not detail:
+        frag = shared.get(fmt)
+        if frag is None:
+            layout = {m.instance_id: [m.location, m.matched_prefix_length] for m in matches}
+            if fmt != "layout_info":
+                layout.pop("event_id", None)
+            frag = shared[fmt] = _ENCODER.encode(layout)
+        event = _ENCODER.encode(new_event_id("Lookup"))
+        if fmt == "layout_info":
+            return {"event_id": msgspec.Raw(event), "layout_info": msgspec.Raw(frag)}
+        return msgspec.Raw(b'{"event_id":' + event + (b"," + frag[1:] if len(frag) > 2 else b"}"))
     layout = {m.instance_id: [m.location, m.matched_prefix_length] for m in matches}
     body: dict = {"event_id": new_event_id("Lookup")}
     if fmt == "layout_info":
@@ -143,7 +164,7 @@ class LookupRoute:
         return path == PATH or (path == EXPLAIN_PATH and self.explainer is not None)
 
     def respond(self, path: str, method: str, query_string: str, data: bytes, keep: dict,
-                content_type: str = "") -> tuple[int, dict | None, list[tuple[str, str]]]:
+                content_type: str = "") -> tuple[int, dict | msgspec.Raw | None, list[tuple[str, str]]]:
         """One request to ``path`` (PATH or EXPLAIN_PATH): ``(status, JSON body or None, extra
         headers)``, errors in the API's JSON shape. ``keep`` gets the decoded request under
         :data:`REQUEST_KEY`, for the caller to free after the answer is sent (a 32k-token list
@@ -156,6 +177,8 @@ class LookupRoute:
         try:
             body, req = self._lookup(query_string, data, keep, content_type)
             if path == EXPLAIN_PATH:
+                if isinstance(body, msgspec.Raw):  # a kept answer's encoded layout: explain reads the dict
+                    body = msgspec.json.decode(body)
                 body = self.explain(req, body)
             return 200, body, []
         except ApiError as exc:
@@ -176,7 +199,8 @@ class LookupRoute:
         fleet_metrics.EXPLAINED.labels(out["cause"]).inc()
         return out
 
-    def _lookup(self, query_string: str, data: bytes, keep: dict, content_type: str) -> tuple[dict, LookupRequest]:
+    def _lookup(self, query_string: str, data: bytes, keep: dict,
+                content_type: str) -> tuple[dict | msgspec.Raw, LookupRequest]:
         query = parse_qs(query_string, keep_blank_values=True) if query_string else {}
         fmt = query.get("format", [self.default_format])[0]
         if fmt not in FORMATS:
@@ -192,10 +216,16 @@ class LookupRoute:
         causes: list[str] = []
         try:
             matches = self.client.matches(req.tokens, validate=False,
-                                          namespace=Namespace(req.lora_name, req.cache_salt), causes=causes)
+                                          namespace=Namespace(req.lora_name, req.cache_salt), causes=causes,
+                                          model_name=req.model_name)
         except redis.RedisError as exc:
             _child(fleet_metrics.LOOKUPS, "redis_error").inc()
             raise ApiError(503, f"index unavailable: {exc}") from None
+        if detail_arg in TRUE:
+            try:
+                matches = self.client.add_reusable(req.tokens, matches, Namespace(req.lora_name, req.cache_salt))
+            except redis.RedisError as exc:
+                raise ApiError(503, f"index unavailable: {exc}") from None
         body = response_body(matches, fmt, detail_arg in TRUE)
         keep[COUNT_KEY] = (matches[0].matched_prefix_length if matches else -1, causes[0],
                            time.perf_counter() - start)

@@ -1,6 +1,6 @@
 """Registry queries: /query_instance, /query_worker_info, /controller/workers, /controller/key-stats.
 
-Shapes are LMCache 0.5.6's (../shared/research/lmcache-controller.md §3). Differences:
+Shapes are LMCache 0.5.6's (docs/lmcache-protocol.md §3). Differences:
 /query_instance tells instances on one IP apart by port (``"port"`` field, or ``"ip":
 "host:port"``), answers 409 listing the candidates when an IP alone is ambiguous, and 404
 JSON (``"res": null``) for an unknown IP instead of a 500. ``/controller/workers`` adds

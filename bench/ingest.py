@@ -5,6 +5,7 @@ DEALER, then ``pushers`` separate processes send pre-encoded BatchedKVOperationM
 multiparts (50 ops per frame, 50 frames per message, as LMCache batches them): admits of
 fresh int64 chunk hashes with 20% evicts of earlier ones. The clock runs from the first
 send until Redis holds every worker's final sentinel chunk (ops are ordered per worker).
+CPU per op: user + system time of the sidecar process and of Redis over that span (/proc).
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ def run(workers: int = 4, ops_per_worker: int = 250_000, pushers: int = 2) -> di
                 pickle.dump([e.messages for e in encoded[p::pushers]], fh)
             files.append(path)
         mem0 = int(r.info("memory")["used_memory"])
+        from kvlookup.bench.fresh import tree_cpu_s
+
+        sidecar_pid, redis_pid = procs.pid("sidecar"), procs.redis[-1].proc.pid
+        cpu0 = (tree_cpu_s([sidecar_pid]), tree_cpu_s([redis_pid]))
         start = time.monotonic()
         kids = [subprocess.Popen([sys.executable, "-c", f"from bench.ingest import pusher_main; "
                                   f"pusher_main({str(f)!r}, {pull!r})"]) for f in files]
@@ -100,6 +105,7 @@ def run(workers: int = 4, ops_per_worker: int = 250_000, pushers: int = 2) -> di
                 raise TimeoutError("ingest did not finish in 600 s")
             time.sleep(0.01)
         elapsed = time.monotonic() - start
+        cpu = (tree_cpu_s([sidecar_pid]) - cpu0[0], tree_cpu_s([redis_pid]) - cpu0[1])
         bar.close()
         for k in kids:
             k.wait(60)
@@ -110,6 +116,8 @@ def run(workers: int = 4, ops_per_worker: int = 250_000, pushers: int = 2) -> di
         r.close()
     return {"workers": workers, "pushers": pushers, "ops": total, "seconds": round(elapsed, 3),
             "ops_per_s": round(total / elapsed), "records_after": records,
+            "sidecar_cpu_us_per_op": round(cpu[0] * 1e6 / total, 2),
+            "redis_cpu_us_per_op": round(cpu[1] * 1e6 / total, 2),
             "bytes_per_record_after": round((mem1 - mem0) / max(records, 1), 1)}
 
 

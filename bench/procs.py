@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LMCACHE_VENV = REPO / ".venv-lmcache"
 
 #: The parts of ``kvlookup bench all``, in the order they run and are reported.
-PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk")
+PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", "wrk", "idle", "holders", "fresh",
+         "vllm-ingest")
 
 
 def lmcache_python(venv: str | None = None, create: bool = False) -> Path | None:
@@ -99,15 +100,17 @@ class Procs:
                           "--log-level", "WARNING"])
         return pull, reply
 
-    def start_controller(self, redis_url: str, conf: str = "uvicorn:2", name: str = "kvlookup-controller") -> str:
-        """``kvlookup controller`` (gunicorn) in config ``conf`` (see :func:`gunicorn_conf`); returns
-        its base URL once /health answers."""
+    def start_controller(self, redis_url: str, conf: str = "uvicorn:2", name: str = "kvlookup-controller",
+                         extra: tuple[str, ...] = ()) -> str:
+        """``kvlookup controller`` (gunicorn) in config ``conf`` (see :func:`gunicorn_conf`), with
+        ``extra`` flags (e.g. ``("--lookup-cache", "off")``); returns its base URL once /health
+        answers."""
         worker_class, workers, threads = gunicorn_conf(conf)
         port = free_port()
         self.spawn(name, [
             sys.executable, "-m", "kvlookup", "controller", "--redis-url", redis_url, "--port", str(port),
             "--worker-class", worker_class, "--workers", str(workers), "--threads", str(threads),
-            "--instance-ttl", "0", "--log-level", "WARNING", "--lookup-response", "layout_info"])
+            "--instance-ttl", "0", "--log-level", "WARNING", "--lookup-response", "layout_info", *extra])
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", name, self)
         return url
@@ -122,6 +125,10 @@ class Procs:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/lookup", "lmcache-controller", self, post=b'{"tokens":[]}', timeout=60)
         return url, f"127.0.0.1:{pull}", f"127.0.0.1:{reply}"
+
+    def pid(self, name: str) -> int:
+        """The pid of the process started as ``name``."""
+        return next(proc.pid for n, proc in self.procs if n == name)
 
     def stop(self, name: str) -> None:
         for n, proc in list(self.procs):

@@ -76,7 +76,12 @@ def targets(res: dict) -> list[tuple[str, str, bool | None]]:
 
 
 def plots(res: dict, tag: str) -> list[str]:
-    import matplotlib
+    """The PNG plots; ValueError (one line from ``kvlookup bench report``) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("bench report draws its plots with matplotlib, which is not installed: "
+                         "pip install 'kvlookup[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -8,6 +8,7 @@ docs/img/ and docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -17,6 +18,9 @@ import time
 from pathlib import Path
 
 from kvlookup.bench import progress
+
+if importlib.util.find_spec("tqdm") is None:  # the bench extra is missing: `kvlookup bench` says so
+    raise ImportError("No module named 'tqdm'")
 from kvlookup.bench.procs import PARTS, REPO
 
 RESULTS = REPO / "bench" / "results"
@@ -33,6 +37,10 @@ QUICK = {
                     trace_requests=300),
     "wrk": dict(lengths=(12, 32768), concurrencies=(1, 16), seconds=1.0, rounds=1),
     "purge": dict(records=200_000),
+    "idle": dict(seconds=2.0),
+    "holders": dict(lengths=(1024, 32768), holder_counts=(8, 1024), seconds=0.5),
+    "fresh": dict(lengths=(12, 1024), concurrencies=(1, 16), seconds=1.0),
+    "vllm-ingest": dict(blocks=20_000),
 }
 FULL = {
     "compare": dict(requests=12031, instances=8, cpu_chunks=8192, disk_chunks=24576, agree_sample=1500,
@@ -47,6 +55,10 @@ FULL = {
                     trace_requests=4000),
     "wrk": dict(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds=2.0, rounds=3),
     "purge": dict(records=1_000_000),
+    "idle": dict(seconds=3.0),
+    "holders": dict(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds=2.0, rounds=2),
+    "fresh": dict(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seconds=2.0),
+    "vllm-ingest": dict(blocks=100_000),
 }
 
 
@@ -81,7 +93,8 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
         from kvlookup.bench.ingest import run
 
         res = run(**params)
-        progress.note(f"  ingest: {res['ops_per_s']:,} chunk ops/s")
+        progress.note(f"  ingest: {res['ops_per_s']:,} chunk ops/s (CPU per op: sidecar {res['sidecar_cpu_us_per_op']} "
+                      f"us, Redis {res['redis_cpu_us_per_op']} us)")
     elif name == "memory":
         from kvlookup.bench.memory import run
 
@@ -105,6 +118,28 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
 
         res = run(**params)
         progress.note(f"  purge: {res['records_per_s']:,} records/s")
+    elif name == "idle":
+        from kvlookup.bench.idle import run
+
+        res = run(**params)
+        for c in res["cases"]:
+            progress.note(f"  idle {c['kind']} sidecar: {c['commands_per_s']} Redis commands/s, "
+                          f"{c['cpu_share'] * 100:.2f}% of a core")
+    elif name == "holders":
+        from kvlookup.bench.holders import run
+
+        res = run(**params)
+    elif name == "vllm-ingest":
+        from kvlookup.bench.vllm_ingest import run
+
+        res = run(**params)
+        for shape, s in res["shapes"].items():
+            progress.note(f"  vLLM {shape}: {s['blocks_per_s']:,} blocks/s (CPU per block: sidecar "
+                          f"{s['sidecar_cpu_us_per_block']} us, Redis {s['redis_cpu_us_per_block']} us)")
+    elif name == "fresh":
+        from kvlookup.bench.fresh import run
+
+        res = run(**params, lmcache_venv=args.lmcache_venv)
     else:
         from kvlookup.bench.stages import run
 
@@ -166,7 +201,10 @@ def add_parser(sub) -> None:
                        description="Parts: compare (kvlookup vs LMCache 0.5.6 on the Mooncake trace; needs the "
                        "LMCache venv), ingest (one sidecar's chunk ops/s), memory (Redis bytes per record), "
                        "sweeps (latency vs prompt length, instances, index size), stages (where an HTTP "
-                       "lookup's time goes), purge (records/s deleted of a retired holder). 'all' runs every "
+                       "lookup's time goes), purge (records/s deleted of a retired holder), idle (Redis "
+                       "commands/s and CPU of an idle sidecar of each kind), holders (lookup cost vs how many "
+                       "instances hold the prompt), fresh (prompts with a new last chunk vs LMCache, CPU per "
+                       "request), vllm-ingest (vLLM BlockStored blocks/s). 'all' runs every "
                        "part (~6 min; --quick ~1.5 min) and writes bench/results/results.json and "
                        "docs/benchmarks.md; 'report' re-renders the docs.")
     b.add_argument("part", nargs="?", default="all", choices=("all", *PARTS, "report"),

@@ -1,6 +1,9 @@
 """The benchmark workload: the Mooncake conversation trace and a simulated fleet.
 
-Trace: ``shared/traces/mooncake_conversation_trace.jsonl`` beside the repo (or ``$KVLOOKUP_TRACE``), one
+Trace: the public Mooncake FAST'25 conversation trace (kvcache-ai/Mooncake,
+``FAST25-release/traces/conversation_trace.jsonl``): ``$KVLOOKUP_TRACE``, else
+``bench/data/mooncake_conversation_trace.jsonl``, else the 100-request head in
+``tests/fixtures/mooncake/`` (enough for the smoke tests, not for the benchmarks). One
 request per line with ``hash_ids`` of 512-token blocks. Each block id becomes 512 deterministic
 token ids (numpy PCG64 seeded by the id), so requests sharing their first k ids share their
 first k*512 tokens, exactly as in the trace. A 512-token block is two 256-token LMCache chunks.
@@ -27,14 +30,15 @@ import numpy as np
 
 from kvlookup.hashing.lmcache import HashProfile
 
-_TRACE_NAME = "traces/mooncake_conversation_trace.jsonl"
+_REPO = Path(__file__).resolve().parent.parent
+TRACE_HEAD = _REPO / "tests" / "fixtures" / "mooncake" / "conversation_trace_head.jsonl"
 
 
 def _trace_path() -> Path:
     if os.environ.get("KVLOOKUP_TRACE"):
         return Path(os.environ["KVLOOKUP_TRACE"])
-    beside = Path(__file__).resolve().parent.parent.parent / "shared" / _TRACE_NAME  # CI: ../shared
-    return beside if beside.exists() else Path("/work/shared") / _TRACE_NAME
+    full = _REPO / "bench" / "data" / "mooncake_conversation_trace.jsonl"
+    return full if full.exists() else TRACE_HEAD
 
 
 TRACE_PATH = _trace_path()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -21,6 +22,7 @@ from kvlookup.index.clock import ServerClock
 from kvlookup.index.records import Chain, Match
 from kvlookup.index.store import Store
 from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
+from kvlookup.index.vllm_reuse import fill_reusable
 from kvlookup.proc.redis_server import connect
 
 log = logging.getLogger(__name__)
@@ -45,13 +47,18 @@ class InstanceMatch:
     matched_prefix_length: int
     locations: dict[str, int] = field(default_factory=dict)
     ranks: dict[str, int] = field(default_factory=dict)
+    reusable: dict[str, int] = field(default_factory=dict)
 
     def detail(self) -> dict:
-        """JSON-ready detail: location, matched_prefix_length, locations, ranks (when any)."""
+        """JSON-ready detail: location, matched_prefix_length, locations, ranks (when any),
+        reusable_prefix_length (vLLM instances, once :meth:`Client.add_reusable` ran: the best
+        rank's hit as vLLM's coordinator computes it, kvlookup.index.vllm_groups)."""
         out: dict = {"location": self.location, "matched_prefix_length": self.matched_prefix_length,
                      "locations": self.locations}
         if self.ranks:
             out["ranks"] = self.ranks
+        if self.reusable:
+            out["reusable_prefix_length"] = max(self.reusable.values())
         return out
 
 
@@ -91,17 +98,30 @@ def pick_location(locations: dict[str, int]) -> str:
 def merge_matches(matches: Sequence[Match]) -> list[InstanceMatch]:
     """Fold per-rank matches into one entry per instance, longest first.
 
-    An instance walked rank by rank answers with its best rank's length and location.
+    A rank matched in several chains (vLLM GPU blocks of 16 beside CPU chunks of 256) is credited
+    with its longest, and with the tokens each location holds at its own granularity (the most
+    over its chains). An instance walked rank by rank answers with its best rank's length and
+    locations.
     """
-    by_inst: dict[str, InstanceMatch] = {}
+    per_rank: dict[tuple[str, str], Match] = {}
     for m in matches:
-        cur = by_inst.get(m.instance_id)
+        key = (m.instance_id, m.worker_id)
+        cur = per_rank.get(key)
+        if cur is None:
+            per_rank[key] = Match(m.instance_id, m.worker_id, m.matched_prefix_length, dict(m.locations))
+            continue
+        cur.matched_prefix_length = max(cur.matched_prefix_length, m.matched_prefix_length)
+        for loc, n in m.locations.items():
+            cur.locations[loc] = max(cur.locations.get(loc, 0), n)
+    by_inst: dict[str, InstanceMatch] = {}
+    for m in per_rank.values():
+        best = by_inst.get(m.instance_id)
         cand = InstanceMatch(m.instance_id, pick_location(m.locations), m.matched_prefix_length, m.locations)
         if m.worker_id:
-            ranks = cur.ranks if cur else {}
+            ranks = best.ranks if best else {}
             ranks[m.worker_id] = m.matched_prefix_length
             cand.ranks = ranks
-        if cur is None or cand.matched_prefix_length > cur.matched_prefix_length:
+        if best is None or cand.matched_prefix_length > best.matched_prefix_length:
             by_inst[m.instance_id] = cand
     return sorted(by_inst.values(), key=lambda im: (-im.matched_prefix_length, im.instance_id))
 
@@ -111,18 +131,30 @@ def merge_matches(matches: Sequence[Match]) -> list[InstanceMatch]:
 ChainSource = Callable[[Sequence[int], Namespace], list[Chain]]
 
 
+class SharedAnswer(list):
+    """:meth:`Client.matches` of a kept answer (kvlookup.index.staged): a new list each call of
+    the same :class:`InstanceMatch` objects (never change them). ``shared`` is a dict that lives
+    as long as that answer, for what a caller derives from it (app.lookup keeps its encoded
+    layout there)."""
+
+    shared: dict
+
+
+#: Merged kept answers a Client keeps (all dropped when full).
+MERGED_MAX = 4096
+
 #: Distinct vLLM block sizes a lookup walks (fleets use one or two).
 MAX_BLOCK_SIZES = 8
 
 
 class VllmChains:
     """Chain source for vLLM instances: kvlookup's own chain (kvlookup.hashing.vllm) at every
-    block size a live vLLM rank uses (``keys.block_sizes_key``; read at most every
-    ``refresh_s`` seconds), in the request's namespace (base model unless ``lora_name`` /
-    ``cache_salt`` are given). redis: a client with ``decode_responses=True`` (as
-    kvlookup.proc.redis_server.connect makes). check_alive: count only ranks of instances with a current
-    liveness lease (the store's ``instance_ttl_s`` > 0), so a block size no live rank uses
-    leaves the walk.
+    block size a live vLLM rank uses, and with the lookahead its EAGLE blocks are hashed with
+    (``keys.block_sizes_key``; read at most every ``refresh_s`` seconds), in the request's
+    namespace (base model unless ``lora_name`` / ``cache_salt`` are given). redis: a client with
+    ``decode_responses=True`` (as kvlookup.proc.redis_server.connect makes). check_alive: count
+    only ranks of instances with a current liveness lease (the store's ``instance_ttl_s`` > 0),
+    so a block size no live rank uses leaves the walk.
     """
 
     def __init__(self, redis: redis.Redis, refresh_s: float = 1.0, check_alive: bool = True):
@@ -130,13 +162,17 @@ class VllmChains:
         self.refresh_s = refresh_s
         self.check_alive = check_alive
         self.clock = ServerClock(redis)  # leases are Redis server time
-        self._sizes: list[int] = []
+        self._sizes: list[tuple[int, int]] = []
         self._read_at = float("-inf")
         self._refreshing = threading.Event()
 
     def block_sizes(self) -> list[int]:
-        """The block sizes to walk: at most :data:`MAX_BLOCK_SIZES` (smallest first), so a
-        publisher cycling through sizes cannot make every lookup hash without bound."""
+        """The distinct block sizes of :meth:`chains_in_use`."""
+        return sorted({bs for bs, _la in self.chains_in_use()})
+
+    def chains_in_use(self) -> list[tuple[int, int]]:
+        """The (block size, lookahead) chains to walk: at most :data:`MAX_BLOCK_SIZES` (smallest
+        first), so a publisher cycling through sizes cannot make every lookup hash without bound."""
         now = time.monotonic()
         if now - self._read_at >= self.refresh_s:
             if not LOCAL_ONLY.get():
@@ -158,8 +194,8 @@ class VllmChains:
         finally:
             self._refreshing.clear()
 
-    def _read_sizes(self) -> list[int]:
-        # "<rank>\t<instance>" -> block size; str: redis-py's types cannot follow decode_responses=True
+    def _read_sizes(self) -> list[tuple[int, int]]:
+        # "<rank>\t<instance>" -> "16,256,16+1"; str: redis-py's types cannot follow decode_responses=True
         per_rank = cast(dict[str, str], self.r.hgetall(keys.block_sizes_key()))
         if self.check_alive and per_rank:
             insts = sorted({m.split(keys.SEP, 1)[1] for m in per_rank})
@@ -167,15 +203,16 @@ class VllmChains:
             live = {i for i, s in zip(insts, self.r.zmscore(keys.alive_key(), insts), strict=True)
                     if s is not None and s >= now_ms}
             per_rank = {m: bs for m, bs in per_rank.items() if m.split(keys.SEP, 1)[1] in live}
-        sizes = sorted({int(b) for b in per_rank.values()})
+        sizes = sorted({c for text in per_rank.values() for c in keys.parse_vllm_chains(str(text))})
         if len(sizes) > MAX_BLOCK_SIZES:
             log.warning("%d vLLM block sizes in use; lookups walk the first %d", len(sizes), MAX_BLOCK_SIZES)
         return sizes[:MAX_BLOCK_SIZES]
 
     def __call__(self, tokens: Sequence[int], namespace: Namespace = DEFAULT) -> list[Chain]:
         chains = []
-        for bs in self.block_sizes():
-            hashes = vh.chain(vh.request_root(bs, namespace.lora_name, namespace.cache_salt), tokens, bs)
+        for bs, lookahead in self.chains_in_use():
+            hashes = vh.chain(vh.request_root(bs, namespace.lora_name, namespace.cache_salt), tokens, bs,
+                              lookahead=lookahead)
             space = keys.vllm_space(bs)
             chains.append(Chain(keys.chunk_prefix(space), hashes, bs, bs * len(hashes)))
         return chains
@@ -194,17 +231,20 @@ class Client:
     def __init__(self, redis_url: str | None = None, profile: HashProfile | None = None, *,
                  redis_cluster: bool = False, redis: redis.Redis | None = None, store: Store | None = None,
                  extra_chains: Sequence[ChainSource] = (), max_tokens: int | None = 1_048_576,
-                 instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0, cache_reads: bool | str = False):
+                 instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0, cache_reads: bool | str = False,
+                 cache_keys: int = 200_000):
         if store is None:
             if redis is None:
                 if redis_url is None:
                     raise ValueError("Client needs redis_url, redis or store")
                 redis = connect(redis_url, cluster=redis_cluster)
-            store = Store(redis, instance_ttl_s=instance_ttl_s, worker_ttl_s=worker_ttl_s, cache_reads=cache_reads)
+            store = Store(redis, instance_ttl_s=instance_ttl_s, worker_ttl_s=worker_ttl_s, cache_reads=cache_reads,
+                          cache_keys=cache_keys)
         self.store = store
         self.profile = profile or HashProfile()
         self.extra_chains = list(extra_chains)
         self.max_tokens = max_tokens
+        self._merged: dict[int, tuple] = {}  # id(kept answer) -> (it, its merge_matches)
 
     def chains(self, tokens: Sequence[int], namespace: Namespace = DEFAULT) -> list[Chain]:
         """Every hash chain a lookup of ``tokens`` in ``namespace`` walks (see :data:`ChainSource`)."""
@@ -216,13 +256,14 @@ class Client:
         return chains
 
     def matches(self, tokens: Sequence[int], *, validate: bool = True, namespace: Namespace = DEFAULT,
-                causes: list[str] | None = None) -> list[InstanceMatch]:
+                causes: list[str] | None = None, model_name: str | None = None) -> list[InstanceMatch]:
         """Every instance holding a prefix of ``tokens``, longest first.
 
         validate: check tokens first (see :func:`validate_tokens`); callers that already
         validated (the HTTP layer) pass False. namespace: the request's LoRA adapter and
         vLLM cache salt; vLLM blocks match only within the same namespace (LMCache chunks are
-        looked up as before). causes: a list that gets the miss cause the
+        looked up as before). model_name: only instances serving that model (or naming none).
+        causes: a list that gets the miss cause the
         walk knew for free appended (kvlookup.index.records.Matches.miss; '' on a hit or unknown).
         """
         if validate:
@@ -231,7 +272,41 @@ class Client:
         found = self.store.lookup(chains)
         if causes is not None:
             causes.append(found.miss)
-        return merge_matches(found)
+        if not found.kept:
+            merged: list[InstanceMatch] = merge_matches(found)
+        else:
+            got = self._merged.get(id(found))  # a kept answer (kvlookup.index.staged): merged once
+            if got is None or got[0] is not found:
+                if len(self._merged) >= MERGED_MAX:
+                    self._merged.clear()
+                got = self._merged[id(found)] = (found, merge_matches(found), {})
+            merged = SharedAnswer(got[1])
+            merged.shared = got[2]
+        return self._of_model(merged, model_name) if model_name and merged else merged
+
+    def _of_model(self, matches: list[InstanceMatch], model_name: str) -> list[InstanceMatch]:
+        """The matches of instances serving ``model_name`` or naming no model (LMCache instances,
+        vLLM sources given by endpoint): a discovered vLLM server's ``model`` must equal it."""
+        if LOCAL_ONLY.get():
+            raise NeedsRedis()
+        pipe = self.store.r.pipeline(transaction=False)
+        for m in matches:
+            pipe.hget(keys.instance_key(m.instance_id), "model")
+        models = pipe.execute()
+        return [m for m, model in zip(matches, models, strict=True) if not model or model == model_name]
+
+    def add_reusable(self, tokens: Sequence[int], matches: list[InstanceMatch],
+                     namespace: Namespace = DEFAULT) -> list[InstanceMatch]:
+        """``matches`` with ``reusable`` filled for the vLLM ones (kvlookup.index.vllm_reuse), as
+        copies: a kept answer's matches are shared between lookups and never changed. Reads Redis,
+        so under LOCAL_ONLY it raises NeedsRedis."""
+        if not any(m.ranks for m in matches):
+            return matches
+        if LOCAL_ONLY.get():
+            raise NeedsRedis()
+        out = [dataclasses.replace(m, reusable={}) for m in matches]
+        fill_reusable(self.store.r, tokens, out, namespace.lora_name, namespace.cache_salt)
+        return out
 
     def lookup(self, tokens: list[int]) -> tuple[str, dict[str, tuple[str, int]]]:
         """LMCache's ``lookup(tokens) -> (event_id, layout_info)``.

@@ -20,6 +20,11 @@ UNPARSABLE = Counter("kvlookup_unparsable_records_total", "Registry records a lo
                      ["where"])
 SEQ_GAPS = Counter("kvlookup_seq_gaps_total", "Sequence gaps seen", ["source"])
 RESYNCS = Counter("kvlookup_resyncs_total", "Instances cleared or asked to resync", ["source", "reason"])
+#: outcome: resumed (a persisted stream continued), caught_up (batches after the last applied),
+#: current (nothing missed), rebuilt (a new engine's batches from seq 0), cleared (a new engine
+#: with nothing published yet), replay_miss (the buffer no longer reaches back), no_answer.
+CATCHUPS = Counter("kvlookup_vllm_catchups_total", "Replays asked for when a vLLM SUB socket (re)connects "
+                   "or the sidecar starts", ["outcome"])
 REAPED = Counter("kvlookup_reaped_workers_total", "Workers deregistered by the reaper on evidence they are gone")
 PROBES = Counter("kvlookup_worker_probes_total", "Health calls a sidecar made to workers it had no news of",
                  ["outcome"])

@@ -99,5 +99,17 @@ except urllib.error.HTTPError as exc:
     if exc.code != 404:
         sys.exit(f"smoke: POST /tokenize answered {exc.code}, expected 404 without the demo extra")
 print(f"smoke: dashboard GET / and {len(files)} static files served; overview lists {ids}")
+status, api = get("/openapi.json")
+if status != 200 or api.get("openapi") != "3.1.0" or "/lookup" not in api.get("paths", {}):
+    sys.exit(f"smoke: GET /openapi.json answered {status}")
+status, page = get("/docs", decode=lambda b: b.decode())
+docs = re.findall(r'(?:src|href)="/(static/swagger-ui/[^"]+)"', page) if status == 200 else []
+for path in docs:
+    status, body = get("/" + path, decode=bytes)
+    if status != 200 or not body:
+        sys.exit(f"smoke: GET /{path} answered {status}: Swagger UI is not in the wheel")
+if len(docs) < 3:
+    sys.exit(f"smoke: GET /docs names {docs}, not Swagger UI's files")
+print(f"smoke: /openapi.json ({len(api['paths'])} paths) and /docs with {len(docs)} Swagger UI files served")
 EOF
 echo "smoke: ok in $((SECONDS - start)) s"

@@ -13,6 +13,12 @@ if ! py_ok "$PY"; then
   echo "Pick another interpreter with PYTHON, e.g.: PYTHON=python3.11 bash $0" >&2
   exit 1
 fi
+# py_version PYTHON: "3.12" (major.minor)
+py_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null; }
+if [ -n "${PYTHON:-}" ] && [ -x .venv/bin/python ] && [ "$(py_version "$PY")" != "$(py_version .venv/bin/python)" ]; then
+  echo "kvlookup: .venv has Python $(py_version .venv/bin/python), PYTHON=$PY is $(py_version "$PY"): building it again" >&2
+  rm -rf .venv
+fi
 if [ -e .venv ] && ! { py_ok .venv/bin/python && .venv/bin/python -m pip --version >/dev/null 2>&1; }; then
   echo "kvlookup: .venv has no working Python 3.11+ (too old or broken); building it again with $PY" >&2
   rm -rf .venv

@@ -45,6 +45,10 @@ BUSY_PURGE_BUDGET = 2_000
 #: Requests and PUSH messages read per turn (then the turn writes a slice and comes back).
 MAX_REQUESTS_PER_TURN = 200
 MAX_PUSHES_PER_TURN = 50
+#: Seconds between purge passes while the last one found nothing to purge (a pass that removed
+#: records is followed by another on the next turn). An idle sidecar asks Redis about retired
+#: holders once per this long, not once per turn.
+PURGE_IDLE_EVERY_S = 1.0
 #: Seconds between reaper passes of this sidecar.
 REAP_EVERY_S = 5.0
 #: After this many ops written, the sidecar gives memory back to the OS when its queue is empty.
@@ -108,6 +112,7 @@ class Sidecar:
         self.started_at = time.time()
         self.last_turn = time.monotonic()  # when the loop last turned (sidecar /health)
         self._written = 0  # ops written since memory was last released
+        self._next_purge: float = 0.0  # no purge pass before this (monotonic s)
         self.status: dict = {}
         self.pull = self.router = None
         self.names: dict[zmq.Socket, str] = {}
@@ -201,9 +206,16 @@ class Sidecar:
             self.liveness.forget(instance_id, worker_id)
 
     def _purge(self, budget: int) -> None:
+        """Purge up to ``budget`` retired records; after a pass that found none, wait
+        ``PURGE_IDLE_EVERY_S`` before the next."""
+        now = time.monotonic()
+        if now < self._next_purge:
+            return
         removed = self.store.purge(budget)
         if removed:
             log.debug("purged %d retired records", removed)
+        else:
+            self._next_purge = now + PURGE_IDLE_EVERY_S
 
     def _after_burst(self) -> None:
         """Once a burst of ingest is over (nothing queued, much written since the last time),
@@ -222,7 +234,7 @@ class Sidecar:
 
     def run(self) -> None:
         """Serve until :meth:`stop`. Redis outages pause the loop; nothing queued is lost."""
-        self._next_tick = self._next_reap = 0.0
+        self._next_tick = self._next_reap = self._next_purge = 0.0
         self._started = False
         run_turns(self._turn, self._stop, "sidecar")
         self._drain()
@@ -242,8 +254,11 @@ class Sidecar:
             self._next_reap = now + REAP_EVERY_S
         busy = self.lmcache.queued_ops > 0
         wait_ms = 0 if busy else int(max(0.0, min(self._next_tick - time.monotonic(), 0.2)) * 1000)
-        for sock in self.sockets.poll(wait_ms):
-            self.sockets.handlers[sock](sock)
+        if self.sockets.handlers:
+            for sock in self.sockets.poll(wait_ms):
+                self.sockets.handlers[sock](sock)
+        else:  # vLLM only: no socket here to wait on (zmq's poll of none returns at once)
+            self._stop.wait(wait_ms / 1000)
         self._written += self.lmcache.flush(self.limits.slice_ops)
         self._purge(BUSY_PURGE_BUDGET if self.lmcache.queued_ops else PURGE_BUDGET)
         self._after_burst()

@@ -1,14 +1,24 @@
 """Apply one decoded vLLM event batch of one (instance, data-parallel rank) to the index.
 
-Records live in kvlookup's own hash space (:mod:`kvlookup.hashing.vllm`, chunk keys tagged
-``v<block_size>``); the holder is (instance, rank, medium). A per-rank Redis hash maps each
-engine block hash to its own chunk hash and the media holding it
+Records live in kvlookup's own hash space (:mod:`kvlookup.hashing.vllm`): chunk keys tagged
+``v<block_size>`` for the prefix chain (full/MLA/sink-full attention groups, or streams without
+groups; kvlookup.index.vllm_groups) and ``v<block_size>g<group>`` for a hybrid model's other groups.
+The holder is (instance, rank, medium, space). A per-rank Redis hash maps each (engine block
+hash, group) to its own chunk hash, the residencies holding it and its space
 (``keys.engine_map_key``), which resolves BlockRemoved, token-less BlockStored (offloading
-connectors) and parents of later stores.
+connectors) and parents of later stores. One rank may use several block sizes at once (GPU
+blocks of 16 beside LMCache MP connector CPU chunks of 256): each store is credited at its own.
+
+Residency is ``medium`` or ``medium~ownership`` (vLLM's offloading tracker keys residency by
+(medium, ownership): kv_connector/v1/offloading/events.py:404-405, 447); a record goes when no
+residency of its medium is left in any prefix group. Stores and removes of a ``REMOTE`` tier
+(storage not local to the engine, vllm/v1/kv_offload/base.py:55-59) are skipped: the engine
+cannot serve them as its own.
 
 An event that does not add up (see :data:`REASONS`) is rejected whole: counted, logged, and
 nothing of it is written, so no guessed record ever reaches the index. Round trips per batch:
-one HMGET of the engine hashes it mentions, one pipelined apply, one pipeline of map writes.
+one HMGET of the engine map fields it mentions, one pipelined apply per space, one pipeline of
+map writes.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from kvlookup import metrics
 from kvlookup.hashing import vllm as vh
 from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store
+from kvlookup.index.vllm_groups import GroupSpec, is_prefix_group
 from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored, Event, Malformed
 
@@ -29,51 +40,70 @@ log = logging.getLogger(__name__)
 
 #: Largest block size accepted (tokens); vLLM's are 16 by default, a few hundred at most.
 MAX_BLOCK_SIZE = 4096
+#: Most lookahead tokens a block may be hashed with (vLLM: num_speculative_tokens).
+MAX_LOOKAHEAD = 64
 
 #: Why an event is rejected (metric label ``reason``).
 REASONS = {
     "block_size": f"block_size missing, not positive, or above {MAX_BLOCK_SIZE}",
-    "block_size_changed": "block_size differs from the one this rank's records use",
     "token_count": "len(token_ids) != len(block_hashes) * block_size",
     "extra_keys": "extra_keys has not one entry per block",
+    "lookahead": f"lookahead_token_ids has not one list per block, of one length <= {MAX_LOOKAHEAD}",
     "unknown_parent": "parent_block_hash was never stored (or was cleared)",
     "unknown_hashes": "token-less store of block hashes never stored with tokens",
 }
 DEFAULT_MEDIUM = "GPU"
+REMOTE = "REMOTE"
 
 
 @dataclass
 class Entry:
-    """Engine map value: our chunk hash and the media holding the block."""
+    """Engine map value: our chunk hash, the residencies holding the block, its space ("" in
+    entries written before spaces were kept: the rank's legacy block size applies)."""
 
     own: int
     media: set[str] = field(default_factory=set)
+    space: str = ""
 
     @classmethod
     def parse(cls, raw: str | None) -> Entry | None:
         if not raw:
             return None
-        own, _, media = raw.partition("|")
-        return cls(int(own), set(media.split(",")) if media else set())
+        own, _, rest = raw.partition("|")
+        media, _, space = rest.partition("|")
+        return cls(int(own), set(media.split(",")) if media else set(), space)
 
     def format(self) -> str:
-        return f"{self.own}|{','.join(sorted(self.media))}"
+        return f"{self.own}|{','.join(sorted(self.media))}|{self.space}"
+
+
+def residency(medium: str, ownership: str | None) -> str:
+    """``medium`` or ``medium~ownership`` (a secondary tier's copy is its own residency)."""
+    return f"{medium}~{ownership}" if ownership else medium
+
+
+def medium_of(res: str) -> str:
+    return res.partition("~")[0]
 
 
 @dataclass
 class RankContext:
-    """What the applier needs about a rank. block_size: the size its records use (None until
-    the first store). wipe: retire every record of the rank and empty its engine map.
-    register: register the rank again (a new epoch) when the registry lost it."""
+    """What the applier needs about a rank. chains: its prefix chains ((block size, lookahead)
+    pairs, kept up to date by the applier); groups: its KV cache groups learned from stores;
+    legacy_space: the space of entries without one (the rank's single block size before).
+    wipe: retire every record of the rank and empty its engine map. register: register the rank
+    again (a new epoch) when the registry lost it."""
 
     store: Store
     instance_id: str
     rank: int
-    block_size: int | None
     wipe: Callable[[], None]
     register: Callable[[], None]
     rejected: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
+    chains: set[tuple[int, int]] = field(default_factory=set)
+    groups: dict[int, GroupSpec] = field(default_factory=dict)
+    legacy_space: str = ""
 
 
 class BatchApplier:
@@ -82,11 +112,13 @@ class BatchApplier:
     def __init__(self, ctx: RankContext):
         self.ctx = ctx
         self.map_key = keys.engine_map_key(ctx.instance_id, ctx.rank)
-        self.fetched: dict[int, Entry | None] = {}
-        self.changed: dict[int, Entry | None] = {}
+        self.fetched: dict[str, Entry | None] = {}
+        self.changed: dict[str, Entry | None] = {}
         self.wiped = False
-        self.ops: dict[str, list[tuple[str, int]]] = {}
-        self.new_block_size: int | None = None
+        self.ops: dict[tuple[str, str], list[tuple[str, int]]] = {}  # (medium, space) -> ops
+        self.new_chains = False
+        self.new_groups: dict[int, GroupSpec] = {}
+        self.session: str | None = None
 
     def run(self, events: Sequence[Event], persist: dict[str, str | int]) -> None:
         """Apply ``events``; write ``persist`` (instance hash fields) with the last writes."""
@@ -107,12 +139,14 @@ class BatchApplier:
         if isinstance(ev, AllBlocksCleared):
             self.flush({})
             self.ctx.wipe()
-            self.ctx.block_size = None
+            self.ctx.chains.clear()
+            self.ctx.groups.clear()
+            self.ctx.legacy_space = ""
             self.fetched.clear()
             self.wiped = True
             return
-        if ev.group_idx not in (None, 0):
-            self.ctx.skipped["other_group"] += 1  # hybrid models: only group 0 (full attention)
+        if ev.locality == REMOTE:
+            self.ctx.skipped["remote_tier"] += 1  # not the engine's own cache
             return
         if isinstance(ev, BlockStored):
             self._stored(ev)
@@ -121,27 +155,67 @@ class BatchApplier:
 
     # -- events ---------------------------------------------------------------------------
 
-    def _stored(self, ev: BlockStored) -> None:
+    def _learn_group(self, ev: BlockStored) -> GroupSpec | None:
+        g = ev.group_idx
+        if g is None:
+            return None
+        known = self.ctx.groups.get(g)
+        if ev.kv_cache_spec_kind is None or not ev.block_size:
+            return known
         bs = ev.block_size
-        if bs is None or not 0 < bs <= MAX_BLOCK_SIZE:
+        if known is not None and known.kind == ev.kv_cache_spec_kind:
+            bs = max(bs, known.block_size)  # a partial-tail store at hash_block_size keeps the group's size
+        spec = GroupSpec(ev.kv_cache_spec_kind, bs, ev.kv_cache_spec_sliding_window)
+        if spec != known:
+            self.ctx.groups[g] = self.new_groups[g] = spec
+        return spec
+
+    def _space(self, group_idx: int | None, block_size: int, spec: GroupSpec | None) -> str:
+        if is_prefix_group(group_idx, spec):
+            return keys.vllm_space(block_size)
+        return keys.vllm_group_space(block_size, group_idx or 0)
+
+    def _stored(self, ev: BlockStored) -> None:
+        spec = self._learn_group(ev)
+        bs = ev.block_size
+        tokenless = not ev.token_ids
+        if not (tokenless and bs == 0) and (bs is None or not 0 < bs <= MAX_BLOCK_SIZE):
             raise WireError("block_size", f"block_size is {bs!r}")
-        if self.ctx.block_size is not None and bs != self.ctx.block_size:
-            raise WireError("block_size_changed", f"block_size {bs}, records use {self.ctx.block_size}")
         if not ev.block_hashes:
             return
-        owns = self._own_hashes(ev, bs) if ev.token_ids else self._resolve_tokenless(ev)
-        if self.ctx.block_size is None:
-            self.ctx.block_size = self.new_block_size = bs
+        if ev.session_id:
+            self.session = ev.session_id
+        g = ev.group_idx
+        if tokenless:
+            olds = self._resolve_tokenless(ev)
+            placed = [(e.own, self._entry_space(e)) for e in olds]
+        else:
+            lookahead = self._lookahead(ev)
+            space = self._space(g, bs, spec)
+            placed = [(own, space) for own in self._own_hashes(ev, bs, lookahead)]
+            if space == keys.vllm_space(bs) and (bs, lookahead) not in self.ctx.chains:
+                self.ctx.chains.add((bs, lookahead))
+                self.new_chains = True
         medium = ev.medium or DEFAULT_MEDIUM
-        ops = self.ops.setdefault(medium, [])
-        for engine_hash, own in zip(ev.block_hashes, owns, strict=True):
-            old = self._get(engine_hash)
-            entry = Entry(own, set(old.media) if old and old.own == own else set())
-            entry.media.add(medium)
-            self.changed[engine_hash] = entry
-            ops.append((ADMIT, own))
+        res = residency(medium, ev.ownership)
+        for engine_hash, (own, space) in zip(ev.block_hashes, placed, strict=True):
+            f = keys.engine_field(engine_hash, g)
+            old = self._get(f)
+            entry = Entry(own, set(old.media) if old and old.own == own else set(), space)
+            entry.media.add(res)
+            self.changed[f] = entry
+            self.ops.setdefault((medium, space), []).append((ADMIT, own))
 
-    def _own_hashes(self, ev: BlockStored, bs: int) -> list[int]:
+    def _lookahead(self, ev: BlockStored) -> int:
+        la = ev.lookahead_token_ids
+        if not la:
+            return 0
+        n = len(la[0])
+        if len(la) != len(ev.block_hashes) or not 0 < n <= MAX_LOOKAHEAD or any(len(x) != n for x in la):
+            raise WireError("lookahead", f"{len(la)} lookahead lists for {len(ev.block_hashes)} blocks")
+        return n
+
+    def _own_hashes(self, ev: BlockStored, bs: int, lookahead: int) -> list[int]:
         n = len(ev.block_hashes)
         if len(ev.token_ids) != n * bs:
             raise WireError("token_count", f"{len(ev.token_ids)} tokens for {n} blocks of {bs}")
@@ -156,76 +230,121 @@ class BatchApplier:
             parent = vh.namespace_root(bs, lora, per_block[0])
             extras[0] = None  # the first block's extra keys are part of the root
         else:
-            entry = self._get(ev.parent_block_hash)
+            entry = self._get(keys.engine_field(ev.parent_block_hash, ev.group_idx))
             if entry is None:
                 raise WireError("unknown_parent", f"parent {ev.parent_block_hash} is not known")
             parent = entry.own
+        if lookahead and ev.lookahead_token_ids:
+            extras = [vh.with_lookahead(e, la) for e, la in zip(extras, ev.lookahead_token_ids, strict=True)]
         return vh.chain(parent, ev.token_ids, bs, extras)
 
-    def _resolve_tokenless(self, ev: BlockStored) -> list[int]:
-        entries = [self._get(h) for h in ev.block_hashes]
+    def _resolve_tokenless(self, ev: BlockStored) -> list[Entry]:
+        entries = [self._get(keys.engine_field(h, ev.group_idx)) for h in ev.block_hashes]
         missing = [h for h, e in zip(ev.block_hashes, entries, strict=True) if e is None]
         if missing:
             raise WireError("unknown_hashes", f"{len(missing)} of {len(entries)} hashes never stored "
                                                   f"with tokens (first {missing[0]})")
-        return [e.own for e in entries if e is not None]
+        return [e for e in entries if e is not None]
+
+    def _entry_space(self, entry: Entry) -> str:
+        return entry.space or self.ctx.legacy_space
 
     def _removed(self, ev: BlockRemoved) -> None:
         medium = ev.medium or DEFAULT_MEDIUM
-        ops = self.ops.setdefault(medium, [])
+        res = residency(medium, ev.ownership)
         for engine_hash in ev.block_hashes:
-            old = self._get(engine_hash)
-            if old is None:
+            f = keys.engine_field(engine_hash, ev.group_idx)
+            old = self._get(f)
+            if old is None or res not in old.media:
                 self.ctx.skipped["remove_unknown"] += 1
                 continue
-            ops.append((EVICT, old.own))
-            entry = Entry(old.own, old.media - {medium})
-            self.changed[engine_hash] = entry if entry.media else None
+            entry = Entry(old.own, old.media - {res}, old.space)
+            self.changed[f] = entry if entry.media else None
+            space = self._entry_space(old)
+            if space and not self._still_held(engine_hash, ev.group_idx, entry, medium, space):
+                self.ops.setdefault((medium, space), []).append((EVICT, old.own))
+
+    def _still_held(self, engine_hash: int, group_idx: int | None, entry: Entry, medium: str, space: str) -> bool:
+        """Whether another residency of ``medium`` keeps the record in ``space``: the same entry
+        (another ownership) or, for the prefix chain, the same block of another prefix group."""
+        if any(medium_of(r) == medium for r in entry.media):
+            return True
+        for g in self._groups_sharing(group_idx, space):
+            other = self._get(keys.engine_field(engine_hash, g))
+            if other and other.own == entry.own and self._entry_space(other) == space and any(
+                    medium_of(r) == medium for r in other.media):
+                return True
+        return False
+
+    def _groups_sharing(self, group_idx: int | None, space: str) -> list[int]:
+        """The other groups whose blocks may hold the same record: every group, for a prefix space
+        (``v<digits>``); none for a group space (``v<bs>g<group>``, one group's own)."""
+        if not space[1:].isdigit():
+            return []
+        return [g for g in {0, *self.ctx.groups} if g != (group_idx or 0)]
 
     # -- engine map -----------------------------------------------------------------------
 
-    def _get(self, engine_hash: int) -> Entry | None:
-        if engine_hash in self.changed:
-            return self.changed[engine_hash]
-        return None if self.wiped else self.fetched.get(engine_hash)
+    def _get(self, f: str) -> Entry | None:
+        if f in self.changed:
+            return self.changed[f]
+        return None if self.wiped else self.fetched.get(f)
 
     def _prefetch(self, events: Sequence[Event]) -> None:
-        wanted: set[int] = set()
+        wanted: set[str] = set()
+        groups = {0, *self.ctx.groups}
         for ev in events:
             if isinstance(ev, BlockStored):
-                wanted.update(ev.block_hashes)
+                if ev.group_idx is not None and ev.group_idx not in self.ctx.groups:
+                    groups.add(ev.group_idx)
+                wanted.update(keys.engine_field(h, ev.group_idx) for h in ev.block_hashes)
                 if ev.parent_block_hash is not None:
-                    wanted.add(ev.parent_block_hash)
+                    wanted.add(keys.engine_field(ev.parent_block_hash, ev.group_idx))
             elif isinstance(ev, BlockRemoved):
-                wanted.update(ev.block_hashes)
+                if ev.group_idx is not None:
+                    groups.add(ev.group_idx)
+        for ev in events:
+            if isinstance(ev, BlockRemoved):
+                wanted.update(keys.engine_field(h, g) for h in ev.block_hashes for g in groups)
         if wanted:
             order = list(wanted)
-            values = self.ctx.store.r.hmget(self.map_key, [str(h) for h in order])
-            self.fetched = {h: Entry.parse(v) for h, v in zip(order, values, strict=True)}
+            values = self.ctx.store.r.hmget(self.map_key, order)
+            self.fetched = {f: Entry.parse(v) for f, v in zip(order, values, strict=True)}
 
     # -- writes ---------------------------------------------------------------------------
 
     def flush(self, persist: dict[str, str | int]) -> None:
         """Write pending chunk ops, engine map changes and ``persist`` fields."""
         ctx = self.ctx
-        if self.ops and ctx.block_size is not None:
-            batches = [(ctx.instance_id, ctx.rank, loc, ops) for loc, ops in self.ops.items() if ops]
-            self._apply(batches, keys.vllm_space(ctx.block_size))
+        by_space: dict[str, list] = {}
+        for (medium, space), ops in self.ops.items():
+            if ops:
+                by_space.setdefault(space, []).append((ctx.instance_id, ctx.rank, medium, ops))
+        for space, batches in by_space.items():
+            self._apply(batches, space)
         self.ops = {}
         pipe = ctx.store.r.pipeline(transaction=False)
-        sets = {str(h): e.format() for h, e in self.changed.items() if e is not None}
-        dels = [str(h) for h, e in self.changed.items() if e is None]
+        sets = {f: e.format() for f, e in self.changed.items() if e is not None}
+        dels = [f for f, e in self.changed.items() if e is None]
         if sets:
             pipe.hset(self.map_key, mapping=sets)
         if dels:
             pipe.hdel(self.map_key, *dels)
         self.fetched.update(self.changed)
         self.changed = {}
-        if self.new_block_size is not None:
-            pipe.hset(keys.block_sizes_key(), keys.worker_member(ctx.instance_id, ctx.rank), self.new_block_size)
-            pipe.hset(keys.instance_key(ctx.instance_id), "block_size", self.new_block_size)
-            persist = {**persist, keys.rank_field("block_size", ctx.rank): self.new_block_size}
-            self.new_block_size = None
+        persist = dict(persist)
+        if self.new_chains and ctx.chains:
+            text = chains_text(ctx.chains)
+            pipe.hset(keys.block_sizes_key(), keys.worker_member(ctx.instance_id, ctx.rank), text)
+            pipe.hset(keys.instance_key(ctx.instance_id), "block_size", min(bs for bs, _ in ctx.chains))
+            persist[keys.rank_field("block_size", ctx.rank)] = text
+            self.new_chains = False
+        for g, spec in self.new_groups.items():
+            persist[keys.group_field(ctx.rank, g)] = spec.format()
+        self.new_groups = {}
+        if self.session:
+            persist[keys.rank_field("session", ctx.rank)] = self.session
+            self.session = None
         if persist:
             pipe.hset(keys.instance_key(ctx.instance_id), mapping=persist)
         if len(pipe):
@@ -241,3 +360,8 @@ class BatchApplier:
             self.ctx.store.apply(batches, space=space)
         for batch in batches:
             metrics.count_ops(batch[3], "applied")
+
+
+def chains_text(chains: set[tuple[int, int]]) -> str:
+    """The :func:`keys.block_sizes_key` value of a rank's prefix chains."""
+    return ",".join(keys.vllm_chain(bs, la) for bs, la in sorted(chains))

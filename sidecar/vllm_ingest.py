@@ -16,6 +16,11 @@ in Redis when replay proves the engine is the same one (the persisted batch repl
 same digest); otherwise it is cleared and rebuilt from replay (from seq 0) when possible.
 A cleared rank gets a new epoch (``Store.register_worker``): its old records stop counting at
 once and are purged later.
+
+Catch-up (:meth:`VllmIngest.catch_up`, called by the loop at start and whenever a rank's SUB
+socket (re)connects) does the same without waiting for a live batch: replay from the last
+applied seq; the same digest continues the stream, anything else is a new engine (cleared and
+rebuilt from seq 0) or a buffer that no longer reaches back (cleared, ``replay_miss``).
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
 from kvlookup import kinds, metrics
 from kvlookup.index import keys
 from kvlookup.index.store import Store
+from kvlookup.index.vllm_groups import GroupSpec
 from kvlookup.sidecar.vllm_apply import BatchApplier, RankContext
 from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import decode_batch, parse_live
@@ -46,8 +52,11 @@ ReplayFn = Callable[[int, int], list[tuple[int, bytes]] | None]
 class RankState:
     last: int | None = None  # last applied seq; None: nothing applied since the last clear/start
     live_high: int = -1  # highest seq seen on the live stream
-    block_size: int | None = None
     contacted: bool = False
+    last_digest: str | None = None  # digest of the batch at ``last``
+    chains: set[tuple[int, int]] = field(default_factory=set)  # prefix chains (block size, lookahead)
+    groups: dict[int, GroupSpec] = field(default_factory=dict)  # KV cache groups learned from stores
+    legacy_space: str = ""  # space of engine map entries written without one
 
 
 def digest(payload: bytes) -> str:
@@ -60,8 +69,9 @@ class VllmIngest:
 
     store: the index. instance_id: the name lookups report. replay: see :data:`ReplayFn`
     (None = no replay endpoint). owner: the sidecar id that owns the instance (renews its
-    lease). Counters: ``rejected`` (events/batches per reason), ``skipped`` (other_group,
-    remove_unknown), ``duplicates``, ``resyncs`` (per reason).
+    lease). Counters: ``rejected`` (events/batches per reason), ``skipped`` (remote_tier,
+    remove_unknown), ``duplicates``, ``resyncs`` (per reason). model: the served model, when
+    discovered (:meth:`set_model`). :meth:`catch_up` asks replay for what a rank missed.
     """
 
     def __init__(self, store: Store, instance_id: str, replay: ReplayFn | None = None, owner: str = ""):
@@ -74,6 +84,15 @@ class VllmIngest:
         self.skipped: Counter = Counter()
         self.resyncs: Counter = Counter()
         self.duplicates = 0
+        self.model: str | None = None
+
+    def set_model(self, model: str | None) -> None:
+        """The served model's name (discovered): written to the instance hash (``model``) now when
+        the instance is registered, else when a rank registers; lookups naming another model skip it."""
+        self.model = model
+        ik = keys.instance_key(self.instance_id)
+        if model and kinds.of(self.store.r.hget(ik, "kind")) is kinds.VLLM:
+            self.store.r.hset(ik, "model", model)
 
     def handle_live(self, rank: int, frames: list[bytes]) -> None:
         """One live SUB message of ``rank``. Never raises except for Redis outages."""
@@ -117,16 +136,97 @@ class VllmIngest:
                 return
         self._apply(rank, st, seq, payload)
 
+    # -- catch-up on (re)connect ----------------------------------------------------------------
+
+    def catch_up(self, rank: int) -> str:
+        """Ask the replay endpoint for what ``rank`` missed, without waiting for a live batch:
+        called at sidecar start and whenever its SUB socket (re)connects (a publisher that
+        restarts and sends one batch before the SUB has joined, then goes quiet, is otherwise
+        never caught up). At most three replays, each bounded by the replay client. Returns
+        and counts the outcome (``kvlookup_vllm_catchups_total``). Raises only Redis errors."""
+        outcome = self._catch_up(rank) if self.replay is not None else "no_answer"
+        metrics.CATCHUPS.labels(outcome).inc()
+        if outcome not in ("current", "no_answer"):
+            log.info("%s rank %d: catch-up on connect: %s (last seq %s)", self.instance_id, rank, outcome,
+                     self.ranks[rank].last)
+        return outcome
+
+    def _catch_up(self, rank: int) -> str:
+        assert self.replay is not None
+        st = self.ranks.setdefault(rank, RankState())
+        if not st.contacted:
+            self._load(rank, st)
+        if st.last is not None:
+            msgs = self.replay(rank, st.last)
+            if msgs is None:
+                return "no_answer"
+            if msgs and msgs[0][0] == st.last and digest(msgs[0][1]) == st.last_digest:
+                fresh = [(q, p) for q, p in msgs[1:] if q > st.last]
+                for q, p in fresh:
+                    self._apply(rank, st, q, p)
+                resumed = not st.contacted
+                st.contacted = True
+                return "resumed" if resumed else ("caught_up" if fresh else "current")
+            if msgs and msgs[0][0] > st.last:  # the same stream, its buffer no longer reaches back
+                st.contacted = True
+                self._clear(rank, st, resync="replay_miss")
+                for q, p in msgs:
+                    self._apply(rank, st, q, p)
+                return "replay_miss"
+        return self._rebuild(rank, st)
+
+    def _rebuild(self, rank: int, st: RankState) -> str:
+        """A new engine (or a stream never seen): everything from seq 0, or nothing yet."""
+        assert self.replay is not None
+        had = st.last is not None
+        msgs = self.replay(rank, 0)
+        if msgs is None:
+            return "no_answer"
+        if not msgs and not had:
+            return "current"  # nothing published, nothing held
+        if had:
+            self._count_resync("engine_restart")
+        st.contacted = True
+        st.live_high = -1
+        self._clear(rank, st, resync=None if not msgs or msgs[0][0] == 0 else "replay_miss")
+        for q, p in msgs:
+            self._apply(rank, st, q, p)
+        if not msgs:
+            return "cleared"
+        return "rebuilt" if msgs[0][0] == 0 else "replay_miss"
+
     def _first_contact(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
-        ik = keys.instance_key(self.instance_id)
-        fields = [keys.rank_field(name, rank) for name in ("seq", "digest", "block_size")]
-        p_seq, p_digest, p_bs = self.store.r.hmget(ik, fields)
-        if p_seq is not None and self.store.is_registered(self.instance_id, rank):
-            st.last, st.block_size = int(p_seq), int(p_bs) if p_bs else None
+        p_digest = self._load(rank, st)
+        if st.last is not None:
             if self._resume(rank, st, seq, p_digest):
                 self._on_live(rank, seq, payload)  # now an ordinary live message: dup, next or gap
                 return
         self._start_fresh(rank, st, seq, payload)
+
+    def _load(self, rank: int, st: RankState) -> str | None:
+        """Load the rank's persisted state (seq, chains, groups) when it is still registered;
+        returns the persisted digest. st.last stays None when there is nothing to resume."""
+        fields = self.store.r.hgetall(keys.instance_key(self.instance_id))
+        p_seq = fields.get(keys.rank_field("seq", rank))
+        if p_seq is None or not self.store.is_registered(self.instance_id, rank):
+            return None
+        worker = self.store.r.hkeys(keys.worker_key(self.instance_id, rank))
+        if any(f.startswith(keys.LOCATION_FIELD_PREFIX) and "@" not in f for f in worker):
+            log.info("%s rank %d: records of an earlier layout (one holder per medium); rebuilding",
+                     self.instance_id, rank)
+            return None
+        st.last = int(p_seq)
+        chains = keys.parse_vllm_chains(fields.get(keys.rank_field("block_size", rank)) or "")
+        st.chains = set(chains)
+        st.legacy_space = keys.vllm_space(chains[0][0]) if len(chains) == 1 else ""
+        prefix = keys.group_field(rank, 0)[:-1]
+        for name, value in fields.items():
+            if name.startswith(prefix) and name[len(prefix):].isdigit():
+                spec = GroupSpec.parse(value)
+                if spec is not None:
+                    st.groups[int(name[len(prefix):])] = spec
+        st.last_digest = fields.get(keys.rank_field("digest", rank))
+        return st.last_digest
 
     def _resume(self, rank: int, st: RankState, seq: int, p_digest: str | None) -> bool:
         """Continue a persisted stream when the engine is provably the same one."""
@@ -168,38 +268,45 @@ class VllmIngest:
     # -- writes ---------------------------------------------------------------------------
 
     def _apply(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
-        persist: dict[str, str | int] = {keys.rank_field("seq", rank): seq,
-                                         keys.rank_field("digest", rank): digest(payload)}
-        ctx = RankContext(self.store, self.instance_id, rank, st.block_size, lambda: self._wipe(rank),
-                          lambda: self._register_rank(rank),
-                          self.rejected, self.skipped)
+        d = digest(payload)
+        persist: dict[str, str | int] = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): d}
+        ctx = RankContext(self.store, self.instance_id, rank, lambda: self._wipe(rank, st),
+                          lambda: self._register_rank(rank), self.rejected, self.skipped,
+                          chains=st.chains, groups=st.groups, legacy_space=st.legacy_space)
         try:
             events = decode_batch(payload).events
         except WireError as exc:
             self._reject(exc.reason, f"rank {rank} seq {seq}: {exc}")
             events = ()
         BatchApplier(ctx).run(events, persist)
-        st.block_size = ctx.block_size
-        st.last = seq
+        st.legacy_space = ctx.legacy_space
+        st.last, st.last_digest = seq, d
 
     def _register_rank(self, rank: int) -> None:
         """A new epoch of the rank in the registry, owned by this sidecar."""
         self.store.register_worker(self.instance_id, rank, kind=kinds.VLLM)
+        if self.model:
+            self.store.r.hset(keys.instance_key(self.instance_id), "model", self.model)
         if self.owner:
             self.store.own(self.owner, self.instance_id)
 
-    def _wipe(self, rank: int) -> None:
-        """New epoch for the rank (its records stop counting), empty engine map."""
+    def _wipe(self, rank: int, st: RankState) -> None:
+        """New epoch for the rank (its records stop counting), empty engine map, no learned
+        chains or groups."""
         self._register_rank(rank)
         pipe = self.store.r.pipeline(transaction=False)
         pipe.unlink(keys.engine_map_key(self.instance_id, rank))
         pipe.hdel(keys.instance_key(self.instance_id),
-                  *[keys.rank_field(name, rank) for name in ("seq", "digest", "block_size")])
+                  *[keys.rank_field(name, rank) for name in ("seq", "digest", "block_size", "session")],
+                  *[keys.group_field(rank, g) for g in st.groups])
         pipe.execute()
+        st.chains.clear()
+        st.groups.clear()
+        st.legacy_space = ""
 
     def _clear(self, rank: int, st: RankState, resync: str | None) -> None:
-        self._wipe(rank)
-        st.last, st.block_size = None, None
+        self._wipe(rank, st)
+        st.last, st.last_digest = None, None
         if resync:
             self._mark_resync(rank, resync)
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 
 import zmq
@@ -20,6 +21,7 @@ from kvlookup import metrics
 from kvlookup.index.store import Store
 from kvlookup.sidecar.sockets import Limits, SocketSet
 from kvlookup.sidecar.turns import run_turns
+from kvlookup.sidecar.vllm_discovery import Discovered, DiscoveryError, RankSource, discover
 from kvlookup.sidecar.vllm_ingest import VllmIngest
 from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import REPLAY_END, parse_replay
@@ -32,18 +34,29 @@ log = logging.getLogger(__name__)
 MAX_REPLAY_BATCHES = 10_000
 #: A whole replay may take this many per-reply timeouts.
 TOTAL_TIMEOUTS = 5
+#: When a SUB socket (re)connects, catch up after each of these delays (seconds).
+CATCH_UP_DELAYS_S = (0.05, 1.0)
+#: A discovered engine whose SUB connection dropped: read its URL again after this long, then
+#: every REDISCOVER_EVERY_S, at most REDISCOVER_TRIES times, each GET waiting at most the timeout.
+REDISCOVER_AFTER_S = 1.0
+REDISCOVER_EVERY_S = 2.0
+REDISCOVER_TRIES = 30
+REDISCOVER_TIMEOUT_S = 1.0
 
 
 class ReplayClient:
     """Asks vLLM's replay ROUTER for buffered batches, synchronously.
 
-    ctx: the zmq context. url: ``tcp://host:port`` of rank 0 (rank r adds r). timeout_s: the
-    longest wait for each reply; vLLM answers between queue polls (<= ~0.1 s).
+    ctx: the zmq context. url: ``tcp://host:port`` of rank 0 (rank r adds r), or urls: each
+    rank's own (discovered). timeout_s: the longest wait for each reply; vLLM answers between
+    queue polls (<= ~0.1 s).
     """
 
-    def __init__(self, ctx: zmq.Context, url: str, timeout_s: float = 2.0):
+    def __init__(self, ctx: zmq.Context, url: str | None, timeout_s: float = 2.0,
+                 urls: dict[int, str] | None = None):
         self.ctx = ctx
-        self.url = endpoint(url)
+        self.url = endpoint(url) if url else None
+        self.urls = {rank: endpoint(u) for rank, u in (urls or {}).items()}
         self.timeout_ms = int(timeout_s * 1000)
         self.socks: dict[int, zmq.Socket] = {}
 
@@ -56,6 +69,8 @@ class ReplayClient:
         marker. The caller then resyncs the rank; the loop is never held longer than that.
         """
         sock = self._socket(rank)
+        if sock is None:
+            return None
         sock.send_multipart([b"", start.to_bytes(8, "big")])
         run: list[tuple[int, bytes]] = []
         broken = False
@@ -79,12 +94,15 @@ class ReplayClient:
         self._drop(rank)  # late replies must not reach the next request
         return None
 
-    def _socket(self, rank: int) -> zmq.Socket:
+    def _socket(self, rank: int) -> zmq.Socket | None:
         sock = self.socks.get(rank)
         if sock is None:
+            url = self.urls.get(rank) if self.urls else (with_port_offset(self.url, rank) if self.url else None)
+            if url is None:
+                return None
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(with_port_offset(self.url, rank))
+            sock.connect(url)
             self.socks[rank] = sock
         return sock
 
@@ -100,15 +118,38 @@ class ReplayClient:
 
 @dataclass
 class VllmSource:
-    """One vLLM instance's event endpoints, as given on the command line or in settings."""
+    """One vLLM instance's event endpoints, as given on the command line or in settings, or
+    discovered from its HTTP API (``vllm_url``; kvlookup.sidecar.vllm_discovery): then
+    ``ranks`` lists each data-parallel rank's endpoints, ``model`` the served model, and the
+    loop reads them again when the engine restarts (its SUB connections drop)."""
 
     instance_id: str
-    endpoint: str
+    endpoint: str = ""
     replay_endpoint: str | None = None
     dp_size: int = 1
     bind: bool = False
     topic: str = ""
     replay_timeout_s: float = 2.0
+    vllm_url: str | None = None
+    ranks: tuple[RankSource, ...] = ()
+    model: str | None = None
+
+    def rank_sources(self) -> tuple[RankSource, ...]:
+        """Every rank's endpoints: the discovered ones, or rank r of ``endpoint`` at port + r."""
+        if self.ranks:
+            return self.ranks
+        return tuple(RankSource(r, with_port_offset(self.endpoint, r),
+                                with_port_offset(self.replay_endpoint, r) if self.replay_endpoint else None,
+                                self.topic, self.bind) for r in range(self.dp_size))
+
+    @classmethod
+    def discovered(cls, instance_id: str | None, vllm_url: str, found: Discovered,
+                   replay_timeout_s: float = 2.0) -> VllmSource:
+        """A source from :func:`discover`'s answer; instance_id defaults to the URL's host:port."""
+        name = instance_id or urllib.parse.urlsplit(vllm_url).netloc
+        first = found.ranks[0]
+        return cls(name, first.endpoint, first.replay_endpoint, len(found.ranks), first.bind, first.topic,
+                   replay_timeout_s, vllm_url, found.ranks, found.model)
 
 
 class VllmLoop:
@@ -131,39 +172,95 @@ class VllmLoop:
         self.sockets = sockets or SocketSet(zmq.Context.instance(), Limits())
         self.grace_s = grace_s
         self.ingests: dict[str, VllmIngest] = {}
-        self.replays: list[ReplayClient] = []
+        self.replays: dict[str, ReplayClient] = {}
         self.down: dict[tuple[str, int], float] = {}  # (instance, rank) -> when to record it gone
+        self.catchups: dict[tuple[str, int], list[float]] = {}  # (instance, rank) -> when to catch up
+        self.sources: dict[str, VllmSource] = {}
+        self.subs: dict[str, list[zmq.Socket]] = {}  # instance -> its SUB sockets
+        self.rediscover: dict[str, tuple[float, int]] = {}  # instance -> (when, tries) to read its URL again
+        self.sidecar_id = sidecar_id
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="kvlookup-vllm", daemon=True)
         for source in sources:
-            self.ingests[source.instance_id] = self._attach(source, sidecar_id)
+            self._attach(source)
 
-    def _attach(self, source: VllmSource, sidecar_id: str) -> VllmIngest:
-        replay = ReplayClient(self.sockets.ctx, source.replay_endpoint, source.replay_timeout_s) \
-            if source.replay_endpoint else None
+    def _attach(self, source: VllmSource) -> VllmIngest:
+        iid = source.instance_id
+        ranks = source.rank_sources()
+        urls = {rs.rank: rs.replay_endpoint for rs in ranks if rs.replay_endpoint}
+        replay = ReplayClient(self.sockets.ctx, None, source.replay_timeout_s, urls=urls) if urls else None
         if replay is not None:
-            self.replays.append(replay)
-        ingest = VllmIngest(self.store, source.instance_id, replay, owner=sidecar_id)
-        for rank in range(source.dp_size):
-            url = with_port_offset(source.endpoint, rank)
-            key = (source.instance_id, rank)
-
-            def handler(sock: zmq.Socket, rank: int = rank, key=key) -> None:
-                self.down.pop(key, None)
-                ingest.handle_live(rank, sock.recv_multipart(copy=True))
-
-            def on_event(event: int, _fd: int, _endpoint: str, key=key) -> None:
-                if event == zmq.EVENT_DISCONNECTED:
-                    self.down.setdefault(key, time.monotonic() + self.grace_s)
-                elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
-                    self.down.pop(key, None)
-
-            self.sockets.add(zmq.SUB, handler, bind=url if source.bind else None,
-                             connect=None if source.bind else url, on_event=on_event,
-                             setup=lambda sock: sock.setsockopt(zmq.SUBSCRIBE, source.topic.encode()))
-        log.info("vLLM instance %s: %s %s (ranks %d), replay %s", source.instance_id,
-                 "bind" if source.bind else "connect", source.endpoint, source.dp_size, source.replay_endpoint)
+            self.replays[iid] = replay
+        ingest = self.ingests.get(iid)
+        if ingest is None:
+            ingest = self.ingests[iid] = VllmIngest(self.store, iid, replay, owner=self.sidecar_id)
+        ingest.replay = replay
+        ingest.set_model(source.model)
+        self.sources[iid] = source
+        self.subs[iid] = [self._subscribe(ingest, rs) for rs in ranks]
+        log.info("vLLM instance %s%s: %s; model %s", iid, f" ({source.vllm_url})" if source.vllm_url else "",
+                 ", ".join(f"rank {rs.rank} {'bind' if rs.bind else 'connect'} {rs.endpoint} replay "
+                           f"{rs.replay_endpoint or '-'}" for rs in ranks), source.model or "-")
         return ingest
+
+    def _subscribe(self, ingest: VllmIngest, rs: RankSource) -> zmq.Socket:
+        key = (ingest.instance_id, rs.rank)
+
+        def handler(sock: zmq.Socket) -> None:
+            self.down.pop(key, None)
+            ingest.handle_live(rs.rank, sock.recv_multipart(copy=True))
+
+        def on_event(event: int, _fd: int, _endpoint: str) -> None:
+            if event == zmq.EVENT_DISCONNECTED:
+                self.down.setdefault(key, time.monotonic() + self.grace_s)
+                if self.sources[key[0]].vllm_url and key[0] not in self.rediscover:
+                    self.rediscover[key[0]] = (time.monotonic() + REDISCOVER_AFTER_S, 0)
+            elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self.down.pop(key, None)
+                self._schedule_catch_up(key)
+
+        sock = self.sockets.add(zmq.SUB, handler, bind=rs.endpoint if rs.bind else None,
+                                connect=None if rs.bind else rs.endpoint, on_event=on_event,
+                                setup=lambda s: s.setsockopt(zmq.SUBSCRIBE, rs.topic.encode()))
+        if rs.replay_endpoint:
+            self.catchups[key] = [0.0]  # at start: whatever was published while no sidecar listened
+        return sock
+
+    def _detach(self, instance_id: str) -> None:
+        for sock in self.subs.pop(instance_id, []):
+            self.sockets.remove(sock)
+        replay = self.replays.pop(instance_id, None)
+        if replay is not None:
+            replay.close()
+        for key in [k for k in self.catchups if k[0] == instance_id]:
+            del self.catchups[key]
+
+    def _rediscover(self) -> None:
+        """Read the URL of each restarted engine again; re-subscribe when its endpoints moved."""
+        now = time.monotonic()
+        for iid, (due, tries) in list(self.rediscover.items()):
+            if due > now:
+                continue
+            source = self.sources[iid]
+            url = source.vllm_url or ""
+            try:
+                found = discover(url, timeout_s=REDISCOVER_TIMEOUT_S)
+            except DiscoveryError as exc:
+                if tries + 1 >= REDISCOVER_TRIES:
+                    log.warning("vLLM %s: %s; keeping its last endpoints", iid, exc)
+                    del self.rediscover[iid]
+                else:
+                    self.rediscover[iid] = (now + REDISCOVER_EVERY_S, tries + 1)
+                continue
+            del self.rediscover[iid]
+            new = VllmSource.discovered(iid, url, found, source.replay_timeout_s)
+            if new.ranks != source.ranks:
+                log.warning("vLLM %s: endpoints changed on restart; subscribing again", iid)
+                self._detach(iid)
+                self._attach(new)
+            else:
+                self.sources[iid] = new
+                self.ingests[iid].set_model(new.model)
 
     def start(self) -> None:
         self.thread.start()
@@ -171,14 +268,36 @@ class VllmLoop:
     def run(self) -> None:
         """Serve until :meth:`stop`. Redis outages pause the loop; a lost message is a seq gap."""
         run_turns(self._turn, self._stop, "vllm")
-        for replay in self.replays:
+        for replay in self.replays.values():
             replay.close()
         self.sockets.close()
 
     def _turn(self) -> None:
-        for sock in self.sockets.poll(200):
+        for sock in self.sockets.poll(200 if not self.catchups else 50):
             self.sockets.handlers[sock](sock)
+        self._catch_up()
+        if self.rediscover:
+            self._rediscover()
         self._record_gone()
+
+    def _schedule_catch_up(self, key: tuple[str, int]) -> None:
+        """Catch up shortly after a (re)connect, and once more after the slow-joiner window (a
+        batch published while the subscription was still on its way is in the replay buffer by
+        then). At most :data:`CATCH_UP_DELAYS_S` per connection event."""
+        if self.ingests[key[0]].replay is None:
+            return
+        now = time.monotonic()
+        self.catchups[key] = sorted({*self.catchups.get(key, []), *(now + d for d in CATCH_UP_DELAYS_S)})
+
+    def _catch_up(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, due in self.catchups.items() if due and due[0] <= now]:
+            due = [t for t in self.catchups[key] if t > now]
+            if due:
+                self.catchups[key] = due
+            else:
+                del self.catchups[key]
+            self.ingests[key[0]].catch_up(key[1])
 
     def _record_gone(self) -> None:
         now = time.monotonic()

@@ -7,7 +7,7 @@
 
 (() => {
   const $ = (id) => document.getElementById(id);
-  const state = { interval: 3000, paused: false, timer: null, prev: null, overview: null, explain: true };
+  const state = { interval: 3000, paused: false, timer: null, prev: null, overview: null, explain: true, seen: false };
   const TOKEN_MAX = 2 ** 32;
 
   // -- small helpers ----------------------------------------------------------------------
@@ -110,7 +110,9 @@
       for (const w of inst.workers) rows.push(workerRow(inst, w, ov.generated_at));
     }
     $("instances").tBodies[0].replaceChildren(...rows);
-    $("no-instances").hidden = ov.instances.length > 0;
+    if (ov.instances.length > 0) state.seen = true;
+    $("no-instances").hidden = ov.instances.length > 0 || state.seen;
+    $("instances-gone").hidden = ov.instances.length > 0 || !state.seen;
   }
 
   function renderSidecars(ov) {

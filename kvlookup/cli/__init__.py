@@ -14,7 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kvlookup import config as kvconfig
-from kvlookup.config import options
+from kvlookup.config import names, options
 from kvlookup.proc.redis_urls import redacted
 from kvlookup.proc.runtime import GunicornController, ensure_redis, master_temp_dir, setup_logging
 
@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("controller", help="serve POST /lookup (gunicorn); optional embedded sidecar")
     _settings_flags(c, options.CONTROLLER)
     _hash_flags(c)
+    c.add_argument("--redis-port", type=_port, help="the embedded Redis's loopback port when this controller "
+                   "starts it (default: the port its data dir used last, else a free one)")
     c.set_defaults(func=cmd_controller)
 
     s = sub.add_parser("sidecar", help="ingest LMCache worker traffic and/or vLLM KV events into Redis")
@@ -124,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(9000 HTTP, 9001 PULL), then the demo")
     q.add_argument("--port", type=_port, default=9000, help="controller HTTP port (9000)")
     q.add_argument("--monitor-port", type=_port, default=9001, help="LMCache controller_pull_url port (9001)")
-    q.add_argument("--data-dir", help="embedded Redis data dir (default ~/.local/share/kvlookup)")
+    q.add_argument("--data-dir", help="embedded Redis data dir (default ~/.local/share/kvlookup on ports 9000/9001, "
+                                      "else its demo-<port> subfolder: a demo of its own)")
     q.set_defaults(func=cmd_quickstart)
     from kvlookup.cli import explain as explain_cli
     explain_cli.add_parser(sub)
@@ -150,17 +153,27 @@ def _missing_bench(reason: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvlookup.cli import preflight
+
     args = build_parser().parse_args(argv)
+    preflight.warn_all(names.unknown_env(os.environ, kvconfig.setting_names()), sys.stderr)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvlookup: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a peer that is down, a socket that cannot be bound: one line
+        line = preflight.describe(exc)
+        if line is None:
+            raise
+        print(f"kvlookup: error: {line}", file=sys.stderr)
         return 2
 
 
 # -- commands --------------------------------------------------------------------------------
 
 def cmd_controller(args: argparse.Namespace) -> int:
+    from kvlookup.cli import preflight
     from kvlookup.proc.supervise import StartError, Supervisor, check_ports, new_status_file
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, options.CONTROLLER))
@@ -172,7 +185,9 @@ def cmd_controller(args: argparse.Namespace) -> int:
     master, lease, supervisor = os.getpid(), None, None
     settings_dir = tempfile.mkdtemp(prefix="kvlookup-controller-")
     try:
-        lease = ensure_redis(settings)
+        lease = ensure_redis(settings, port=getattr(args, "redis_port", None))
+        if lease is None:
+            preflight.say_redis(settings, log)
         if why := _refused_redis(settings):
             print(f"kvlookup controller: error: {why}", file=sys.stderr)
             return 1
@@ -228,6 +243,22 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings, settings_dir: str) -> C
     return Child("embedded_sidecar", [sys.executable, "-P", "-m", "kvlookup", "sidecar", "--config", path], ports)
 
 
+def _discovered_source(settings) -> tuple:
+    """The vLLM source ``vllm_url`` describes; with ``vllm_endpoint`` also set, a server that cannot
+    tell (older than 0.33) falls back to it with a one-line warning, else DiscoveryError stops."""
+    from kvlookup.sidecar.vllm_discovery import DiscoveryError, discover
+    from kvlookup.sidecar.vllm_zmq import VllmSource
+
+    try:
+        found = discover(settings.vllm_url)
+    except DiscoveryError as exc:
+        if not settings.vllm_endpoint:
+            raise
+        log.warning("%s; using --vllm-endpoint %s", exc, settings.vllm_endpoint)
+        return ()
+    return (VllmSource.discovered(settings.instance_id, settings.vllm_url, found, settings.vllm_replay_timeout_s),)
+
+
 def cmd_sidecar(args: argparse.Namespace) -> int:
     from kvlookup.index.store import Store
     from kvlookup.proc.redis_server import connect
@@ -236,16 +267,24 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, options.SIDECAR))
     setup_logging(settings.log_level)
-    if not settings.pull_url and not settings.reply_url and not settings.vllm_endpoint:
-        raise ValueError("a sidecar needs --pull-url, --reply-url and/or --vllm-endpoint")
+    if not settings.pull_url and not settings.reply_url and not settings.vllm_endpoint and not settings.vllm_url:
+        raise ValueError("a sidecar needs --pull-url, --reply-url, --vllm-endpoint and/or --vllm-url")
+    from kvlookup.cli import preflight
+
+    metrics = f"{settings.host}:{settings.metrics_port}" if settings.metrics_port else None
+    preflight.check_bindable({"pull_url": settings.pull_url, "reply_url": settings.reply_url, "metrics_port": metrics})
     vllm: tuple[VllmSource, ...] = ()
-    if settings.vllm_endpoint:
+    if settings.vllm_url:
+        vllm = _discovered_source(settings)
+    if settings.vllm_endpoint and not vllm:
         assert settings.instance_id  # Settings.validate(): vllm_endpoint needs instance_id
         vllm = (VllmSource(settings.instance_id, settings.vllm_endpoint, settings.vllm_replay_endpoint,
                            settings.vllm_dp_size, settings.vllm_bind, settings.vllm_topic,
                            settings.vllm_replay_timeout_s),)
     server = ensure_redis(settings)
     assert settings.redis_url is not None  # ensure_redis() set it
+    if server is None:
+        preflight.say_redis(settings, log)
     store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
     if why := _refused_redis(settings, store.r):

@@ -14,11 +14,16 @@ import sys
 import urllib.error
 import urllib.request
 
+#: Llama-3's begin-of-text token, which every chat prompt an engine caches starts with.
+BOS = "<|begin_of_text|>"
+
 
 def add_parser(sub) -> None:
     e = sub.add_parser("explain", help="why did a lookup match nothing, or less than expected (POST /lookup/explain)")
     e.add_argument("tokens", nargs="?", help="token ids, a JSON list or comma separated (default: read stdin)")
-    e.add_argument("--text", help="a prompt to tokenize with the Llama-3 tokenizer (needs the demo extra)")
+    e.add_argument("--text", help="a prompt to tokenize with the Llama-3 tokenizer (needs the demo extra); "
+                                  "it starts with <|begin_of_text|> as an engine's prompt does (and the dashboard's)")
+    e.add_argument("--no-bos", action="store_true", help="with --text: do not add <|begin_of_text|>")
     e.add_argument("--lora-name", help="the request's LoRA adapter (vLLM namespaces)")
     e.add_argument("--cache-salt", help="the request's vLLM cache salt")
     e.add_argument("--url", default="http://127.0.0.1:9000", help="controller base URL (http://127.0.0.1:9000)")
@@ -35,7 +40,10 @@ def read_tokens(args: argparse.Namespace) -> list[int]:
             raise ValueError("--text needs a tokenizer: pip install 'kvlookup[demo]'")
         from kvlookup.tokenizer import load_tokenizer
 
-        return load_tokenizer().encode(args.text, add_special_tokens=False).ids
+        text = args.text
+        if not getattr(args, "no_bos", False) and not text.startswith(BOS):
+            text = BOS + text
+        return load_tokenizer().encode(text, add_special_tokens=False).ids
     text = (args.tokens if args.tokens is not None else sys.stdin.read()).strip()
     try:
         tokens = json.loads(text) if text.startswith("[") else [int(t) for t in text.split(",") if t.strip()]
@@ -81,10 +89,15 @@ def render(out: dict) -> None:
         console.print(f"- {line}", highlight=False)
     if not out["instances"]:
         return
-    table = Table("instance", "rank", "space", "matched", "stop chunk", "offset", "reason", "explanation")
+    table = Table()
+    # an instance id is never cut to "…" (it is what one greps for): folded onto a second line at worst
+    table.add_column("instance", overflow="fold")
+    for name in ("rank", "space", "matched", "stop chunk", "offset", "reason"):
+        table.add_column(name)
+    table.add_column("explanation", overflow="fold")
     for e in out["instances"]:
         s = e["stop"] or {}
-        table.add_row(e["instance_id"], e["worker_id"], e["space"] or "lmcache", str(e["matched_prefix_length"]),
+        table.add_row(e["instance_id"], str(e["worker_id"]), e["space"] or "lmcache", str(e["matched_prefix_length"]),
                       str(s.get("chunk", "")), str(s.get("token_offset", "")), s.get("reason", "complete"),
                       s.get("explanation", ""))
     console.print(table)

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from kvlookup.config import names
 from kvlookup.config.options import COMMON, CONTROLLER, EMBEDDED, ENV_PREFIX, SIDECAR, setting
 from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, profile_from_lmcache_yaml
 from kvlookup.netpolicy import LOOPBACK, Networks, address_allowed, parse_networks, split_list
@@ -122,6 +123,14 @@ class Settings:
             "every invalidation Redis has queued (one round trip on the invalidation connection), so a lookup "
             "sees every write completed before it; `off` runs the `LOOKUP` script (one round trip). One Redis "
             "only: with `redis_cluster` or a Sentinel URL lookups read uncached")
+    lookup_cache_keys: int = setting(
+        200_000, readers=(CONTROLLER,),
+        help="(lookup_cache on/fenced) the most chunk sets each worker process keeps",
+        doc="(`lookup_cache` on/fenced) the most chunk sets each worker process keeps. Scan-resistant "
+            "(kvlookup/index/copies.py: a chunk read once waits in a probation segment; only one read again "
+            "takes one of the 80% kept for chunks read repeatedly), so fresh prompts and a working set larger "
+            "than this do not flush a shared system prompt; a chunk nobody holds is never kept; equal chunk "
+            "sets are kept once")
     max_tokens: int = setting(1_048_576, readers=(CONTROLLER,), flag="", help="longer prompts get 413")
     max_body_bytes: int = setting(
         16 * 1024 * 1024, readers=(CONTROLLER,), flag="", default_text="16 MiB",
@@ -223,6 +232,14 @@ class Settings:
     vllm_topic: str = setting("", readers=(SIDECAR,), help="topic prefix to subscribe to (default: all)")
     vllm_replay_timeout_s: float = setting(
         2.0, readers=(SIDECAR,), flag="--vllm-replay-timeout", help="seconds to wait for each replay reply (2)")
+    vllm_url: str | None = setting(
+        None, readers=(SIDECAR,),
+        help="a vLLM 0.33+ server, http://HOST:8000: subscribe to every DP rank it lists in /kv_event_sources "
+             "and scope lookups by its /v1/models model (instead of --vllm-endpoint)",
+        doc="a vLLM 0.33+ server's API, `http://HOST:8000`: every DP rank's endpoints from `GET /kv_event_sources`, "
+            "the model from `/v1/models` (lookups naming another `model_name` skip it), read again when the engine "
+            "restarts; `instance_id` defaults to `HOST:PORT`; servers before 0.33 stop the sidecar with a one-line "
+            "error unless `vllm_endpoint` is given too (docs/vllm.md)")
 
     def validate(self) -> Settings:
         """Check every setting; raise ValueError ``"<setting>: <value> is not ..."`` naming the
@@ -250,6 +267,8 @@ class Settings:
                     endpoint(value)
                 except ValueError:
                     raise ValueError(f"{name}: {value!r} is not host:port or a ZMQ endpoint") from None
+        if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm_url: {self.vllm_url!r} is not http://HOST:PORT (the vLLM server's API)")
         if self.vllm_endpoint and not self.instance_id:
             raise ValueError("vllm_endpoint needs instance_id (the name lookups report for that instance)")
         if self.vllm_replay_endpoint and not self.vllm_endpoint:
@@ -260,8 +279,8 @@ class Settings:
 
     def _validate_ranges(self) -> None:
         """Ranges and choices of the typed values (see the RANGES table)."""
-        for names, ok, what in RANGES:
-            for name in names:
+        for settings, ok, what in RANGES:
+            for name in settings:
                 value = getattr(self, name)
                 if value is not None and not ok(value):
                     raise ValueError(f"{name}: {value!r} is not {what}")
@@ -366,7 +385,7 @@ RANGES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("port", "monitor_port", "metrics_port"), _is_port, "a TCP port (1..65535)"),
     (("gunicorn_workers",), lambda v: 1 <= v <= 256, "an integer 1..256 (processes: about one per core)"),
     (("gunicorn_threads",), lambda v: 1 <= v <= 1024, "an integer 1..1024"),
-    (("max_tokens", "max_body_bytes", "redis_max_connections",
+    (("max_tokens", "max_body_bytes", "redis_max_connections", "lookup_cache_keys",
       "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size"), lambda v: v >= 1,
      "a positive integer"),
     (("control_retries",), lambda v: v >= 0, "an integer >= 0"),
@@ -475,6 +494,12 @@ def typed(name: str, value: Any) -> Any:
     return _CONVERTERS[kind](name, value)
 
 
+def setting_names() -> dict[str, str]:
+    """Every setting's name as typed after ``KVLOOKUP_`` (lower case) -> as written in YAML
+    (kvlookup.config.names.known)."""
+    return names.known(_FIELD_TYPES, HASH_KEYS)
+
+
 def read_yaml(path: str, setting: str) -> dict[str, Any]:
     """A YAML file that must hold a mapping; ValueError naming ``setting`` and the file when it
     cannot be read, does not parse, or holds something else."""
@@ -515,7 +540,7 @@ def load(path: str | None = None, overrides: Mapping[str, Any] | None = None,
     for layer in layers:
         for key, value in layer.items():
             if key not in _FIELD_TYPES:
-                raise ValueError(f"unknown setting {key!r}")
+                raise ValueError(f"unknown setting {key!r}{names.setting_hint(key, setting_names())}")
             if key == "hash":
                 settings.hash = {**settings.hash, **_as_hash("hash", value)}
             else:

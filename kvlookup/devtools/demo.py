@@ -18,11 +18,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from kvlookup.devtools.workersim import SimEngine
 from kvlookup.hashing.lmcache import HashProfile
+from kvlookup.proc.embedded import served_by
 from kvlookup.proc.lifetime import dies_with_parent
-from kvlookup.proc.redis_server import port_free
+from kvlookup.proc.redis_server import default_data_dir, port_free
 from kvlookup.tokenizer import load_tokenizer
 
 SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
@@ -127,6 +129,33 @@ def start_engines(pull_url: str, reply_url: str | None, http: str, era: str, pro
     return [a, b]
 
 
+def keep_traffic(engines: list[SimEngine], http: str, profile: HashProfile, ctrl: subprocess.Popen,
+                 period_s: float = 1.0, keep_chunks: int = 8) -> None:
+    """Until ``ctrl`` exits: one lookup a second (a demo prompt, or a miss), and every 5 s the
+    second engine stores a new 300-token prompt on disk, evicting the oldest beyond
+    ``keep_chunks`` prompts. The demo's own prompts (the seed's included) are never evicted."""
+    import random
+
+    rng = random.Random(7)
+    prompts = list(demo_prompts(load_tokenizer()).values())
+    churn: list[Any] = []
+    tick = 0
+    while ctrl.poll() is None:
+        tokens = rng.choice(prompts) if rng.random() < 0.8 else [rng.randrange(1, 100_000) for _ in range(40)]
+        try:
+            post_lookup(http, tokens, timeout=5)
+        except (urllib.error.URLError, OSError, ValueError):
+            pass  # the controller is stopping, or busy: the next tick tries again
+        if tick % 5 == 0 and len(engines) > 1:
+            hashes = profile.chunk_hashes([rng.randrange(1, 100_000) for _ in range(300)])
+            engines[1].store(hashes, location="LocalDiskBackend")
+            churn.append(hashes)
+            if len(churn) > keep_chunks:
+                engines[1].evict(churn.pop(0), location="LocalDiskBackend")
+        tick += 1
+        time.sleep(period_s)
+
+
 def _wait_for_interrupt() -> None:
     try:
         while True:
@@ -170,19 +199,32 @@ def wait_http(http: str, timeout: float = 60.0, proc: subprocess.Popen | None = 
     return False
 
 
+def demo_data_dir(port: int, monitor_port: int) -> Path:
+    """The embedded Redis data dir of a demo: the default one on the seed's ports (9000, 9001),
+    else ``<default>/demo-<port>``, so a second demo on other ports has its own index (its
+    engines use the same instance ids: sharing one index, one demo's stop would reap the other's)."""
+    base = default_data_dir()
+    return base if (port, monitor_port) == (9000, 9001) else base / f"demo-{port}"
+
+
 def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
     """Run the controller (embedded Redis + sidecar) on the seed's ports, the demo, then wait."""
+    chosen = Path(data_dir) if data_dir else demo_data_dir(port, monitor_port)
     # -P: a kvlookup/ folder in the working directory (the checkout, seen from above) cannot shadow the package
     cmd = [sys.executable, "-P", "-m", "kvlookup", "controller", "--host", "localhost", "--port", str(port),
-           "--monitor-port", str(monitor_port), "--log-level", "WARNING"]
-    if data_dir:
-        cmd += ["--data-dir", data_dir]
+           "--monitor-port", str(monitor_port), "--log-level", "WARNING", "--data-dir", str(chosen)]
+    served = served_by(chosen) if chosen.exists() else None
     busy = [p for p in (port, monitor_port) if not port_free(p)]
     if busy:
         print(f"kvlookup: error: port(s) {busy} on localhost are in use; stop what holds them or pass "
               "--port/--monitor-port", file=sys.stderr)
         return 2
     print("$ kvlookup " + " ".join(cmd[4:]), flush=True)
+    if served is not None:
+        print(f"Embedded Redis: joining the one already serving {chosen} ({served.get('url', 'starting')}): "
+              "its index is shared with the processes using it. Pass --data-dir DIR for a separate one.", flush=True)
+    else:
+        print(f"Embedded Redis: this demo's own, data dir {chosen}", flush=True)
     engines: list[SimEngine] = []
     ctrl = subprocess.Popen(cmd, preexec_fn=dies_with_parent())  # killed with the quickstart, even by kill -9
     http = f"http://localhost:{port}"
@@ -194,7 +236,9 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
             return 1
         engines = start_engines(f"localhost:{monitor_port}", None, http, "0.3", HashProfile())
         print(f"\nController on {http} (the fleet dashboard: {http}/), LMCache PULL on localhost:{monitor_port}; "
-              "the two simulated engines stay registered. Ctrl-C stops everything.")
+              "the two simulated engines stay registered, with a light stream of lookups and cache churn so "
+              "the dashboard's charts move. Ctrl-C stops everything.", flush=True)
+        keep_traffic(engines, http, HashProfile(), ctrl)
         return ctrl.wait()
     except KeyboardInterrupt:
         return 0

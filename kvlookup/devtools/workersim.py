@@ -12,6 +12,7 @@ against the real LMCache code separately (tests/compat/test_lmcache_real.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import zmq
@@ -21,6 +22,23 @@ from kvlookup.wire import lmcache as proto
 from kvlookup.wire.zmqaddr import endpoint
 
 MAX_FRAMES = 50
+
+
+def chunk_ends(n_tokens: int, profile) -> list[int]:
+    """The end token index of each chunk ``profile`` hashes for ``n_tokens`` tokens."""
+    size = profile.chunk_size
+    full = list(range(size, n_tokens + 1, size))
+    if profile.save_unfull_chunk and n_tokens % size:
+        full.append(n_tokens)
+    return full
+
+
+def _decoder():
+    from kvlookup.wire import lmcache_control as ctl
+
+    return msgspec.msgpack.Decoder(ctl.ClearWorkerMsg | ctl.PinWorkerMsg | ctl.CompressWorkerMsg
+                                   | ctl.DecompressWorkerMsg | ctl.MoveWorkerMsg | ctl.HealthWorkerMsg
+                                   | ctl.CheckFinishWorkerMsg)
 
 
 class WorkerSim:
@@ -139,7 +157,10 @@ class WorkerSim:
 
 class SimEngine:
     """A simulated LMCache engine: what it holds (its true state, per location), one
-    :class:`WorkerSim` per TP rank reporting it, and a control port answering health calls.
+    :class:`WorkerSim` per TP rank reporting it, and a control port per rank answering the
+    controller's calls as LMCache's worker does (docs/lmcache-protocol.md §6): health (0),
+    clear (every chunk of the location evicted and reported), pin / compress / decompress / move
+    (the tokens of the longest prefix held there, under ``profile``), check_finish.
 
     A heartbeat whose reply carries a ``full_sync`` command is obeyed as LMCache's
     FullSyncSender would (the LocalCPUBackend keys, in batches), so tests can assert that the
@@ -147,10 +168,15 @@ class SimEngine:
     """
 
     def __init__(self, instance_id: str, *, era: str = "0.5", pull_url: str, reply_url: str | None = None,
-                 tp: int = 1, ctx: zmq.Context | None = None):
+                 tp: int = 1, ctx: zmq.Context | None = None, profile=None):
         import threading
 
+        from kvlookup.hashing.lmcache import HashProfile
+
         self.instance_id = instance_id
+        self.profile = profile or HashProfile()
+        self._clearing: dict[str, tuple[int, set[int]]] = {}
+        self.lock = threading.RLock()  # the control thread and the caller both send on the workers' sockets
         self.ctx = ctx or zmq.Context.instance()
         self.held: dict[str, set[ChunkHash]] = {}
         self.reps = []
@@ -168,30 +194,81 @@ class SimEngine:
         self._thread.start()
 
     def _answer(self) -> None:
-        from kvlookup.wire.lmcache_control import HealthWorkerRetMsg, encode
+        from kvlookup.wire.lmcache_control import encode
 
         poller = zmq.Poller()
         for rep in self.reps:
             poller.register(rep, zmq.POLLIN)
         while not self._stop.is_set():
             for rep, _ev in poller.poll(100):
-                rep.recv()
-                self.health_calls += 1
-                rep.send(encode(HealthWorkerRetMsg(error_code=0)))
+                raw = rep.recv()
+                rep.send(encode(self.control(raw, rank=self.reps.index(rep))))
+
+    def control(self, raw: bytes, rank: int = 0) -> msgspec.Struct:
+        """The reply to one control request (msgpack bytes, as the controller sends them)."""
+        from kvlookup.wire import lmcache_control as ctl
+
+        try:
+            msg = _control_decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            return proto.ErrorMsg(error=f"Unknown message: {exc}")
+        if isinstance(msg, ctl.HealthWorkerMsg):
+            self.health_calls += 1
+            return ctl.HealthWorkerRetMsg(error_code=0)
+        if isinstance(msg, ctl.CheckFinishWorkerMsg):
+            return ctl.CheckFinishWorkerRetMsg(status="finished")
+        if isinstance(msg, ctl.ClearWorkerMsg):
+            return ctl.ClearWorkerRetMsg(num_tokens=self._clear(msg.location, rank))
+        location = msg.old_position if isinstance(msg, ctl.MoveWorkerMsg) else msg.location
+        tokens = self._held_prefix(list(msg.tokens or []), location)
+        reply: dict[type, Any] = {
+            ctl.PinWorkerMsg: ctl.PinWorkerRetMsg, ctl.CompressWorkerMsg: ctl.CompressWorkerRetMsg,
+            ctl.DecompressWorkerMsg: ctl.DecompressWorkerRetMsg, ctl.MoveWorkerMsg: ctl.MoveWorkerRetMsg}
+        return reply[type(msg)](num_tokens=tokens)
+
+    def _clear(self, location: str, rank: int) -> int:
+        """Tokens a clear of ``location`` drops on ``rank`` (chunks x chunk_size: the simulation knows
+        hashes, not lengths). The controller asks every rank in
+        turn; the first one evicts the (shared) chunks on every rank, and the others answer the
+        same count, as real ranks holding the same chunks each would."""
+        count, answered = self._clearing.get(location, (None, set()))
+        if count is None or rank in answered:
+            held = sorted(self.held.get(location, ()))
+            count, answered = len(held) * self.profile.chunk_size, set()
+            if held:
+                self.evict(held, location)
+        answered.add(rank)
+        if len(answered) == len(self.workers):
+            self._clearing.pop(location, None)
+        else:
+            self._clearing[location] = (count, answered)
+        return count
+
+    def _held_prefix(self, tokens: list[int], location: str) -> int:
+        """How many leading tokens of ``tokens`` this engine holds at ``location``."""
+        held, matched = self.held.get(location, set()), 0
+        for end, chunk_hash in zip(chunk_ends(len(tokens), self.profile), self.profile.chunk_hashes(tokens),
+                                   strict=True):
+            if chunk_hash not in held:
+                break
+            matched = end
+        return matched
 
     def register(self) -> None:
         for w in self.workers:
             w.register()
 
     def store(self, hashes: Sequence[ChunkHash], location: str = "LocalCPUBackend") -> None:
-        self.held.setdefault(location, set()).update(hashes)
-        for w in self.workers:
-            w.admit(list(hashes), location)
+        with self.lock:
+            self.held.setdefault(location, set()).update(hashes)
+            for w in self.workers:
+                w.admit(list(hashes), location)
 
     def evict(self, hashes: Sequence[ChunkHash], location: str = "LocalCPUBackend") -> None:
-        self.held.setdefault(location, set()).difference_update(hashes)
-        for w in self.workers:
-            w.evict(list(hashes), location)
+        with self.lock:
+            self.held.setdefault(location, set()).difference_update(hashes)
+            for w in self.workers:
+                w.evict(list(hashes), location)
 
     def lose(self, stored: Sequence[ChunkHash] = (), evicted: Sequence[ChunkHash] = (),
              location: str = "LocalCPUBackend") -> None:
@@ -226,3 +303,6 @@ class SimEngine:
         self._thread.join(2)
         for rep in self.reps:
             rep.close(0)
+
+
+_control_decoder = _decoder()

@@ -3,7 +3,7 @@
 LMCache's ``ChunkedTokenDatabase`` splits a prompt into chunks of ``chunk_size`` tokens and
 chains them: ``h_i = H(h_{i-1}, chunk_i)`` with ``h_-1 = NONE_HASH``. With
 ``save_unfull_chunk`` the trailing partial chunk gets its own hash. What ``H`` and NONE_HASH
-are depends on the LMCache version (see ../shared/research/lmcache-controller.md §4):
+are depends on the LMCache version (docs/lmcache-protocol.md §4):
 
 ====================  ==========================================  ===================
 extra_keys / algo     H(prefix, chunk)                            LMCache versions
@@ -185,7 +185,10 @@ def profile_from_lmcache_yaml(data: Mapping[str, Any], base: Mapping[str, Any] |
     """
     settings = dict(base or {})
     if "chunk_size" in data:
-        settings["chunk_size"] = int(data["chunk_size"])
+        try:
+            settings["chunk_size"] = int(data["chunk_size"])
+        except (TypeError, ValueError):
+            raise ValueError(f"chunk_size: {data['chunk_size']!r} is not an integer") from None
     if "save_unfull_chunk" in data:
         settings["save_unfull_chunk"] = data["save_unfull_chunk"]
     algo = str(data.get("pre_caching_hash_algorithm", "builtin"))

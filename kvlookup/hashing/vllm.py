@@ -1,7 +1,7 @@
 """kvlookup's own hash chain for vLLM blocks, independent of vLLM's hash algorithm and seed.
 
 vLLM's block hashes (sha256 of a pickle, seeded by PYTHONHASHSEED or os.urandom) cannot be
-reproduced outside the engine (../shared/research/peers.md §1.5), so the sidecar recomputes a
+reproduced outside the engine (docs/vllm-events.md §3), so the sidecar recomputes a
 chain of its own from the ``token_ids`` carried by BlockStored, and lookups compute the same
 chain from a request's tokens::
 
@@ -13,6 +13,12 @@ chain from a request's tokens::
 ``hash`` of a tuple of ints is CPython's C tuple hash: it does not depend on PYTHONHASHSEED, so
 every process computes the same values. Strings (LoRA names, cache salts, multimodal ids) only
 ever enter through :func:`stable_id` (blake2b), never through ``hash``.
+
+EAGLE lookahead (vLLM 0.33 ``num_hash_lookahead_tokens`` L > 0, vllm/config/vllm.py:677-692;
+vllm/v1/core/kv_cache_utils.py:966-1019): vLLM's hash of a block then also covers the L tokens
+after it, so the block serves only prompts that continue with them. kvlookup's step for such a
+block takes them as an extra: ``extra = (LOOKAHEAD_TAG, ek_i, tuple(next_L_tokens))``, and a
+lookup walks the lookahead chain (:func:`chain` with ``lookahead=L``) beside the plain one.
 
 Namespaces: the root covers the block size, the LoRA adapter and the first block's extra keys
 (vLLM puts ``cache_salt`` there), so a prompt under adapter X never matches blocks stored under
@@ -57,18 +63,32 @@ def chain_step(parent: int, block_tokens: Sequence[int], extra: Any = None) -> i
     return hash((parent, tuple(block_tokens), stable_id(extra)))
 
 
+LOOKAHEAD_TAG = "kvlookup-la"
+
+
+def with_lookahead(extra: Any, lookahead: Sequence[int]) -> tuple:
+    """A block's step extra when its hash also covers the ``lookahead`` tokens after it."""
+    return (LOOKAHEAD_TAG, extra, tuple(lookahead))
+
+
 def chain(parent: int, tokens: Sequence[int], block_size: int,
-          extras: Sequence[Any] | None = None) -> list[int]:
+          extras: Sequence[Any] | None = None, lookahead: int = 0) -> list[int]:
     """Hashes of the full blocks of ``tokens`` chained from ``parent`` (a root or a hash).
 
     extras: one entry per block (None = plain block) or None for all plain. A trailing partial
-    block is not hashed.
+    block is not hashed. lookahead: L > 0 hashes each block with the L tokens after it
+    (:func:`with_lookahead`), and only blocks followed by L tokens, as vLLM does.
     """
     out: list[int] = []
     h = parent
-    full = len(tokens) - len(tokens) % block_size
+    usable = len(tokens) - lookahead
+    full = max(0, usable - usable % block_size)
     for i, start in enumerate(range(0, full, block_size)):
-        h = chain_step(h, tokens[start:start + block_size], extras[i] if extras else None)
+        extra = extras[i] if extras else None
+        end = start + block_size
+        if lookahead:
+            extra = with_lookahead(extra, tokens[end:end + lookahead])
+        h = chain_step(h, tokens[start:end], extra)
         out.append(h)
     return out
 

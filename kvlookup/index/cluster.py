@@ -34,7 +34,7 @@ class ClusterRecords:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def apply(self, writes: Sequence[HolderWrite], score: int) -> list[bool]:
+    def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
         # a holder counts while it is described and not retired (the same test as APPLY_OPS)
         first: list[tuple] = [cmd for w in writes for cmd in (("HEXISTS", keys.holders_key(), w.holder_id),
                                                               ("ZSCORE", keys.dead_holders_key(), w.holder_id))]
@@ -67,8 +67,8 @@ class ClusterRecords:
         for wi, ci in evict_rems:
             delta[writes[wi].holder_id] -= _count(res2[ci])
         counts = [("HINCRBY", keys.records_key(), hid, d) for hid, d in delta.items() if d]
-        if counts:
-            self.io.execute(counts)
+        if counts or then:
+            raise_errors(self.io.execute([*counts, *then]))
         return live
 
     # -- lookup ------------------------------------------------------------------------------

@@ -151,6 +151,7 @@ class Explainer:
         st = _State(self, tokens, chains, variants, now_ms)
         st.read()
         entries = st.entries()
+        self._add_sessions(entries)
         out = {"answer": answer, "profile": asdict(prof), "tokens": len(tokens),
                "chunks": len(prof.chunk_bounds(len(tokens))), "hashed_tokens": prof.hashed_length(len(tokens)),
                "instances": entries,
@@ -161,6 +162,18 @@ class Explainer:
         out["diagnosis"] = st.diagnosis(out)
         out["cause"] = _cause(out)
         return out
+
+    def _add_sessions(self, entries: list[dict]) -> None:
+        """vLLM ranks: the session_id of the last store that named one (``session:<rank>``)."""
+        wanted = [e for e in entries if e["worker_id"] and e["space"].startswith("v")]
+        if not wanted:
+            return
+        pipe = self.client.store.r.pipeline(transaction=False)
+        for e in wanted:
+            pipe.hget(keys.instance_key(e["instance_id"]), keys.rank_field("session", e["worker_id"]))
+        for e, session in zip(wanted, pipe.execute(), strict=True):
+            if session:
+                e["session_id"] = session
 
     def _block_sizes(self) -> list[int]:
         from kvlookup.client import VllmChains

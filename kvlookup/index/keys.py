@@ -203,7 +203,9 @@ def instances_key() -> str:
 
 
 def instance_key(instance_id: str) -> str:
-    """Hash of instance facts: kind (lmcache|vllm), worker_rule (all|any), vLLM rank fields."""
+    """Hash of instance facts: kind (lmcache|vllm), worker_rule (all|any), vLLM rank fields
+    (:func:`rank_field`, :func:`group_field`), ``model`` (a discovered vLLM server's model:
+    lookups naming another ``model_name`` skip the instance)."""
     return f"{REGISTRY}instance:{key_name(instance_id)}"
 
 
@@ -259,8 +261,9 @@ def ip_index_key(ip: str) -> str:
 
 
 def block_sizes_key() -> str:
-    """Hash worker member -> block size (tokens) of each registered vLLM rank; lookups walk the
-    block sizes of live ranks only, and a rank's field goes with its registration."""
+    """Hash worker member -> the prefix chains of each registered vLLM rank, comma-separated
+    :func:`vllm_chain` descriptors (``"16"``, ``"16,256"``, ``"16+1"``); lookups walk the chains of
+    live ranks only, and a rank's field goes with its registration."""
     return REGISTRY + "block_sizes"
 
 
@@ -297,32 +300,74 @@ def sidecar_status_key(sidecar_id: str) -> str:
 
 
 def engine_map_key(instance_id: str, rank: int | str = 0) -> str:
-    """Hash engine block hash (u64 decimal) -> ``"<kvlookup chunk hash>|<medium>[,<medium>]"``,
-    per vLLM instance and data-parallel rank. Resolves BlockRemoved and token-less BlockStored;
-    a field goes when no medium holds the block any more; the key goes when the rank is cleared.
-    No hash tag: as large as the rank's records, so it spreads over the cluster.
+    """Hash :func:`engine_field` -> ``"<kvlookup chunk hash>|<residency>[,<residency>]|<block size>"``,
+    per vLLM instance and data-parallel rank; a residency is ``<medium>`` or
+    ``<medium>~<ownership>`` (entries written before block sizes were kept have no third part).
+    Resolves BlockRemoved and token-less BlockStored; a field goes when no residency holds the
+    block any more; the key goes when the rank is cleared. No hash tag: as large as the rank's
+    records, so it spreads over the cluster.
     """
     return f"{PREFIX}blocks:{key_name(instance_id)}:{rank}"
 
 
+def engine_field(engine_hash: int, group_idx: int | None = None) -> str:
+    """Field of :func:`engine_map_key` for one engine block hash in one KV cache group: the hash
+    (u64 decimal) for group None or 0, ``<hash>@<group>`` for the others (vLLM keys blocks by
+    ``BlockHashWithGroupId``: one hash can live in several groups)."""
+    return str(engine_hash) if not group_idx else f"{engine_hash}@{group_idx}"
+
+
 def vllm_space(block_size: int) -> str:
-    """Hash space (chunk key tag) of kvlookup's own chains over vLLM blocks of ``block_size`` tokens."""
+    """Hash space (chunk key tag) of kvlookup's own chains over vLLM blocks of ``block_size`` tokens
+    (the prefix chain: full, MLA and sink-full attention groups, and streams without groups)."""
     return f"v{int(block_size)}"
+
+
+def vllm_group_space(block_size: int, group_idx: int) -> str:
+    """Hash space of a hybrid model's other groups (sliding window, Mamba, ...): ``v<bs>g<group>``.
+    Never walked for matched_prefix_length; read for ``reusable_prefix_length`` only."""
+    return f"v{int(block_size)}g{int(group_idx)}"
+
+
+def vllm_chain(block_size: int, lookahead: int = 0) -> str:
+    """Descriptor of a prefix chain in :func:`block_sizes_key`: ``"<bs>"`` or ``"<bs>+<L>"`` for
+    blocks hashed with L lookahead tokens (EAGLE block drop)."""
+    return f"{int(block_size)}+{int(lookahead)}" if lookahead else str(int(block_size))
+
+
+def parse_vllm_chains(text: str) -> list[tuple[int, int]]:
+    """(block size, lookahead) pairs from a comma-separated :func:`vllm_chain` list; bad parts skipped."""
+    out = []
+    for part in str(text).split(","):
+        bs, _, la = part.strip().partition("+")
+        if bs.isdigit() and (not la or la.isdigit()) and int(bs) > 0:
+            out.append((int(bs), int(la or 0)))
+    return out
 
 
 def rank_field(name: str, rank: int | str) -> str:
     """Per-rank field of a vLLM instance hash: ``seq:<rank>`` (last applied seq), ``digest:<rank>``
-    (blake2b of that batch's payload), ``resync:<rank>`` (why its records are incomplete)."""
+    (blake2b of that batch's payload), ``resync:<rank>`` (why its records are incomplete),
+    ``block_size:<rank>`` (its prefix chains, as in :func:`block_sizes_key`), ``session:<rank>``
+    (the session_id of the last store that named one)."""
     return f"{name}:{rank}"
+
+
+def group_field(rank: int | str, group_idx: int) -> str:
+    """Field of a vLLM instance hash describing one KV cache group of one rank, learned from its
+    stores: ``group:<rank>:<group>`` -> ``"<kind>|<block size>|<sliding window or ''>"``."""
+    return f"group:{rank}:{group_idx}"
 
 
 #: The field of a worker hash that names the current holder id of one location.
 LOCATION_FIELD_PREFIX = "loc:"
 
 
-def location_field(location: str) -> str:
-    """Field of the worker hash holding the current holder id for ``location``."""
-    return LOCATION_FIELD_PREFIX + location
+def location_field(location: str, space: str = "") -> str:
+    """Field of the worker hash holding the current holder id for ``location`` in hash space
+    ``space``: ``loc:<location>`` (LMCache, space "") or ``loc:<location>@<space>`` (a vLLM rank
+    holds records in several spaces per medium: block sizes, hybrid groups; each has its holder)."""
+    return LOCATION_FIELD_PREFIX + location + (f"@{space}" if space else "")
 
 
 def event_key(event_id: str) -> str:

@@ -41,6 +41,9 @@ class Matches(list):
     '' when it matched or the walk ran in Lua (which does not say)."""
 
     miss: str = ""
+    #: True when this object is a kept answer (kvlookup.index.staged memo), returned to many
+    #: lookups: nobody may change it.
+    kept: bool = False
 
     @classmethod
     def of(cls, matches: list[Match], miss: str = "") -> Matches:
@@ -130,10 +133,11 @@ class Records(Protocol):
         """Point lookup: the holder ids recorded for each chunk key (admitted and not evicted;
         retired holders included: callers resolve them), in key order."""
 
-    def apply(self, writes: Sequence[HolderWrite], score: int) -> list[bool]:
+    def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
         """Write each holder's admits/evicts (score: admit time, unix ms). Returns, per write,
         False when the holder was retired (nothing written for it that counts; the caller
-        resolves the current holder and writes again)."""
+        resolves the current holder and writes again). then: plain commands sent after the
+        writes, in the same round trip where the backend can (their errors raise)."""
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         """Every group's match over ``chains`` (non-empty), in no particular order."""

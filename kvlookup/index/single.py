@@ -25,21 +25,21 @@ class SingleNodeRecords:
     sets that Redis keeps coherent (kvlookup.index.tracking.CachedReads) and walk in Python
     (kvlookup.index.staged): a lookup whose chunks and holders are known costs no round trip
     (``"fenced"``: one short one, and it sees every write completed before it). False: the
-    LOOKUP script.
+    LOOKUP script. cache_keys: the most chunk sets kept (``lookup_cache_keys``).
     """
 
-    def __init__(self, client: redis.Redis, cache_reads: bool | str = False):
+    def __init__(self, client: redis.Redis, cache_reads: bool | str = False, cache_keys: int = 200_000):
         self.r = client
         self.io = SingleIO(client)
         self._apply = self.io.register(scripts.APPLY_OPS)
         self._lookup = self.io.register(scripts.LOOKUP)
         self.cached = None
         if cache_reads:
-            self.cached = CachedReads(client, fence=cache_reads == "fenced")
+            self.cached = CachedReads(client, max_keys=cache_keys, fence=cache_reads == "fenced")
             self._resolve = self.cached.register(scripts.RESOLVE)
             self.holder_cache = HolderCache()
 
-    def apply(self, writes: Sequence[HolderWrite], score: int) -> list[bool]:
+    def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
         cmds: list[tuple] = []
         calls = []
         head = (keys.holders_key(), keys.dead_holders_key(), keys.records_key())
@@ -58,12 +58,12 @@ class SingleNodeRecords:
                              keys.EVICTED_MAX, keys.EVICTED_TTL_MS))
                 n += 1
             calls.append(n)
-        results = iter(raise_errors(self.io.execute(cmds)))
+        results = iter(raise_errors(self.io.execute([*cmds, *then])))
         return [min(int(next(results)) for _ in range(n)) >= 0 for n in calls]
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         if self.cached is not None:
-            return StagedLookup(self.cached.execute, self._resolve, self.holder_cache, chains, live).run()
+            return StagedLookup(self.cached.execute, self._resolve, self.holder_cache, chains, live, memo=True).run()
         chunk_keys: list[str] = []
         args: list = [*live.argv(), len(chains)]
         for chain in chains:

@@ -20,6 +20,12 @@ from kvlookup.index.walk import ChainWalk, Holder
 #: Chunks of each chain read in a lookup's first round; later rounds read 8x the previous.
 FIRST_STAGE = 128
 STAGE_GROWTH = 8
+#: A lookup that resolves holders also resolves, in the same RESOLVE, the known holders whose
+#: answers lapse within this long (ms): leases of a fleet resolved together lapse together (within
+#: their renewal interval, <= 1 s), and one RESOLVE then renews them all, not one per lookup.
+RENEW_AHEAD_MS = 2000
+#: Walk answers a HolderCache keeps (all are dropped when it is full, or when an answer changes).
+MEMO_MAX = 4096
 
 #: ``execute(commands) -> results``: plain commands (name, key, ...) and EVALSHA, in one round trip.
 Execute = Callable[[Sequence[tuple]], list]
@@ -38,17 +44,27 @@ class HolderCache:
     def __init__(self):
         self.version: str | None = None
         self.entries: dict[str, tuple[Holder | None, float]] = {}
+        #: walk answers of :class:`StagedLookup` (memo=True), valid while no entry changes:
+        #: key -> (answer, earliest ``until`` of its holders, the member lists it was walked over)
+        self.memo: dict[tuple, tuple[Matches, float, list]] = {}
+        self.gen = 0  # moves whenever an entry (or the version) changes
+
+    def _changed(self) -> None:
+        self.gen += 1
+        self.memo.clear()
 
     def clear(self) -> None:
         """Forget every answer (the next lookup resolves its holders)."""
         self.entries.clear()
         self.version = None
+        self._changed()
 
     def at(self, version: str) -> None:
         """The registry's version as a lookup read it: a new one drops every answer."""
         if version != self.version:
             self.entries.clear()
             self.version = version
+            self._changed()
 
     def get(self, hid: str, now_ms: int) -> tuple[bool, Holder | None]:
         """(known, holder) for this lookup: known is False when it must be resolved."""
@@ -61,11 +77,18 @@ class HolderCache:
         return (True, holder) if until >= now_ms else (False, None)
 
     def put(self, version: str, hids: Sequence[str], texts: Sequence[str]) -> None:
+        """RESOLVE's answers. Kept walk answers stay when no holder's answer changed (only its
+        ``until`` moved on: a renewed lease); each still expires at its own ``until``."""
         self.at(version)
+        changed = False
         for hid, text in zip(hids, texts, strict=True):
             holder = Holder.parse(text.rpartition(SEP)[0]) if text else None
             until = float(text.rpartition(SEP)[2]) if text else float("inf")
+            old = self.entries.get(hid)
+            changed = changed or old is None or old[0] != holder
             self.entries[hid] = (holder, until)
+        if changed:
+            self._changed()
 
 
 class StagedLookup:
@@ -74,11 +97,20 @@ class StagedLookup:
     knows them. Each later round resolves the holders the previous round found that the cache did
     not know (one RESOLVE on the registry's slot) *and*, in the same round trip, reads the next
     stage of every chain that may still extend (its last chunk read had holders). So a prompt of
-    up to FIRST_STAGE chunks whose holders are known costs one round trip; two otherwise."""
+    up to FIRST_STAGE chunks whose holders are known costs one round trip; two otherwise.
+
+    memo: the executor shares equal member lists as one object (kvlookup.index.copies), so a
+    lookup that read its whole answer in its first round, with every holder known, keeps its
+    answer in the cache (:attr:`HolderCache.memo`) under the runs of those objects; a later
+    lookup whose first round reads the same runs (the same prompt, or any prompt whose chunks
+    have the same holders in the same runs) gets that answer without walking, while no cache
+    entry changed and no holder's ``until`` passed. Walking 1,024 holders costs milliseconds in
+    Python; the memo makes the cost of a held prefix independent of how many hold it."""
 
     def __init__(self, execute: Execute, resolve_sha: str, cache: HolderCache, chains: Sequence[Chain],
-                 live: Liveness):
+                 live: Liveness, memo: bool = False):
         self.execute, self.resolve_sha, self.cache = execute, resolve_sha, cache
+        self.memo = memo
         self.chains, self.live = chains, live
         self.walks = [ChainWalk(c.chunk_size, c.n_tokens) for c in chains]
         self.holders: dict[str, Holder | None] = {}  # as this lookup sees them
@@ -90,6 +122,8 @@ class StagedLookup:
         new_hids: list[str] = []
         first = True
         cache = self.cache
+        memo = None  # (key, member lists, cache generation) of this lookup's first round
+        rounds = 0
         while True:
             reads = [(ci, self._next_span(ci)) for ci in range(len(self.chains)) if self._may_extend(ci)]
             reads = [(ci, span) for ci, span in reads if span]
@@ -102,12 +136,18 @@ class StagedLookup:
             elif first:
                 cmds.append(("GET", keys.registry_version_key()))
             res = self.execute(cmds)
+            rounds += 1
             if new_hids:
                 cache.put(res[-1][0], new_hids, res[-1][1:])
                 for hid in new_hids:
                     self.holders[hid] = cache.get(hid, self.live.now_ms)[1]
             elif first:
                 cache.at(res[-1] or "0")
+                if self.memo:
+                    memo = self._memo_key(reads, res, cache.gen)
+                    hit = cache.memo.get(memo[0]) if memo is not None else None
+                    if hit is not None and hit[1] >= self.live.now_ms:
+                        return hit[0]
             first = False
             self._feed()  # what the previous round read is resolved now
             new_hids = self._take(reads, res)
@@ -115,7 +155,49 @@ class StagedLookup:
                 self._feed()
         found = [Match(inst, wid, end, locs) for w in self.walks for inst, wid, end, locs in w.matches()]
         causes = [w.miss for w in self.walks if w.miss]
-        return Matches.of(found, next((c for c in causes if c != "no_holder"), causes[0] if causes else ""))
+        out = Matches.of(found, next((c for c in causes if c != "no_holder"), causes[0] if causes else ""))
+        if memo is not None and rounds == 1:
+            self._remember(out, *memo)
+        return out
+
+    def _memo_key(self, reads, res, gen: int) -> tuple[tuple, list, int] | None:
+        """The memo key of a first round: per chain its shape and the runs of member-list
+        objects read (object id, length); those objects (kept alive, so no id is reused); and
+        ``gen``. None when a list was not shared (read past the copies: ids would never repeat)."""
+        key: list = [self.live.worker_ttl_ms, self.live.check_alive]
+        objs: list = []
+        pos = 0
+        for ci, span in reads:
+            chain = self.chains[ci]
+            key += (ci, chain.chunk_size, chain.n_tokens, len(chain.hashes))
+            prev, n = None, 0
+            for members in res[pos:pos + len(span)]:
+                if type(members) is not tuple:
+                    return None
+                if members is prev:
+                    n += 1
+                    continue
+                if n:
+                    key.append(n)
+                key.append(id(members))
+                objs.append(members)
+                prev, n = members, 1
+            key.append(n)
+            pos += len(span)
+        return tuple(key), objs, gen
+
+    def _remember(self, out: Matches, key: tuple, objs: list, gen: int) -> None:
+        """Keep a one-round answer, valid until the first ``until`` of its counting holders."""
+        cache = self.cache
+        entries = cache.entries
+        until = min((entries[h][1] for h, holder in self.holders.items() if holder is not None and h in entries),
+                    default=float("inf"))
+        if cache.gen != gen:
+            return  # another lookup changed the cache meanwhile: what this one saw may be gone
+        if len(cache.memo) >= MEMO_MAX:
+            cache.memo.clear()
+        out.kept = True  # shared by every lookup that gets it: never changed (kvlookup.client)
+        cache.memo[key] = (out, until, objs)
 
     def _may_extend(self, ci: int) -> bool:
         walk, unfed = self.walks[ci], self.unfed[ci]
@@ -140,7 +222,7 @@ class StagedLookup:
             pos += len(span)
             self.unfed[ci].extend(lists)
             for members in lists:
-                if members != prev:  # runs of chunks with the same holders are common
+                if members is not prev and members != prev:  # runs of the same holders are common
                     seen.update(members)
                     prev = members
         new = []
@@ -153,6 +235,12 @@ class StagedLookup:
                 self.holders[hid] = holder
             else:
                 new.append(hid)
+        if new:  # a round trip anyway: renew, in it, the answers that would lapse soon too
+            soon = now + RENEW_AHEAD_MS
+            entries = self.cache.entries
+            asked = set(new)
+            new += [h for h in seen if h not in asked and self.holders.get(h) is not None
+                    and entries.get(h, (None, 0.0))[1] < soon]
         return sorted(new)
 
     def _feed(self) -> None:

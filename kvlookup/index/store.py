@@ -48,14 +48,14 @@ class NotRegistered(LookupError):
     """Raised when records arrive for a worker the registry does not know."""
 
 
-def make_records(client, cache_reads: bool | str = False) -> Records:
+def make_records(client, cache_reads: bool | str = False, cache_keys: int = 200_000) -> Records:
     """The records backend for a redis-py client: cluster or single node (cache_reads: see
     SingleNodeRecords; a cluster keeps holder answers only)."""
     if isinstance(client, RedisCluster):
         from kvlookup.index.cluster import ClusterRecords
 
         return ClusterRecords(client)
-    return SingleNodeRecords(client, cache_reads=cache_reads)
+    return SingleNodeRecords(client, cache_reads=cache_reads, cache_keys=cache_keys)
 
 
 #: What the grace after an outage adds to the TTL (Store.outage_grace_ms).
@@ -76,14 +76,15 @@ class Store:
     """
 
     def __init__(self, client, *, instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0,
-                 purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool | str = False):
+                 purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool | str = False,
+                 cache_keys: int = 200_000):
         self.r = client
         self.cluster = isinstance(client, RedisCluster)
         self.instance_ttl_ms = int(instance_ttl_s * 1000)
         self.worker_ttl_ms = int(worker_ttl_s * 1000)
         grace = (5.0 if self.cluster else 0.0) if purge_grace_s is None else purge_grace_s
         self.purge_grace_ms = int(grace * 1000)
-        self.records = records or make_records(client, cache_reads)
+        self.records = records or make_records(client, cache_reads, cache_keys)
         s = {name: client.register_script(getattr(scripts, name)) for name in (
             "REGISTER", "DEREGISTER", "REAP_WORKER", "RETIRE_LOCATION", "HOLDER", "HEARTBEAT", "MARK_PROBED", "OWN",
             "TOUCH", "FORGET_HOLDER", "RETIRE_UNKNOWN", "LEASE_CLOCK")}
@@ -308,7 +309,7 @@ class Store:
     # -- records --------------------------------------------------------------------------
 
     def holder_id(self, instance_id: str, worker_id: int | str, location: str, space: str = "") -> str:
-        """Current holder id of (instance, worker, location); raises NotRegistered."""
+        """Current holder id of (instance, worker, location, space); raises NotRegistered."""
         wid = str(worker_id)
         cached = self._holders.setdefault((instance_id, wid), {})
         hid = cached.get((location, space))
@@ -316,7 +317,7 @@ class Store:
             hid = self._scripts["HOLDER"](
                 keys=[keys.worker_key(instance_id, wid), keys.holder_seq_key(), keys.holders_key(),
                       keys.holder_gen_key()],
-                args=[keys.location_field(location), keys.holder_value(instance_id, wid, location, space),
+                args=[keys.location_field(location, space), keys.holder_value(instance_id, wid, location, space),
                       HOLDER_ID_GAP],
             )
             if hid is None:
@@ -332,6 +333,7 @@ class Store:
         *,
         space: str = "",
         now_ms: int | None = None,
+        then: Sequence[tuple] = (),
     ) -> int:
         """Apply admit/evict ops, order kept per holder: the batches of one holder are joined in
         order and folded to every chunk's last op, which leaves the same final state.
@@ -339,7 +341,8 @@ class Store:
         batches: (instance_id, worker_id, location, ops): ops a list [(ADMIT|EVICT, chunk_hash),
         ...] or an already folded {chunk hash text: ADMIT|EVICT}. Returns the folded ops applied
         (one per chunk and holder). Raises NotRegistered for an unknown worker (then nothing is
-        written).
+        written). then: plain commands to send once with the first write (same round trip on
+        one Redis; sidecar.vllm_apply's engine map writes), also when there are no ops.
         """
         score = int(time.time() * 1000) if now_ms is None else now_ms
         merged: dict[tuple[str, str, str], dict[str, str]] = {}  # one write per holder: backends reorder
@@ -358,7 +361,8 @@ class Store:
                                   [h for h, op in ops.items() if op == ADMIT],
                                   [h for h, op in ops.items() if op != ADMIT])
                       for inst, wid, loc, ops in todo]
-            ok = self.records.apply(writes, score)
+            ok = self.records.apply(writes, score, then) if then else self.records.apply(writes, score)
+            then = ()
             applied += sum(len(b[3]) for b, good in zip(todo, ok, strict=True) if good)
             if self.journal is not None:
                 self._journal(score, todo, writes, ok)

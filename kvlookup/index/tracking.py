@@ -27,13 +27,14 @@ import logging
 import select
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import cast
 
 import redis
 
 from kvlookup.index import keys
+from kvlookup.index.copies import MISS as _MISS
+from kvlookup.index.copies import Copies
 from kvlookup.index.io import SingleIO
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,9 @@ class NeedsRedis(Exception):
 class CachedReads:
     """A caching executor of commands for one Redis (see the module docstring).
 
-    client: the redis-py client whose connection settings to use. max_keys: copies kept (least
-    recently used go first). fence: before each call, take every invalidation Redis has queued
+    client: the redis-py client whose connection settings to use. max_keys: copies kept
+    (kvlookup.index.copies: scan-resistant LRU; a chunk nobody holds is never kept, so fresh
+    prompts do not fill it). fence: before each call, take every invalidation Redis has queued
     for this process (a PING on the invalidation connection, answered after them): a lookup then
     sees every write that completed before it began, at the cost of that round trip. Thread-
     and greenlet-safe.
@@ -75,7 +77,7 @@ class CachedReads:
             kwargs.pop(resp3_only, None)
         self._kwargs = kwargs
         self._lock = threading.Lock()
-        self._copies: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._copies = Copies(max_keys)
         self._listener: redis.Connection | None = None
         self._gen = 0  # invalidation messages taken so far
         self._inv_at: dict[str, int] = {}  # key -> the message that last invalidated it
@@ -212,7 +214,7 @@ class CachedReads:
             name = name.decode() if isinstance(name, bytes) else name
             self._inv_at[name] = self._gen
             for cmd in CACHED:
-                self._copies.pop((cmd, name), None)
+                self._copies.pop((cmd, name))
 
     def _fresh(self, key: str, since: int) -> bool:
         """No invalidation of ``key`` was taken after message ``since`` (when its read began)."""
@@ -237,11 +239,10 @@ class CachedReads:
             out: list = [None] * len(commands)
             missing = []
             for i, cmd in enumerate(commands):
-                copy = self._copies.get((cmd[0], cmd[1]), _MISS) if caching and _cacheable(cmd) else _MISS
+                copy = self._copies.get((cmd[0], cmd[1])) if caching and _cacheable(cmd) else _MISS
                 if copy is _MISS:
                     missing.append(i)
                 else:
-                    self._copies.move_to_end((cmd[0], cmd[1]))
                     out[i] = copy
             if missing and local:
                 raise NeedsRedis()
@@ -264,11 +265,11 @@ class CachedReads:
             keep = self._take_arrived()
             for i, j in zip(missing, where, strict=True):
                 res, cmd = got[j], commands[i]
+                if _cacheable(cmd) and not isinstance(res, Exception):
+                    res = self._copies.share(res)
+                    if keep and self._fresh(cmd[1], gen) and (res or cmd[0] != "ZRANGE"):  # no misses
+                        self._copies.put((cmd[0], cmd[1]), res)
                 out[i] = res
-                if keep and _cacheable(cmd) and not isinstance(res, Exception) and self._fresh(cmd[1], gen):
-                    self._copies[(cmd[0], cmd[1])] = res
-            while len(self._copies) > self.max_keys:
-                self._copies.popitem(last=False)
         return out
 
     def _send(self, sent: list) -> list | None:
@@ -291,9 +292,6 @@ class CachedReads:
         for i, res in zip(missing, got, strict=True):
             out[i] = res
         return out
-
-
-_MISS = object()
 
 
 def _run_id(conn) -> str:

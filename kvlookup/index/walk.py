@@ -80,7 +80,8 @@ class ChainWalk:
         for members in member_lists:
             if self.done:
                 break
-            if self.i == 0 or members != self.prev_members:
+            prev = self.prev_members
+            if self.i == 0 or (members is not prev and members != prev):  # shared copies: `is`
                 self._settle()
                 self.extended = self._extend(members, holders)
                 self.done = not self.extended

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from kvlookup.proc.lifetime import Backoff, FileLock, LockTimeout
 from kvlookup.proc.redis_server import PORT_FILE, EmbeddedRedis, connect, ping, port_free
@@ -291,14 +292,17 @@ class Lease:
     and never release it themselves.
     """
 
-    def __init__(self, data_dir: str | os.PathLike):
+    def __init__(self, data_dir: str | os.PathLike, port: int | None = None):
         self.data_dir = Path(data_dir)
+        self.port = port
         self.pid = os.getpid()
         self.url: str | None = None
         self.up = False
         self.error: str | None = None
         self.keepers_started = 0
         self.info: dict = {}
+        #: True when :meth:`open` found the dir already served: this process shares that index.
+        self.joined = False
         self._user: FileLock | None = None
         self._keeper: subprocess.Popen | None = None
         self._stop = threading.Event()
@@ -310,7 +314,9 @@ class Lease:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with FileLock(self.data_dir / START_LOCK).acquire(timeout):
             self._user = register_user(self.data_dir)
-            self.info = served_by(self.data_dir) or self._start_keeper(timeout)
+            served = served_by(self.data_dir)
+            self.joined = served is not None
+            self.info = served or self._start_keeper(timeout)
         if not self.info.get("url"):
             raise RuntimeError(f"{self.data_dir} is served by pid {self.info.get('pid')} but it published no URL")
         self.url, self.up = self.info["url"], True
@@ -323,7 +329,8 @@ class Lease:
         with open(log_path, mode) as out:
             keeper = subprocess.Popen(
                 [sys.executable, "-P", "-m", "kvlookup", "redis", "--data-dir", str(self.data_dir),
-                 "--exit-when-unused"], stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                 "--exit-when-unused", *(["--port", str(self.port)] if self.port else [])],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
                 cwd=self.data_dir, start_new_session=True)
         self._keeper = keeper
         deadline = time.monotonic() + timeout
@@ -405,8 +412,11 @@ def _tail(path: Path, lines: int = 5) -> str:
         return "(no log)"
 
 
-def acquire(data_dir: str | os.PathLike, *, watch: bool = True) -> Lease:
-    """Open a :class:`Lease` on ``data_dir`` (watching it unless ``watch=False``)."""
-    lease = Lease(data_dir)
+def acquire(data_dir: str | os.PathLike, *, watch: bool = True, port: int | None = None) -> Lease:
+    """Open a :class:`Lease` on ``data_dir`` (watching it unless ``watch=False``); ``port``: the
+    server's port if this process starts it."""
+    lease = Lease(data_dir, port)
     lease.open()
+    if port and lease.joined and urlsplit(str(lease.url)).port != port:
+        log.warning("the embedded Redis of %s already runs at %s: port %d is not used", data_dir, lease.url, port)
     return lease.watch() if watch else lease

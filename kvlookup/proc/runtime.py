@@ -26,22 +26,28 @@ def setup_logging(level: str = "INFO") -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def ensure_redis(settings: Settings, *, watch: bool = True) -> embedded.Lease | None:
+def ensure_redis(settings: Settings, *, watch: bool = True, port: int | None = None) -> embedded.Lease | None:
     """Make sure ``settings.redis_url`` points at a server; sets it.
 
     With no URL configured, this process becomes a user of the embedded Redis of the data dir
     (kvlookup.proc.embedded): the server is started under a detached keeper if none serves the dir,
     and stops once its last user has gone. Returns the lease (call ``.stop()`` on exit); with
-    ``watch`` a thread starts a new keeper if the old one dies. None when a URL was given.
+    ``watch`` a thread starts a new keeper if the old one dies. ``port``: the server's port if this
+    process starts it (a server already up keeps its own; said at WARNING). None when a URL was given.
     Raises RuntimeError / TimeoutError when the server cannot be started.
     """
     if settings.redis_url:
         return None
     data_dir = settings.data_dir or str(redis_server.default_data_dir())
-    lease = embedded.acquire(data_dir, watch=watch)
+    lease = embedded.acquire(data_dir, watch=watch, port=port)
     settings.redis_url = lease.url
-    log.info("embedded Redis at %s (data dir %s, AOF everysec, keeper pid %s)", redacted(lease.url), data_dir,
-             lease.info.get("pid"))
+    if lease.joined:  # said at WARNING: a second demo on the same dir shares (and can reap) one index
+        log.warning("joined the embedded Redis of data dir %s at %s, already used by %d other process(es): "
+                    "they share one index; --data-dir DIR gives this process its own", data_dir,
+                    redacted(lease.url), max(embedded.live_users(data_dir) - 1, 0))
+    else:
+        log.info("embedded Redis at %s (data dir %s, AOF everysec, keeper pid %s)", redacted(lease.url), data_dir,
+                 lease.info.get("pid"))
     return lease
 
 
@@ -64,8 +70,8 @@ def before_stop_signals(fn: Callable[[], None]) -> Callable[[Any], None]:
 
             def handler(signum, frame, previous=previous):
                 fn()
-                if callable(previous):
-                    previous(signum, frame)
+                if callable(previous):  # INT and QUIT stop as TERM does: uvicorn's workers ignore the
+                    previous(signal.SIGTERM, frame)  # SIGQUIT of a quick stop, killed after graceful_timeout
 
             signal.signal(sig, handler)
 

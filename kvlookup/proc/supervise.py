@@ -222,8 +222,11 @@ class Supervisor:
             raise StartError(self._start_error)
 
     def hold(self) -> None:
-        """Stop restarting children (the process is shutting down); safe in a signal handler."""
+        """Stop restarting children and ask them to stop (SIGTERM; :meth:`stop` waits for them):
+        the process is shutting down, and they stop while gunicorn does. Safe in a signal handler."""
         self._holding.set()
+        for child in self.children:
+            child.kill(signal.SIGTERM)
 
     def _run(self) -> None:
         if self._first_start():

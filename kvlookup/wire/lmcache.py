@@ -2,7 +2,7 @@
 
 LMCache encodes every message as a msgspec Struct tagged by ``"type"`` (the class name),
 as a msgpack map (or a JSON object) with every field in declaration order. Field names and
-order below are facts from LMCache 0.3.x and 0.5.6 (../shared/research/lmcache-controller.md §1.3, §2).
+order below are facts from LMCache 0.3.x and 0.5.6 (docs/lmcache-protocol.md §2).
 
 Decoding accepts every era at once: a frame is JSON when it starts with ``{``, msgpack
 otherwise; the ``"type"`` tag picks a lenient target struct whose era-specific fields are

@@ -1,6 +1,6 @@
 """Controller -> LMCache worker control calls (clear, pin, compress, decompress, move, health).
 
-Wire facts (LMCache 0.5.6, ``lmcache/v1/cache_controller/message.py`` and
+Wire facts (LMCache 0.5.6, docs/lmcache-protocol.md §1, §2.1, §8; ``lmcache/v1/cache_controller/message.py`` and
 ``controllers/kv_controller.py``): the controller connects a REQ socket to the worker's REP
 port (``RegisterMsg.ip`` and ``port``, i.e. the engine's ``lmcache_worker_ports``), sends one
 msgpack frame and reads one frame back. Messages are msgspec structs tagged ``"type"`` = class name, every field in

@@ -1,8 +1,8 @@
 """Decode vLLM's KV cache event payloads without a fixed schema (no sockets, no Redis here).
 
 vLLM (``vllm/distributed/kv_events.py``) sends one msgpack ``KVEventBatch`` per ZMQ message.
-Its shape changed across versions (../shared/research/peers.md §1.3, fixtures in
-../shared/fixtures/), so every level is read generically:
+Its shape changed across versions (docs/vllm-events.md §2, fixtures in
+tests/fixtures/vllm/), so every level is read generically:
 
 - batch: an array ``[ts, events, data_parallel_rank?]`` or a map with those keys;
 - event: a positional array ``["BlockStored", block_hashes, parent_block_hash, token_ids,
@@ -29,8 +29,9 @@ from kvlookup.wire.errors import WireError
 U64_MASK = (1 << 64) - 1
 
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                 "lora_name", "extra_keys", "group_idx")
-REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+                 "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                 "locality", "ownership", "session_id", "lookahead_token_ids")
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 BATCH_FIELDS = ("ts", "events", "data_parallel_rank")
 
 
@@ -40,6 +41,13 @@ class BlockStored:
 
     block_size: tokens per block (None when the event omits it). medium: None means GPU.
     extra_keys: one entry per block (tuple or None), or None when absent.
+    group_idx: the KV cache group (hybrid models); kv_cache_spec_kind / _sliding_window: that
+    group's kind (``"full_attention"``, ``"sliding_window"``, ``"mamba"``, ...) and window in
+    tokens, annotated on stores only (vLLM 0.26+). locality: ``"LOCAL"``/``"REMOTE"`` tier
+    relative to the engine; ownership: the secondary tier that made the event (``"kvcr"``);
+    session_id: the request context that stored or reused the block (0.33+).
+    lookahead_token_ids: per block, the tokens after it that its hash covers (EAGLE block
+    drop, 0.33+), or None.
     """
 
     block_hashes: tuple[int, ...]
@@ -51,15 +59,23 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: tuple | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """Blocks evicted from ``medium`` (None means GPU)."""
+    """Blocks evicted from ``medium`` (None means GPU) of KV cache group ``group_idx``."""
 
     block_hashes: tuple[int, ...]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 @dataclass(frozen=True)
@@ -121,17 +137,21 @@ def _decode_event(raw: Any) -> Event:
     else:
         return Malformed("event_shape", f"event is neither a tagged array nor a typed map: {raw!r:.80}")
     if tag == "BlockStored":
-        (hashes, parent, tokens, block_size, lora_id, medium, lora_name, extra_keys,
-         group_idx) = _fields(body, STORED_FIELDS)
+        (hashes, parent, tokens, block_size, lora_id, medium, lora_name, extra_keys, group_idx, kind, window,
+         locality, ownership, session_id, lookahead) = _fields(body, STORED_FIELDS)
         return BlockStored(
             block_hashes=_hashes(hashes), parent_block_hash=None if parent is None else block_hash(parent),
             token_ids=_ints(tokens or [], "token_ids"), block_size=_opt_int(block_size, "block_size"),
             lora_id=_opt_int(lora_id, "lora_id"), medium=_opt_str(medium, "medium"),
             lora_name=_opt_str(lora_name, "lora_name"), extra_keys=_extra_keys(extra_keys),
-            group_idx=_opt_int(group_idx, "group_idx"))
+            group_idx=_opt_int(group_idx, "group_idx"), kv_cache_spec_kind=_opt_str(kind, "kv_cache_spec_kind"),
+            kv_cache_spec_sliding_window=_opt_int(window, "kv_cache_spec_sliding_window"),
+            locality=_opt_str(locality, "locality"), ownership=_opt_str(ownership, "ownership"),
+            session_id=_opt_str(session_id, "session_id"), lookahead_token_ids=_lookahead(lookahead))
     if tag == "BlockRemoved":
-        hashes, medium, group_idx = _fields(body, REMOVED_FIELDS)
-        return BlockRemoved(_hashes(hashes), _opt_str(medium, "medium"), _opt_int(group_idx, "group_idx"))
+        hashes, medium, group_idx, locality, ownership = _fields(body, REMOVED_FIELDS)
+        return BlockRemoved(_hashes(hashes), _opt_str(medium, "medium"), _opt_int(group_idx, "group_idx"),
+                            _opt_str(locality, "locality"), _opt_str(ownership, "ownership"))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return Malformed("unknown_type", f"unknown event type {tag!r}")
@@ -191,6 +211,14 @@ def _opt_str(value: Any, name: str) -> str | None:
     if not keys.printable_name(value):
         raise ValueError(f"{name} must be 1..{keys.MAX_NAME} printable characters, got {value!r:.60}")
     return value
+
+
+def _lookahead(value: Any) -> tuple[tuple[int, ...], ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ValueError("lookahead_token_ids must be a list (one token list per block)")
+    return tuple(_ints(v, "lookahead_token_ids[i]") for v in value)
 
 
 def _extra_keys(value: Any) -> tuple | None:

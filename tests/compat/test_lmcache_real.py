@@ -1,4 +1,4 @@
-"""Compatibility with the real LMCache 0.5.6 engine and worker (../shared/tools/lmcache_real_client.py).
+"""Compatibility with the real LMCache 0.5.6 engine and worker (tests/compat/lmcache_driver.py).
 
 The traffic here is produced by LMCache's own code (ChunkedTokenDatabase hashing,
 BatchedMessageSender, LMCacheWorker registration over DEALER, LRU evictions), received by

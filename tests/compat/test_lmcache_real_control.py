@@ -1,4 +1,5 @@
-"""/health and /clear against the REAL LMCache 0.5.6 worker (its REP port), through our sidecar."""
+"""/health and /clear against the REAL LMCache 0.5.6 worker (its REP port), through our sidecar
+(tests/compat/lmcache_driver.py)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,12 @@ from kvlookup.index.store import Store
 from kvlookup.proc.redis_server import free_port
 from tests.conftest import SEED_TOKENS
 from tests.support.helpers import SidecarThread, wait_for
-from tests.support.procs import SHARED
+from tests.support.procs import LMCACHE_DRIVER
 
 LMCACHE_PY = os.environ.get("KVLOOKUP_LMCACHE_PYTHON")
-HARNESS = SHARED / "tools" / "lmcache_real_client.py"
 pytestmark = [
     pytest.mark.lmcache,
-    pytest.mark.skipif(
-        not LMCACHE_PY or not HARNESS.exists(),
-        reason="needs KVLOOKUP_LMCACHE_PYTHON and lmcache_real_client.py",
-    ),
+    pytest.mark.skipif(not LMCACHE_PY, reason="KVLOOKUP_LMCACHE_PYTHON is not set (scripts/real-peers.sh)"),
 ]
 
 
@@ -42,7 +39,7 @@ def test_health_and_clear_reach_a_real_worker(redis_settings, r, tmp_path):
         proc = subprocess.Popen(
             [
                 LMCACHE_PY,
-                str(HARNESS),
+                str(LMCACHE_DRIVER),
                 "--pull-url",
                 sc.pull_url,
                 "--reply-url",

@@ -1,9 +1,10 @@
 """The sidecar against vLLM's REAL KV event publisher (vLLM's own kv_events.py, several
-versions), driven by tests/support/vllm_pub_driver.py. Needs KVLOOKUP_VLLM_PYTHON and KVLOOKUP_VLLM_SRC
+versions), driven by tests/compat/vllm_publisher.py. Needs KVLOOKUP_VLLM_PYTHON and KVLOOKUP_VLLM_SRC
 (scripts/real-peers.sh builds them); skipped otherwise."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
@@ -13,18 +14,26 @@ from kvlookup.client import Client, VllmChains
 from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.hashing.namespace import Namespace
 from kvlookup.index import keys
-from kvlookup.proc.redis_server import free_port
+from kvlookup.proc.redis_server import free_port, port_free
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.sidecar.test_sidecar_lmcache import S600, S600_HASHES
 from tests.sidecar.test_vllm_sidecar import Running
 from tests.support.helpers import wait_for
-from tests.support.vllm_helpers import RealPublisher, Relay, real_vllm
+from tests.support.vllm_helpers import FIXTURES, PUBLISHER, RealPublisher, Relay, real_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     real_vllm() is None, reason="KVLOOKUP_VLLM_PYTHON / KVLOOKUP_VLLM_SRC not set")]
 
 A = list(range(1000, 1032))
 B = list(range(2000, 2016))
+
+
+def free_pair() -> int:
+    """A port P with P+1 free too (rank 1 of a data-parallel engine binds P+1)."""
+    while True:
+        port = free_port()
+        if port < 65535 and port_free(port + 1):
+            return port
 
 
 def u64(h) -> int:
@@ -62,7 +71,9 @@ def test_late_join_live_offload_and_removal(r, client, version, int_hashes):
         ing = sc.ingest("pod-a")
         pub.send({"cleared": {}})
         assert wait_for(lambda: layout(client, A), {}) == {}
-        assert (dict(ing.resyncs), dict(ing.rejected), ing.ranks[0].last) == ({}, {}, 4)
+        # the sidecar notes seq 4 just after its write is visible to lookups
+        state = wait_for(lambda: (dict(ing.resyncs), dict(ing.rejected), ing.ranks[0].last), ({}, {}, 4))
+        assert state == ({}, {}, 4)
         assert r.hget(keys.instance_key("pod-a"), "resync:0") is None
     finally:
         if sc:
@@ -91,7 +102,9 @@ def test_lossy_gap_replay_then_engine_restart(r, client):
         pub.send({"stored": {"token_ids": B, "block_size": 16}})
         want = {"pod-a": ("GPU", 16)}
         assert wait_for(lambda: layout(client, B), want) == want
-        assert dict(ing.resyncs) == {"engine_restart": 1} and ing.duplicates == 0
+        # a batch a catch-up on connect replayed before its live copy arrived is applied once and
+        # counted as a duplicate when the live copy comes
+        assert dict(ing.resyncs) == {"engine_restart": 1} and ing.duplicates <= 1
         assert r.hlen(keys.engine_map_key("pod-a", 0)) == 1
     finally:
         sc.close()
@@ -100,7 +113,7 @@ def test_lossy_gap_replay_then_engine_restart(r, client):
 
 
 def test_dp_rank_and_mixed_fleet_over_http(r, redis_settings):
-    port, rport, pull = free_port(), free_port(), f"127.0.0.1:{free_port()}"
+    port, rport, pull = free_pair(), free_pair(), f"127.0.0.1:{free_port()}"
     pub = RealPublisher("0.26.0", port, rport, dp_rank=1, int_hashes=False)  # binds port+1, rport+1
     sc = Running(r, VllmSource("vllm-pod", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", dp_size=2),
                  pull_url=pull)
@@ -121,10 +134,23 @@ def test_dp_rank_and_mixed_fleet_over_http(r, redis_settings):
 
         assert wait_for(lambda: ask({"tokens": S600}), want) == want
         assert ask({"tokens": S600}, "?detail=1")["detail"]["vllm-pod"] == {
-            "location": "GPU", "matched_prefix_length": 48, "locations": {"GPU": 48}, "ranks": {"1": 48}}
+            "location": "GPU", "matched_prefix_length": 48, "locations": {"GPU": 48}, "ranks": {"1": 48},
+            "reusable_prefix_length": 48}
         assert ask({"tokens": S600[:20], "lora_name": "sql-lora"}) == {"vllm-pod": ["GPU", 16]}
         assert ask({"tokens": S600[:20], "lora_name": "other"}) == {}
     finally:
         worker.close()
         sc.close()
         assert pub.close() == 0
+
+
+@pytest.mark.parametrize("version", ["0.10.2", "0.11.0", "0.25.1", "0.26.0", "0.33.0"])
+def test_fixtures_are_what_vllms_encoder_writes(tmp_path, version):
+    """tests/fixtures/vllm is reproduced byte for byte by vLLM's own structs and encoder."""
+    py, src = real_vllm()
+    for int_hashes in ("1", "0"):
+        subprocess.run([py, str(PUBLISHER), "golden", "--vllm-src", f"{src}/x/vllm-{version}", "--out", str(tmp_path),
+                        "--int-hashes", int_hashes], check=True, capture_output=True, timeout=120)
+    for made in sorted(tmp_path.glob("*.msgpack")):
+        assert made.read_bytes() == (FIXTURES / made.name).read_bytes(), made.name
+    assert len(list(tmp_path.glob("*.msgpack"))) == 2

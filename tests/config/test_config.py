@@ -32,6 +32,7 @@ def test_layers_defaults_file_env_overrides(tmp_path):
     ({"hash": {"chunk_size": -1}}, "hash.chunk_size: -1 is not a positive integer"),
     ({"gunicorn_workers": 100000}, r"gunicorn_workers: 100000 is not an integer 1..256"),
     ({"lookup_cache": "maybe"}, "lookup_cache: 'maybe' is not one of on, fenced, off"),
+    ({"lookup_cache_keys": 0}, "lookup_cache_keys: 0 is not a positive integer"),
     ({"redis_url": "http://user:secret@x"},
      r"^redis_url: scheme 'http' is not one of redis://, rediss://, unix://, redis\+sentinel:// "
      r"\(the URL itself is not shown: it may carry a password\)$"),

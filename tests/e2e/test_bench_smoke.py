@@ -7,18 +7,15 @@ import pytest
 from kvlookup.bench import feed
 from kvlookup.bench.agree import OMITTED, SUFFIX_ONLY, Agreement, classify, truth_tokens
 from kvlookup.bench.memory import one_case
-from kvlookup.bench.workload import TRACE_PATH, ChunkHasher, Fleet, chunk_ends, load_trace, replay, request_tokens
+from kvlookup.bench.workload import TRACE_HEAD, ChunkHasher, Fleet, chunk_ends, load_trace, replay, request_tokens
 from kvlookup.client import Client
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.index.store import Store
 from tests.support.helpers import SidecarThread, wait_for
 
-needs_trace = pytest.mark.skipif(not TRACE_PATH.exists(), reason=f"no trace at {TRACE_PATH}")
 
-
-@needs_trace
 def test_trace_chunk_hashes_equal_lmcache_profile():
-    reqs = load_trace(20)
+    reqs = load_trace(20, path=TRACE_HEAD)
     hasher = ChunkHasher()
     for req in reqs:
         tokens = request_tokens(req)
@@ -33,9 +30,8 @@ def test_classify_names_lmcache_mistakes():
     assert classify({"a": 512}, {"a": 512, "c": 768}) == [SUFFIX_ONLY]
 
 
-@needs_trace
 def test_tiny_fleet_through_sidecar_matches_truth(r):
-    reqs = load_trace(60)
+    reqs = load_trace(60, path=TRACE_HEAD)
     fleet = Fleet(3, cpu_chunks=40, disk_chunks=80)
     hasher = ChunkHasher()
     streams = replay(reqs, fleet, hasher)

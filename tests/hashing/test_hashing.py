@@ -1,4 +1,4 @@
-"""Golden chunk hashes for every LMCache era (values from ../shared/research/lmcache-controller.md §4.3)."""
+"""Golden chunk hashes for every LMCache era (values: docs/lmcache-protocol.md §4)."""
 
 from __future__ import annotations
 

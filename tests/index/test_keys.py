@@ -49,6 +49,12 @@ def test_packed_values():
     assert keys.vllm_space(16) == "v16"
     assert keys.rank_field("seq", 2) == "seq:2"
     assert keys.location_field("LocalCPUBackend") == "loc:LocalCPUBackend"
+    assert keys.location_field("GPU", "v16g1") == "loc:GPU@v16g1"
+    assert keys.vllm_group_space(16, 1) == "v16g1"
+    assert keys.engine_field(7) == keys.engine_field(7, 0) == "7" and keys.engine_field(7, 2) == "7@2"
+    assert keys.group_field(1, 2) == "group:1:2"
+    assert (keys.vllm_chain(16), keys.vllm_chain(16, 1)) == ("16", "16+1")
+    assert keys.parse_vllm_chains("16,256,16+1,x,0") == [(16, 0), (256, 0), (16, 1)]
 
 
 def test_instance_ids_are_encoded_inside_keys():

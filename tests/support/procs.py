@@ -1,5 +1,5 @@
 """Real processes for end-to-end tests: the kvlookup controller (gunicorn) and the real
-LMCache 0.5.6 worker harness (../shared/tools/lmcache_real_client.py)."""
+LMCache 0.5.6 engine + worker (tests/compat/lmcache_driver.py, run by KVLOOKUP_LMCACHE_PYTHON)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import requests
 from kvlookup.proc.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("KVLOOKUP_SHARED", ROOT.parent / "shared"))
+LMCACHE_DRIVER = ROOT / "tests" / "compat" / "lmcache_driver.py"
 
 
 class ControllerProc:
@@ -68,7 +68,7 @@ class RealLMCacheWorker:
     """The real LMCache 0.5.6 engine + worker, driven one op at a time over stdin."""
 
     def __init__(self, python: str, instance_id: str, pull_url: str, reply_url: str, *args: str):
-        cmd = [python, str(SHARED / "tools" / "lmcache_real_client.py"), "--pull-url", pull_url,
+        cmd = [python, str(LMCACHE_DRIVER), "--pull-url", pull_url,
                "--reply-url", reply_url, "--instance-id", instance_id, "--ops", "-", *args]
         env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,

@@ -1,5 +1,5 @@
 """Test side of vLLM event streams: payload builders, a loopback PUB+ROUTER publisher that
-speaks vLLM's wire protocol, and a driver for vLLM's REAL publisher (tests/support/vllm_pub_driver.py).
+speaks vLLM's wire protocol, and vLLM's REAL publisher (tests/compat/vllm_publisher.py).
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ import msgspec
 import zmq
 
 from kvlookup.proc.redis_server import free_port
-from tests.support.procs import SHARED
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXTURES = SHARED / "fixtures"
-TOOL = SHARED / "tools" / "vllm_real_publisher.py"
-DRIVER = Path(__file__).with_name("vllm_pub_driver.py")
+FIXTURES = ROOT / "tests" / "fixtures" / "vllm"  # written by tests/compat/vllm_publisher.py golden
+PUBLISHER = ROOT / "tests" / "compat" / "vllm_publisher.py"
 END = (-1).to_bytes(8, "big", signed=True)
 
 STORED_ORDER = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
@@ -68,7 +66,7 @@ class LoopbackPublisher:
     """
 
     def __init__(self, topic: bytes = b"kv@test", replay: bool = True, replay_topic: bool = True,
-                 buffer: int = 10_000, port: int | None = None):
+                 buffer: int = 10_000, port: int | None = None, replay_port: int | None = None):
         self.ctx = zmq.Context()
         self.port = port or free_port()
         self.pub = self.ctx.socket(zmq.PUB)
@@ -77,7 +75,7 @@ class LoopbackPublisher:
         self.topic, self.replay_topic, self.buffer_size = topic, replay_topic, buffer
         self.seq, self.buffer = 0, []
         self.lock = threading.Lock()
-        self.replay_port = free_port() if replay else None
+        self.replay_port = (replay_port or free_port()) if replay else None
         self._stop = threading.Event()
         if replay:
             self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -135,7 +133,7 @@ class LoopbackPublisher:
 def real_vllm() -> tuple[str, str] | None:
     """(python, sources root) from KVLOOKUP_VLLM_PYTHON / KVLOOKUP_VLLM_SRC, or None."""
     py, src = os.environ.get("KVLOOKUP_VLLM_PYTHON"), os.environ.get("KVLOOKUP_VLLM_SRC")
-    if not py or not src or not Path(py).exists() or not TOOL.exists():
+    if not py or not src or not Path(py).exists():
         return None
     return py, src
 
@@ -143,15 +141,15 @@ def real_vllm() -> tuple[str, str] | None:
 class RealPublisher:
     """vLLM's own ZmqEventPublisher in a child process, one batch per :meth:`send` row.
 
-    Rows use the tool's JSON-lines format ({"stored": {...}}, {"removed": ...}, {"cleared": {}},
-    {"batch": [...]}); :meth:`send` returns the published batch as the tool reports it
-    (hashes as ints, or "hex:..." strings for bytes hashes).
+    Rows use the publisher's JSON-lines format ({"stored": {...}}, {"removed": ...}, {"cleared": {}},
+    {"batch": [...]}); :meth:`send` returns the published batch as the publisher reports it
+    (hashes as ints, or "hex:..." strings for bytes hashes), as tests/compat/vllm_publisher.py says.
     """
 
     def __init__(self, version: str, port: int, replay_port: int | None, *, topic: str = "kv@pod-a",
                  int_hashes: bool = True, dp_rank: int = 0, buffer_steps: int = 10_000):
         py, src = real_vllm()
-        argv = [py, str(DRIVER), "--tool", str(TOOL), "--vllm-src", f"{src}/x/vllm-{version}",
+        argv = [py, str(PUBLISHER), "serve", "--vllm-src", f"{src}/x/vllm-{version}",
                 "--endpoint", f"tcp://127.0.0.1:{port}", "--topic", topic, "--dp-rank", str(dp_rank),
                 "--int-hashes", "1" if int_hashes else "0", "--buffer-steps", str(buffer_steps)]
         if replay_port:

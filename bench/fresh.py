@@ -1,0 +1,151 @@
+"""``kvlookup bench fresh``: prompts whose last chunk is new (a new turn: what a router sees),
+kvlookup (cached reads on, the default; and ``lookup_cache: off``) beside LMCache 0.5.6's
+controller, with the CPU each request costs.
+
+Every body differs: the held prefix of one prompt per length, then a last chunk of random
+tokens (a prompt of one chunk or less, 12 and 256 tokens, is new entirely). 2,000 bodies per
+length, taken in turn by wrk (bench.wrkload: its C client keeps the load generator out of the
+measurement). Both indexes are fed the same 0.5.6 worker traffic (8 instances, instance i
+holding the first (i + 1) / 8 of each prompt's chunks). CPU per request: user + system time of
+the target's process tree (kvlookup: controller with its gunicorn workers, its Redis and its
+sidecar; LMCache: its controller) over the run, from /proc, divided by the requests answered.
+Targets alternate at each point (order reversed at odd concurrencies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from kvlookup.bench import progress
+from kvlookup.bench.procs import Procs, lmcache_python
+from kvlookup.bench.wrkload import FIRST_WARMUP_S, WARMUP_S, feed_prompts
+from kvlookup.hashing.lmcache import HashProfile
+
+#: Bodies per prompt length.
+BODIES = 2000
+
+LUA = """wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local bodies = {{}}
+for line in io.lines("{path}") do bodies[#bodies + 1] = line end
+local i = 0
+init = function(args) i = math.random(#bodies) end
+request = function()
+  i = i % #bodies + 1
+  return wrk.format(nil, nil, nil, bodies[i])
+end
+done = function(summary, latency, requests)
+  io.write(string.format("RESULT %d %d %f %f %f\\n", summary.requests, summary.errors.status + summary.errors.read
+    + summary.errors.write + summary.errors.timeout + summary.errors.connect, latency:percentile(50),
+    latency:percentile(99), summary.duration))
+end
+"""
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` and every live descendant (from /proc)."""
+    parent, cpu = {}, {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(d.name)] = int(f[1])
+        cpu[int(d.name)] = (int(f[11]) + int(f[12])) / _TICKS
+    want = set(pids)
+    changed = True
+    while changed:
+        changed = False
+        for pid, ppid in parent.items():
+            if ppid in want and pid not in want:
+                want.add(pid)
+                changed = True
+    return sum(cpu.get(p, 0.0) for p in want)
+
+
+def wrk(url: str, bodies: Path, concurrency: int, seconds: float, tmp: Path) -> dict:
+    script = tmp / f"fresh-{bodies.stem}.lua"
+    script.write_text(LUA.format(path=bodies))
+    cmd = ["wrk", "-t", str(min(concurrency, 4)), "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s",
+           "-s", str(script), url + "/lookup"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    except subprocess.TimeoutExpired:  # a target that stops answering: this point has no figure
+        return {"requests": 0, "req_s": 0, "p50_ms": 0.0, "p99_ms": 0.0, "errors": -1, "timed_out": True}
+    m = re.search(r"RESULT (\d+) (\d+) ([\d.]+) ([\d.]+) ([\d.]+)", out.stdout)
+    if not m:
+        raise RuntimeError(f"wrk gave no result ({url}, c={concurrency}): {out.stdout[-1500:]!r} {out.stderr[-800:]!r}")
+    n, errors, p50, p99, dur = int(m[1]), int(m[2]), float(m[3]), float(m[4]), float(m[5])
+    return {"requests": n, "req_s": round(n / (dur / 1e6)), "p50_ms": round(p50 / 1000, 3),
+            "p99_ms": round(p99 / 1000, 3), "errors": errors}
+
+
+def fresh_bodies(prompt: list[int], n: int, rng: random.Random) -> list[str]:
+    """``n`` bodies: ``prompt`` with its last chunk (all of it when it is one chunk or less) new."""
+    size = HashProfile().chunk_size
+    keep = (len(prompt) - 1) // size * size
+    return [json.dumps({"tokens": prompt[:keep] + [rng.randrange(128_000) for _ in range(len(prompt) - keep)]})
+            for _ in range(n)]
+
+
+def run(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seconds: float = 2.0,
+        instances: int = 8, lmcache_venv: str | None = None) -> dict:
+    if not shutil.which("wrk"):
+        raise FileNotFoundError("wrk is not installed (apt-get install wrk)")
+    py = lmcache_python(lmcache_venv)
+    if py is None:
+        raise FileNotFoundError("no LMCache 0.5.6 venv (scripts/real-peers.sh)")
+    rng = random.Random(5)
+    prompts = {n: [rng.randrange(128_000) for _ in range(n)] for n in lengths}
+    rows = []
+    with Procs() as procs:
+        lm_url, lm_pull, lm_reply = procs.start_lmcache(py)
+        kv_redis = procs.start_redis()
+        kv_pull, kv_reply = procs.start_sidecar(kv_redis)
+        on_url = procs.start_controller(kv_redis)
+        off_url = procs.start_controller(kv_redis, name="kvlookup-cache-off", extra=("--lookup-cache", "off"))
+        redis_pid = procs.redis[-1].proc.pid
+        trees = {"kvlookup": [procs.pid("kvlookup-controller"), procs.pid("sidecar"), redis_pid],
+                 "kvlookup_cache_off": [procs.pid("kvlookup-cache-off"), procs.pid("sidecar"), redis_pid],
+                 "lmcache": [procs.pid("lmcache-controller")]}
+        urls = {"kvlookup": on_url, "kvlookup_cache_off": off_url, "lmcache": lm_url}
+        ws = feed_prompts(lm_pull, lm_reply, list(prompts.values()), instances)
+        ws += feed_prompts(kv_pull, kv_reply, list(prompts.values()), instances)
+        time.sleep(3)
+        for n, tokens in prompts.items():
+            path = procs.tmp / f"fresh{n}.jsonl"
+            path.write_text("\n".join(fresh_bodies(tokens, BODIES, rng)) + "\n")
+            if n == lengths[0]:
+                for url in urls.values():  # fresh processes: their first seconds are slow
+                    wrk(url, path, 1, FIRST_WARMUP_S, procs.tmp)
+            for c in concurrencies:
+                order = list(urls) if c % 2 == 0 else list(urls)[::-1]
+                for name in order:
+                    wrk(urls[name], path, c, WARMUP_S, procs.tmp)
+                row: dict = {"tokens": n, "concurrency": c}
+                for name in order:
+                    cpu0 = tree_cpu_s(trees[name])
+                    got = wrk(urls[name], path, c, seconds, procs.tmp)
+                    cpu = tree_cpu_s(trees[name]) - cpu0
+                    got["cpu_ms_per_req"] = round(cpu * 1000 / max(got["requests"], 1), 3)
+                    row[name] = got
+                row["throughput_ratio"] = round(row["kvlookup"]["req_s"] / max(row["lmcache"]["req_s"], 1), 2)
+                row["p99_ratio"] = round(row["kvlookup"]["p99_ms"] / max(row["lmcache"]["p99_ms"], 1e-9), 2)
+                rows.append(row)
+                progress.note(f"  fresh {n} tokens c={c}: " + " | ".join(
+                    f"{k} {row[k]['req_s']} req/s p50 {row[k]['p50_ms']} p99 {row[k]['p99_ms']} ms "
+                    f"cpu {row[k]['cpu_ms_per_req']} ms/req" for k in urls) + f" | {row['throughput_ratio']}x")
+        for w in ws:
+            w.close()
+    return {"instances": instances, "seconds": seconds, "bodies_per_length": BODIES, "rows": rows}

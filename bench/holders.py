@@ -1,0 +1,123 @@
+"""``kvlookup bench holders``: a lookup's cost against how many instances hold its prompt.
+
+N instances (one worker each, CPU tier) all hold the same prompt (a system prompt shared by the
+whole fleet: the normal case for a router). Each point looks that prompt up in process
+(``Client.matches``), through each read path, and reports p50/p99 latency, the caller's CPU per
+lookup (process time) and Redis busy time per lookup (``INFO commandstats`` usec deltas over
+every command, divided by lookups). Targets alternate per point, so a drifting machine
+slows each alike.
+
+- ``lua``: the single-node ``LOOKUP`` script (``lookup_cache: off``);
+- ``cached``: cached reads, fenced (kvlookup.index.tracking; the single-server default).
+
+leases=True (the default, as a deployment): every instance has a 30 s liveness lease that a
+thread renews every second (as a sidecar does), and lookups check it; False: no leases.
+http: also each point over HTTP at concurrency 1 (``kvlookup controller``, gunicorn uvicorn:2,
+its defaults: cached reads; bench.procs starts it with ``--instance-ttl 0``).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+import time
+
+from kvlookup.bench import progress
+from kvlookup.bench.compare import _load
+from kvlookup.bench.loadgen import percentile
+from kvlookup.bench.procs import Procs
+from kvlookup.bench.sweeps import hold, prompt
+from kvlookup.client import Client
+from kvlookup.index.store import Store
+from kvlookup.proc.redis_server import connect
+
+MODES = {"lua": False, "cached": "fenced"}
+
+
+def redis_usec(r) -> int:
+    """Microseconds Redis spent in commands so far (``INFO commandstats``, every command)."""
+    return sum(int(v["usec"]) for v in r.info("commandstats").values())
+
+
+def time_lookups(client: Client, r, tokens: list[int], seconds: float) -> dict:
+    client.matches(tokens, validate=False)  # warm (holders resolved, chunk sets cached)
+    lat = []
+    u0, c0 = redis_usec(r), time.process_time()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(lat) < 10:
+        t = time.perf_counter()
+        got = client.matches(tokens, validate=False)
+        lat.append(time.perf_counter() - t)
+    cpu = time.process_time() - c0
+    busy = redis_usec(r) - u0
+    lat.sort()
+    return {"n": len(lat), "matched": len(got), "p50_ms": round(percentile(lat, 50) * 1000, 3),
+            "p99_ms": round(percentile(lat, 99) * 1000, 3),
+            "cpu_ms_per_lookup": round(cpu * 1000 / len(lat), 3),
+            "redis_ms_per_lookup": round(busy / 1000 / len(lat), 3)}
+
+
+def renewing(store: Store, stop: threading.Event) -> threading.Thread:
+    """A thread renewing the leases of every instance owned by "bench-sidecar", every second."""
+    def loop() -> None:
+        while not stop.wait(1.0):
+            store.renew("bench-sidecar")
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return t
+
+
+def run(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds: float = 2.0, rounds: int = 1,
+        leases: bool = True, http: bool = True) -> dict:
+    ttl = 30.0 if leases else 0.0
+    out: dict = {"seconds_per_point": seconds, "modes": list(MODES), "leases": leases, "points": []}
+    stop = threading.Event()
+    with Procs() as procs:
+        url = procs.start_redis()
+        r = connect(url)
+        store = Store(r, instance_ttl_s=ttl)
+        clients = {m: Client(redis=connect(url), instance_ttl_s=ttl, cache_reads=c) for m, c in MODES.items()}
+        if leases:
+            renewing(Store(connect(url), instance_ttl_s=ttl), stop)
+        base = procs.start_controller(url) if http else None
+        held = 0
+        for n in sorted(holder_counts):
+            p = prompt(max(lengths), 7)
+            fleet = [f"fleet-{i}" for i in range(held, n)]
+            hold(store, p, fleet)  # the same prompt, more holders
+            if leases:
+                for inst in fleet:
+                    store.own("bench-sidecar", inst)
+            held = n
+            for length in lengths:
+                row = {"tokens": length, "holders": n}
+                for _ in range(rounds):
+                    for mode, client in clients.items():
+                        got = time_lookups(client, r, p[:length], seconds)
+                        best = row.get(mode)
+                        if best is None or got["p50_ms"] < best["p50_ms"]:
+                            row[mode] = got
+                    if base:
+                        body = procs.tmp / "holders-body.pkl"
+                        body.write_bytes(pickle.dumps([json.dumps({"tokens": p[:length]}).encode()]))
+                        got = {k: v for k, v in _load(base, body, 1, seconds).items()
+                               if k in ("requests", "req_s", "p50_ms", "p99_ms")}
+                        if "http_c1" not in row or got["p50_ms"] < row["http_c1"]["p50_ms"]:
+                            row["http_c1"] = got
+                progress.note(f"  {length} tokens, {n} holders: " + " | ".join(
+                    f"{m} p50 {row[m]['p50_ms']} p99 {row[m]['p99_ms']} ms cpu {row[m]['cpu_ms_per_lookup']} "
+                    f"redis {row[m]['redis_ms_per_lookup']} ms" for m in clients)
+                    + (f" | HTTP p50 {row['http_c1']['p50_ms']} p99 {row['http_c1']['p99_ms']} ms" if base else ""))
+                out["points"].append(row)
+        stop.set()
+        r.close()
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    counts = tuple(int(x) for x in sys.argv[1].split(",")) if len(sys.argv) > 1 else (1, 8, 64, 512, 1024)
+    print(json.dumps(run(holder_counts=counts, seconds=float(sys.argv[2]) if len(sys.argv) > 2 else 1.0), indent=1))

@@ -1,0 +1,93 @@
+"""``kvlookup bench vllm-ingest``: vLLM ``BlockStored`` blocks per second one sidecar applies.
+
+In process, no sockets: a :class:`kvlookup.sidecar.vllm_ingest.VllmIngest` on a Redis of its own
+is handed live messages (``[topic, seq, payload]``, msgpack batches in vLLM's array form) as
+its SUB socket would hand them over. Two shapes, both chains of 16-token blocks continuing
+earlier ones (every store names its parent, as vLLM does) with 10% of the stored blocks
+removed again later:
+
+- ``prefill``: 32 blocks per BlockStored, 4 stores per batch (prompts being prefilled);
+- ``decode``: 1 block per BlockStored, 16 stores per batch (sequences growing token by token).
+
+Each shape is delivered one message per call (``handle_live``: the sidecar keeps up) and in
+groups of 8 (``handle_live_many``: what the sidecar's SUB handler reads at once when it is
+behind; consecutive batches are written as one).
+
+Reported: blocks/s (wall), the ingesting process's CPU per block (``time.process_time``) and
+Redis's (``INFO commandstats`` usec, every command), per shape and delivery.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import msgspec
+
+from kvlookup.bench.holders import redis_usec
+from kvlookup.bench.procs import Procs
+from kvlookup.index.store import Store
+from kvlookup.proc.redis_server import connect
+from kvlookup.sidecar.vllm_ingest import VllmIngest
+
+SHAPES = {"prefill": (32, 4), "decode": (1, 16)}
+BLOCK = 16
+
+
+def batches(shape: str, n_blocks: int, seed: int = 1) -> list[bytes]:
+    """Payloads storing about ``n_blocks`` blocks in chains (see the module docstring)."""
+    per_store, per_batch = SHAPES[shape]
+    rng = random.Random(seed)
+    next_hash = 1
+    tips: list[int] = []  # chain ends a store may continue
+    stored: list[int] = []
+    out, done = [], 0
+    while done < n_blocks:
+        events = []
+        for _ in range(per_batch):
+            parent = rng.choice(tips) if tips and rng.random() < 0.9 else None
+            hashes = list(range(next_hash, next_hash + per_store))
+            next_hash += per_store
+            tokens = [rng.randrange(32_000) for _ in range(per_store * BLOCK)]
+            events.append(["BlockStored", hashes, parent, tokens, BLOCK, None, "GPU"])
+            if parent in tips:
+                tips.remove(parent)
+            tips.append(hashes[-1])
+            tips = tips[-64:]
+            stored += hashes
+            done += per_store
+        if len(stored) > 2000 and rng.random() < 0.1:  # evict some old blocks
+            gone, stored = stored[:200], stored[200:]
+            tips = [t for t in tips if t not in set(gone)]
+            events.append(["BlockRemoved", gone, "GPU"])
+        out.append(msgspec.msgpack.encode([1_700_000_000.5 + len(out), events, 0]))
+    return out
+
+
+def run(blocks: int = 100_000, groups: tuple[int, ...] = (1, 8)) -> dict:
+    out: dict = {"blocks_per_shape": blocks, "shapes": {}}
+    with Procs() as procs:
+        url = procs.start_redis()
+        r = connect(url)
+        for shape, group in [(s, g) for s in SHAPES for g in groups]:
+            payloads = batches(shape, blocks)
+            ingest = VllmIngest(Store(connect(url), instance_ttl_s=0), f"bench-{shape}-{group}")
+            msgs = [[b"kv@bench", seq.to_bytes(8, "big"), p] for seq, p in enumerate(payloads)]
+            u0, c0, t0 = redis_usec(r), time.process_time(), time.perf_counter()
+            for msg in msgs:  # one batch a write (the group-of-8 reader was not merged with vLLM 0.33's ingest)
+                ingest.handle_live(0, msg)
+            wall, cpu, busy = time.perf_counter() - t0, time.process_time() - c0, redis_usec(r) - u0
+            rejected = dict(ingest.rejected)
+            out["shapes"][f"{shape}/{group}"] = {"blocks": blocks, "batches": len(payloads), "seconds": round(wall, 3),
+                                    "blocks_per_s": round(blocks / wall),
+                                    "sidecar_cpu_us_per_block": round(cpu * 1e6 / blocks, 2),
+                                    "redis_cpu_us_per_block": round(busy / blocks, 2), "rejected": rejected}
+        r.close()
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(run(int(sys.argv[1]) if len(sys.argv) > 1 else 50_000), indent=1))

@@ -1,0 +1,123 @@
+"""Find a vLLM server's KV event endpoints and model over its HTTP API (vLLM 0.33+).
+
+``GET <url>/kv_event_sources`` (vllm/entrypoints/serve/instrumentator/basic.py:59-63) answers
+``{dp_rank: KVEventsConfig}``: each rank's *resolved* publisher config, ports already offset by
+the rank (vllm/distributed/kv_events.py:372-381; v1/engine/core_client.py:905-908 collects one
+per rank at the engine handshake, :2124 drops a rank that went away). ``GET <url>/v1/models``
+names the served model (``data[0].id``).
+
+An endpoint vLLM binds (``tcp://*:P``, ``0.0.0.0``, ``::``) is reached at the URL's host, and the
+sidecar connects; an endpoint with a concrete host is one vLLM connects to, so the sidecar binds
+it (vLLM's "bind stable, connect volatile", kv_events.py ``_socket_setup``). A server older than
+0.33 has no ``/kv_event_sources``: :class:`DiscoveryError` says so in one line.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+
+import msgspec
+
+#: Hosts meaning "every interface" in a bound endpoint.
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
+
+
+class DiscoveryError(ValueError):
+    """The server could not tell its endpoints; the message is one line for the operator."""
+
+
+class _EventsConfig(msgspec.Struct):
+    endpoint: str
+    enable_kv_cache_events: bool = True
+    publisher: str | None = None
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+class _Model(msgspec.Struct):
+    id: str
+
+
+class _Models(msgspec.Struct):
+    data: list[_Model]
+
+
+@dataclass(frozen=True)
+class RankSource:
+    """One data-parallel rank's endpoints as the sidecar uses them."""
+
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    bind: bool
+
+
+@dataclass(frozen=True)
+class Discovered:
+    """What a vLLM server said: its model (None when /v1/models named none) and its ranks."""
+
+    model: str | None
+    ranks: tuple[RankSource, ...]
+
+
+def discover(url: str, timeout_s: float = 2.0) -> Discovered:
+    """Read ``url``'s /kv_event_sources and /v1/models. Raises DiscoveryError (one line) when the
+    server is unreachable, older than 0.33, publishes no ZMQ events, or answers something else."""
+    base = url.rstrip("/")
+    host = urllib.parse.urlsplit(base).hostname
+    if not host:
+        raise DiscoveryError(f"vllm_url: {url!r} is not http://HOST:PORT")
+    raw = _get(base + "/kv_event_sources", timeout_s, older_hint=True)
+    try:
+        configs = msgspec.json.decode(raw, type=dict[int, _EventsConfig])
+    except msgspec.DecodeError as exc:
+        raise DiscoveryError(f"{base}/kv_event_sources: not a map of dp rank -> KVEventsConfig ({exc})") from None
+    ranks = tuple(_rank(rank, cfg, host) for rank, cfg in sorted(configs.items())
+                  if cfg.enable_kv_cache_events and cfg.publisher in (None, "zmq"))
+    if not ranks:
+        raise DiscoveryError(f"{base}/kv_event_sources lists no ZMQ publisher: start vLLM with "
+                             "--kv-events-config '{\"enable_kv_cache_events\": true}'")
+    return Discovered(_model(base, timeout_s), ranks)
+
+
+def _model(base: str, timeout_s: float) -> str | None:
+    try:
+        models = msgspec.json.decode(_get(base + "/v1/models", timeout_s), type=_Models)
+    except (DiscoveryError, msgspec.DecodeError):
+        return None
+    return models.data[0].id if models.data else None
+
+
+def _rank(rank: int, cfg: _EventsConfig, host: str) -> RankSource:
+    endpoint, bind = _reachable(cfg.endpoint, host)
+    replay = _reachable(cfg.replay_endpoint, host)[0] if cfg.replay_endpoint else None
+    return RankSource(rank, endpoint, replay, cfg.topic, bind)
+
+
+def _reachable(endpoint: str, host: str) -> tuple[str, bool]:
+    """(address the sidecar uses, whether it binds it) for an endpoint as vLLM resolved it."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return endpoint, False  # vLLM binds ipc:// and inproc:// endpoints: the sidecar connects
+    addr, _, port = rest.rpartition(":")
+    if addr in WILDCARD_HOSTS:
+        shown = f"[{host}]" if ":" in host else host
+        return f"tcp://{shown}:{port}", False
+    return endpoint, True
+
+
+def _get(url: str, timeout_s: float, older_hint: bool = False) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (an operator's URL)
+            return resp.read(1 << 20)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404 and older_hint:
+            raise DiscoveryError(f"{url} answered 404: vLLM older than 0.33 has no /kv_event_sources; "
+                                 "give --vllm-endpoint (and --vllm-replay-endpoint) instead") from None
+        raise DiscoveryError(f"{url} answered HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise DiscoveryError(f"{url}: {getattr(exc, 'reason', exc)}") from None

@@ -1,0 +1,176 @@
+"""The sidecar against vLLM 0.33.0's REAL KV event publisher (its own kv_events.py structs,
+encoder, PUB and replay ROUTER; tests/vllm_pub_driver.py): hybrid models' groups, GPU blocks
+beside LMCache MP connector CPU chunks, EAGLE lookahead, tiers, catch-up on connect. Needs
+KVLOOKUP_VLLM_PYTHON and KVLOOKUP_VLLM_SRC (scripts/real-peers.sh builds them)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvlookup.client import Client, VllmChains
+from kvlookup.proc.redis_server import free_port
+from kvlookup.sidecar.vllm_zmq import VllmSource
+from tests.sidecar.test_vllm_hybrid import WORKED_HELD
+from tests.sidecar.test_vllm_sidecar import Running
+from tests.support.helpers import wait_for
+from tests.support.vllm_helpers import RealPublisher, real_vllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
+    real_vllm() is None, reason="KVLOOKUP_VLLM_PYTHON / KVLOOKUP_VLLM_SRC not set")]
+
+V = "0.33.0"
+A = list(range(1000, 1032))
+B = list(range(2000, 2016))
+T = list(range(7000, 7100))  # 100 tokens: 6 full blocks of 16
+P = list(range(5000, 5512))  # 512 tokens: 2 LMCache chunks of 256
+SW = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 32}
+FULL = {"kv_cache_spec_kind": "full_attention"}
+MAMBA = {"kv_cache_spec_kind": "mamba"}
+
+
+@pytest.fixture()
+def client(r):
+    return Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
+
+
+def layout(client, tokens):
+    return {m.instance_id: (m.location, m.matched_prefix_length, m.locations) for m in client.matches(tokens)}
+
+
+def detail(client, tokens):
+    matches = client.matches(tokens)
+    matches = client.add_reusable(tokens, matches)
+    return {m.instance_id: m.detail() for m in matches}
+
+
+class Pod:
+    """One real 0.33.0 publisher and a sidecar subscribed to it."""
+
+    def __init__(self, r):
+        self.port, self.rport = free_port(), free_port()
+        self.pub = RealPublisher(V, self.port, self.rport)
+        self.source = VllmSource("pod-a", f"tcp://127.0.0.1:{self.port}", f"tcp://127.0.0.1:{self.rport}",
+                                 replay_timeout_s=1.0)
+        self.sc = Running(r, self.source)
+
+    def ingest(self):
+        return self.sc.ingest("pod-a")
+
+    def close(self) -> None:
+        self.sc.close()
+        assert self.pub.close() == 0
+
+
+@pytest.fixture()
+def pod(r):
+    p = Pod(r)
+    yield p
+    p.close()
+
+
+def block(i: int, group: int, kind: dict) -> dict:
+    return {"stored": {"token_ids": T[16 * i:16 * i + 16], "prefix_token_ids": T[:16 * i], "block_size": 16,
+                       "group_idx": group, "extra_keys": [None], **kind}}
+
+
+def test_hybrid_group0_sliding_window_group1_full_attention(pod, client):
+    for kind_group in ((0, SW), (1, FULL)):  # vLLM's hashes, the same in both groups
+        pod.pub.send({"stored": {"token_ids": A, "block_size": 16, "group_idx": kind_group[0],
+                                 "extra_keys": [None, None], **kind_group[1]}})
+    want = {"pod-a": ("GPU", 32, {"GPU": 32})}
+    assert wait_for(lambda: layout(client, A + [7]), want) == want
+    pod.pub.send({"removed": {"token_ids": A, "block_size": 16, "group_idx": 0}})
+    ing = pod.ingest()
+    assert wait_for(lambda: ing.ranks[0].last, 2) == 2
+    assert layout(client, A + [7]) == want  # the sliding-window group's remove leaves full attention's
+    pod.pub.send({"removed": {"token_ids": A[16:], "prefix_token_ids": A[:16], "block_size": 16, "group_idx": 1}})
+    want = {"pod-a": ("GPU", 16, {"GPU": 16})}
+    assert wait_for(lambda: layout(client, A + [7]), want) == want
+    assert (dict(ing.rejected), dict(ing.skipped)) == ({}, {})
+
+
+def test_reusable_prefix_length_sliding_window_and_mamba(pod, client):
+    """tests/sidecar/test_vllm_hybrid.py traces this example through vLLM's coordinator: 96 matched, 32 reusable."""
+    for g, kind in ((0, SW), (1, FULL), (2, MAMBA)):
+        pod.pub.send({"batch": [block(i, g, kind) for i in range(6)]})
+    drops = [{"removed": {"token_ids": T[16 * i:16 * i + 16], "prefix_token_ids": T[:16 * i], "block_size": 16,
+                          "group_idx": g}} for g in (0, 2) for i in range(6) if not WORKED_HELD[g][i]]
+    pod.pub.send({"batch": drops})
+    ing = pod.ingest()
+    assert wait_for(lambda: ing.ranks[0].last, 3) == 3
+    got = detail(client, T)["pod-a"]
+    assert (got["matched_prefix_length"], got["reusable_prefix_length"]) == (96, 32)
+    assert dict(ing.rejected) == {}
+
+
+def test_gpu_blocks_and_mp_connector_cpu_chunks_one_stream(pod, client):
+    pod.pub.send({"stored": {"token_ids": P[:48], "block_size": 16, "group_idx": 0, "extra_keys": [None] * 3,
+                             **FULL}})
+    c0, c1 = 0xB1A4E3000000000F, 0x0123456789ABCDEF  # LMCache BLAKE3 chunk hashes cut to 64 bits
+    # what LMCacheMPConnector sends: medium CPU, one chunk of 256 per event, no group_idx
+    pod.pub.send({"batch": [{"stored": {"block_hashes": [c0], "token_ids": P[:256], "block_size": 256,
+                                        "medium": "CPU"}},
+                            {"stored": {"block_hashes": [c1], "parent_block_hash": c0, "token_ids": P[256:],
+                                        "block_size": 256, "medium": "CPU"}}]})
+    want = {"pod-a": ("CPU", 512, {"GPU": 48, "CPU": 512})}
+    assert wait_for(lambda: layout(client, P), want) == want
+    assert layout(client, P[:100]) == {"pod-a": ("GPU", 48, {"GPU": 48})}
+    # an LMCache server restart: the connector withdraws everything it announced
+    pod.pub.send({"removed": {"block_hashes": [c0, c1], "medium": "CPU"}})
+    want = {"pod-a": ("GPU", 48, {"GPU": 48})}
+    assert wait_for(lambda: layout(client, P), want) == want
+    assert dict(pod.ingest().rejected) == {}
+
+
+def test_lookahead_and_remote_tier(pod, client):
+    pod.pub.send({"stored": {"block_hashes": [77], "token_ids": A[:16], "block_size": 16, "group_idx": 0,
+                             "lookahead_token_ids": [[A[16]]], "session_id": "s-1", **FULL}})
+    pod.pub.send({"stored": {"token_ids": [], "hash_token_ids": B, "block_size": 16, "medium": "STORAGE",
+                             "locality": "REMOTE"}})
+    want = {"pod-a": ("GPU", 16, {"GPU": 16})}
+    assert wait_for(lambda: layout(client, A), want) == want
+    assert layout(client, A[:16] + [1]) == {}
+    ing = pod.ingest()
+    assert wait_for(lambda: dict(ing.skipped), {"remote_tier": 1}) == {"remote_tier": 1}
+    assert layout(client, B + [1]) == {}
+
+
+def test_restarted_publisher_one_batch_then_quiet(r, client):
+    pod = Pod(r)
+    try:
+        pod.pub.send({"stored": {"token_ids": A, "block_size": 16}})
+        pod.pub.send({"stored": {"token_ids": B, "block_size": 16}})
+        want = {"pod-a": ("GPU", 32, {"GPU": 32})}
+        assert wait_for(lambda: layout(client, A), want) == want
+        assert pod.pub.close() == 0
+        pod.pub = RealPublisher(V, pod.port, pod.rport)  # seq back to 0
+        start = time.monotonic()
+        pod.pub.send({"stored": {"token_ids": B, "block_size": 16}})  # right away, then quiet
+        want = ({}, {"pod-a": ("GPU", 16, {"GPU": 16})})
+        assert wait_for(lambda: (layout(client, A), layout(client, B)), want, timeout=3.0) == want
+        assert time.monotonic() - start < 3.0
+        ing = pod.ingest()
+        assert (ing.ranks[0].last, dict(ing.resyncs)) == (0, {"engine_restart": 1})
+    finally:
+        pod.close()
+
+
+def test_sidecar_restarted_while_engine_published(r, client):
+    pod = Pod(r)
+    try:
+        pod.pub.send({"stored": {"token_ids": A, "block_size": 16}})
+        want = {"pod-a": ("GPU", 32, {"GPU": 32})}
+        assert wait_for(lambda: layout(client, A), want) == want
+        pod.sc.close()
+        pod.pub.send({"stored": {"token_ids": B, "block_size": 16}})  # no sidecar listens
+        start = time.monotonic()
+        pod.sc = Running(r, pod.source)  # the engine stays quiet
+        want = {"pod-a": ("GPU", 16, {"GPU": 16})}
+        assert wait_for(lambda: layout(client, B), want, timeout=3.0) == want
+        assert time.monotonic() - start < 3.0
+        ing = pod.ingest()
+        assert (ing.ranks[0].last, dict(ing.resyncs), layout(client, A)) == (1, {}, {"pod-a": ("GPU", 32, {"GPU": 32})})
+    finally:
+        pod.close()

@@ -1,0 +1,140 @@
+"""``kvlookup sidecar --vllm-url``: endpoints and model from a vLLM 0.33 server's HTTP API.
+
+The server is simulated: a small HTTP server answering ``GET /kv_event_sources`` and
+``/v1/models`` in vLLM 0.33's shapes (vllm/entrypoints/serve/instrumentator/basic.py:59-63: a
+map dp rank -> the publisher's resolved KVEventsConfig), in front of one loopback publisher per
+DP rank. The sidecar is the real ``python -m kvlookup sidecar`` process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvlookup.client import Client, VllmChains
+from kvlookup.proc.redis_server import free_port
+from kvlookup.sidecar.vllm_discovery import DiscoveryError, discover
+from tests.support.helpers import wait_for
+from tests.support.procs import ROOT, SidecarProc
+from tests.support.vllm_helpers import LoopbackPublisher, payload, stored
+
+A = list(range(1000, 1032))
+B = list(range(2000, 2016))
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+class FakeVllmServer:
+    """/kv_event_sources and /v1/models as vLLM 0.33 serves them; ``sources`` may be changed
+    (an engine restarted on other ports); ``old`` answers 404 there, as servers before 0.33."""
+
+    def __init__(self, sources: dict, model: str = MODEL, old: bool = False):
+        self.sources, self.model, self.old = sources, model, old
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                if self.path == "/kv_event_sources" and not outer.old:
+                    body = outer.sources
+                elif self.path == "/v1/models":
+                    body = {"object": "list", "data": [{"id": outer.model, "object": "model", "owned_by": "vllm"}]}
+                else:
+                    self.send_error(404)
+                    return
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def events_config(pub: LoopbackPublisher, topic: str = "kv@pod") -> dict:
+    """A rank's KVEventsConfig as vLLM resolves it: bound on every interface (``*``)."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub.port}",
+            "replay_endpoint": f"tcp://*:{pub.replay_port}", "buffer_steps": 10000, "hwm": 100000,
+            "max_queue_size": 100000, "topic": topic}
+
+
+def two_ranks() -> list[LoopbackPublisher]:
+    base, rbase = free_port(), free_port()
+    return [LoopbackPublisher(topic=b"kv@pod", port=base + r, replay_port=rbase + r) for r in (0, 1)]
+
+
+def layout(client, tokens, **kw):
+    return {m.instance_id: (m.location, m.matched_prefix_length, m.ranks) for m in client.matches(tokens, **kw)}
+
+
+def test_discover_reads_every_rank_and_the_model():
+    pubs = two_ranks()
+    server = FakeVllmServer({str(r): events_config(p) for r, p in enumerate(pubs)})
+    try:
+        found = discover(server.url)
+        assert found.model == MODEL
+        assert [(rs.rank, rs.endpoint, rs.replay_endpoint, rs.topic, rs.bind) for rs in found.ranks] == [
+            (r, f"tcp://127.0.0.1:{p.port}", f"tcp://127.0.0.1:{p.replay_port}", "kv@pod", False)
+            for r, p in enumerate(pubs)]
+        server.sources = {"0": {**events_config(pubs[0]), "endpoint": "tcp://10.1.2.3:5557"}}  # vLLM connects
+        assert discover(server.url).ranks[0].bind is True
+    finally:
+        server.close()
+        for p in pubs:
+            p.close()
+
+
+def test_older_server_one_line_error(redis_args):
+    server = FakeVllmServer({}, old=True)
+    try:
+        with pytest.raises(DiscoveryError, match="older than 0.33"):
+            discover(server.url)
+        out = subprocess.run([sys.executable, "-m", "kvlookup", "sidecar", *redis_args, "--vllm-url", server.url],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2
+        assert out.stderr.strip().splitlines() == [
+            f"kvlookup: error: {server.url}/kv_event_sources answered 404: vLLM older than 0.33 has no "
+            "/kv_event_sources; give --vllm-endpoint (and --vllm-replay-endpoint) instead"]
+    finally:
+        server.close()
+
+
+def test_vllm_url_alone_subscribes_every_rank_scopes_by_model_and_follows_a_restart(r, redis_args):
+    pubs = two_ranks()
+    server = FakeVllmServer({str(rank): events_config(p) for rank, p in enumerate(pubs)})
+    sc = SidecarProc(*redis_args, "--vllm-url", server.url).start()
+    client = Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
+    inst = server.url.removeprefix("http://")
+    try:
+        pubs[0].publish(payload(stored([1], A[:16])), send=False)  # before the sidecar listened: caught up
+        pubs[1].publish(payload(stored([1, 2], A, rank=1), rank=1))
+        want = {inst: ("GPU", 32, {"0": 16, "1": 32})}
+        assert wait_for(lambda: layout(client, A, model_name=MODEL), want) == want
+        assert layout(client, A, model_name="another-model") == {}
+        assert layout(client, A) == want  # no model named: every instance
+        # the engine restarts on other ports: the sidecar reads /kv_event_sources again
+        for p in pubs:
+            p.close()
+        pubs = two_ranks()
+        server.sources = {str(rank): events_config(p) for rank, p in enumerate(pubs)}
+        pubs[1].publish(payload(stored([7], B, rank=1), rank=1), send=False)
+        want = {inst: ("GPU", 16, {"1": 16})}
+        assert wait_for(lambda: layout(client, B, model_name=MODEL), want, timeout=8.0) == want
+        assert layout(client, A) == {}  # the restarted engine's cache is empty
+    finally:
+        sc.stop()
+        server.close()
+        for p in pubs:
+            p.close()
