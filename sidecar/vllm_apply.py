@@ -33,6 +33,7 @@ from kvlookup.hashing import vllm as vh
 from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store
 from kvlookup.index.vllm_groups import GroupSpec, is_prefix_group
+from kvlookup.index.vllm_ranks import VllmRanks
 from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored, Event, Malformed
 
@@ -104,6 +105,8 @@ class RankContext:
     chains: set[tuple[int, int]] = field(default_factory=set)
     groups: dict[int, GroupSpec] = field(default_factory=dict)
     legacy_space: str = ""
+    #: the rank's state in Redis (its engine map and rank fields); None: made from store
+    ranks_state: VllmRanks | None = None
 
 
 class BatchApplier:
@@ -111,7 +114,7 @@ class BatchApplier:
 
     def __init__(self, ctx: RankContext):
         self.ctx = ctx
-        self.map_key = keys.engine_map_key(ctx.instance_id, ctx.rank)
+        self.ranks = ctx.ranks_state or VllmRanks(ctx.store, ctx.instance_id)
         self.fetched: dict[str, Entry | None] = {}
         self.changed: dict[str, Entry | None] = {}
         self.wiped = False
@@ -308,7 +311,7 @@ class BatchApplier:
                 wanted.update(keys.engine_field(h, g) for h in ev.block_hashes for g in groups)
         if wanted:
             order = list(wanted)
-            values = self.ctx.store.r.hmget(self.map_key, order)
+            values = self.ranks.engine_entries(self.ctx.rank, order)
             self.fetched = {f: Entry.parse(v) for f, v in zip(order, values, strict=True)}
 
     # -- writes ---------------------------------------------------------------------------
@@ -323,21 +326,15 @@ class BatchApplier:
         for space, batches in by_space.items():
             self._apply(batches, space)
         self.ops = {}
-        pipe = ctx.store.r.pipeline(transaction=False)
         sets = {f: e.format() for f, e in self.changed.items() if e is not None}
         dels = [f for f, e in self.changed.items() if e is None]
-        if sets:
-            pipe.hset(self.map_key, mapping=sets)
-        if dels:
-            pipe.hdel(self.map_key, *dels)
         self.fetched.update(self.changed)
         self.changed = {}
         persist = dict(persist)
+        block_sizes = None
         if self.new_chains and ctx.chains:
-            text = chains_text(ctx.chains)
-            pipe.hset(keys.block_sizes_key(), keys.worker_member(ctx.instance_id, ctx.rank), text)
-            pipe.hset(keys.instance_key(ctx.instance_id), "block_size", min(bs for bs, _ in ctx.chains))
-            persist[keys.rank_field("block_size", ctx.rank)] = text
+            block_sizes = chains_text(ctx.chains)
+            persist[keys.rank_field("block_size", ctx.rank)] = block_sizes
             self.new_chains = False
         for g, spec in self.new_groups.items():
             persist[keys.group_field(ctx.rank, g)] = spec.format()
@@ -345,10 +342,8 @@ class BatchApplier:
         if self.session:
             persist[keys.rank_field("session", ctx.rank)] = self.session
             self.session = None
-        if persist:
-            pipe.hset(keys.instance_key(ctx.instance_id), mapping=persist)
-        if len(pipe):
-            pipe.execute()
+        self.ranks.write(ctx.rank, sets, dels, block_sizes=block_sizes, persist=persist,
+                              min_block_size=min(bs for bs, _ in ctx.chains) if block_sizes else None)
 
     def _apply(self, batches: list, space: str) -> None:
         try:

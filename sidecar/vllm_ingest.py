@@ -37,6 +37,7 @@ from kvlookup import kinds, metrics
 from kvlookup.index import keys
 from kvlookup.index.store import Store
 from kvlookup.index.vllm_groups import GroupSpec
+from kvlookup.index.vllm_ranks import VllmRanks
 from kvlookup.sidecar.vllm_apply import BatchApplier, RankContext
 from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import decode_batch, parse_live
@@ -85,14 +86,14 @@ class VllmIngest:
         self.resyncs: Counter = Counter()
         self.duplicates = 0
         self.model: str | None = None
+        self.ranks_state = VllmRanks(store, instance_id)
 
     def set_model(self, model: str | None) -> None:
         """The served model's name (discovered): written to the instance hash (``model``) now when
         the instance is registered, else when a rank registers; lookups naming another model skip it."""
         self.model = model
-        ik = keys.instance_key(self.instance_id)
-        if model and kinds.of(self.store.r.hget(ik, "kind")) is kinds.VLLM:
-            self.store.r.hset(ik, "model", model)
+        if model:
+            self.ranks_state.write_model(model, only_if_vllm=True)
 
     def handle_live(self, rank: int, frames: list[bytes]) -> None:
         """One live SUB message of ``rank``. Never raises except for Redis outages."""
@@ -206,11 +207,10 @@ class VllmIngest:
     def _load(self, rank: int, st: RankState) -> str | None:
         """Load the rank's persisted state (seq, chains, groups) when it is still registered;
         returns the persisted digest. st.last stays None when there is nothing to resume."""
-        fields = self.store.r.hgetall(keys.instance_key(self.instance_id))
+        fields, worker = self.ranks_state.persisted(rank)
         p_seq = fields.get(keys.rank_field("seq", rank))
         if p_seq is None or not self.store.is_registered(self.instance_id, rank):
             return None
-        worker = self.store.r.hkeys(keys.worker_key(self.instance_id, rank))
         if any(f.startswith(keys.LOCATION_FIELD_PREFIX) and "@" not in f for f in worker):
             log.info("%s rank %d: records of an earlier layout (one holder per medium); rebuilding",
                      self.instance_id, rank)
@@ -272,7 +272,8 @@ class VllmIngest:
         persist: dict[str, str | int] = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): d}
         ctx = RankContext(self.store, self.instance_id, rank, lambda: self._wipe(rank, st),
                           lambda: self._register_rank(rank), self.rejected, self.skipped,
-                          chains=st.chains, groups=st.groups, legacy_space=st.legacy_space)
+                          chains=st.chains, groups=st.groups, legacy_space=st.legacy_space,
+                          ranks_state=self.ranks_state)
         try:
             events = decode_batch(payload).events
         except WireError as exc:
@@ -286,7 +287,7 @@ class VllmIngest:
         """A new epoch of the rank in the registry, owned by this sidecar."""
         self.store.register_worker(self.instance_id, rank, kind=kinds.VLLM)
         if self.model:
-            self.store.r.hset(keys.instance_key(self.instance_id), "model", self.model)
+            self.ranks_state.write_model(self.model)
         if self.owner:
             self.store.own(self.owner, self.instance_id)
 
@@ -294,12 +295,7 @@ class VllmIngest:
         """New epoch for the rank (its records stop counting), empty engine map, no learned
         chains or groups."""
         self._register_rank(rank)
-        pipe = self.store.r.pipeline(transaction=False)
-        pipe.unlink(keys.engine_map_key(self.instance_id, rank))
-        pipe.hdel(keys.instance_key(self.instance_id),
-                  *[keys.rank_field(name, rank) for name in ("seq", "digest", "block_size", "session")],
-                  *[keys.group_field(rank, g) for g in st.groups])
-        pipe.execute()
+        self.ranks_state.wipe(rank, st.groups)
         st.chains.clear()
         st.groups.clear()
         st.legacy_space = ""
@@ -310,13 +306,13 @@ class VllmIngest:
         if resync:
             self._mark_resync(rank, resync)
         else:
-            self.store.r.hdel(keys.instance_key(self.instance_id), keys.rank_field("resync", rank))
+            self.ranks_state.mark_resync(rank, None)
 
     def _mark_resync(self, rank: int, reason: str) -> None:
         self._count_resync(reason)
         log.warning("%s rank %d: records incomplete (%s); resyncing from live events", self.instance_id, rank,
                     reason)
-        self.store.r.hset(keys.instance_key(self.instance_id), keys.rank_field("resync", rank), reason)
+        self.ranks_state.mark_resync(rank, reason)
 
     def _count_resync(self, reason: str) -> None:
         self.resyncs[reason] += 1

@@ -1,0 +1,78 @@
+"""A vLLM instance's per-rank state in Redis, written by its sidecar: the engine map (engine block
+hash -> kvlookup's chunk hash and the residencies holding it, ``keys.engine_map_key``) and the
+rank fields of the instance hash (``keys.rank_field``: seq, digest, block sizes, session, resync;
+``keys.group_field``: the hybrid groups learned). sidecar/vllm_ingest.py and vllm_apply.py keep
+the protocol's semantics; every key and command is here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from kvlookup import kinds
+from kvlookup.index import keys
+from kvlookup.index.store import Store
+
+#: rank fields a wipe removes (with the rank's group fields)
+RANK_FIELDS = ("seq", "digest", "block_size", "session")
+
+
+class VllmRanks:
+    """The Redis side of one vLLM instance's ranks (store: the sidecar's Store)."""
+
+    def __init__(self, store: Store, instance_id: str):
+        self.store, self.instance_id = store, instance_id
+        self.r = store.r
+        self.instance_key = keys.instance_key(instance_id)
+
+    def write_model(self, model: str, only_if_vllm: bool = False) -> None:
+        """Record the served model's name (``model`` field); with only_if_vllm, only when the
+        instance is registered as a vLLM instance already."""
+        if only_if_vllm and kinds.of(self.r.hget(self.instance_key, "kind")) is not kinds.VLLM:
+            return
+        self.r.hset(self.instance_key, "model", model)
+
+    def persisted(self, rank: int) -> tuple[dict[str, str], list[str]]:
+        """(the instance hash's fields, the rank's worker hash field names): what a resumed rank
+        reads back, in two commands."""
+        return self.r.hgetall(self.instance_key), self.r.hkeys(keys.worker_key(self.instance_id, rank))
+
+    def engine_entries(self, rank: int, fields: Sequence[str]) -> list[str | None]:
+        """The engine map's values of ``fields`` (``keys.engine_field``), None where absent."""
+        return self.r.hmget(keys.engine_map_key(self.instance_id, rank), list(fields))
+
+    def write(self, rank: int, map_sets: Mapping[str, str], map_dels: Iterable[str], *,
+              block_sizes: str | None = None, min_block_size: int | None = None,
+              persist: Mapping[str, str | int] | None = None) -> None:
+        """One round trip: engine map fields set and deleted, the rank's block sizes (the walk's
+        ``keys.block_sizes_key`` and the instance's ``block_size``) when they changed, and the
+        rank fields in ``persist``."""
+        pipe = self.r.pipeline(transaction=False)
+        map_key = keys.engine_map_key(self.instance_id, rank)
+        dels = list(map_dels)
+        if map_sets:
+            pipe.hset(map_key, mapping=dict(map_sets))
+        if dels:
+            pipe.hdel(map_key, *dels)
+        if block_sizes is not None:
+            pipe.hset(keys.block_sizes_key(), keys.worker_member(self.instance_id, rank), block_sizes)
+            pipe.hset(self.instance_key, "block_size", min_block_size or 0)
+        if persist:
+            pipe.hset(self.instance_key, mapping=dict(persist))
+        if len(pipe):
+            pipe.execute()
+
+    def wipe(self, rank: int, groups: Iterable[int]) -> None:
+        """Empty the rank's engine map and forget its rank fields and ``groups``' fields."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.unlink(keys.engine_map_key(self.instance_id, rank))
+        pipe.hdel(self.instance_key, *[keys.rank_field(name, rank) for name in RANK_FIELDS],
+                  *[keys.group_field(rank, g) for g in groups])
+        pipe.execute()
+
+    def mark_resync(self, rank: int, reason: str | None) -> None:
+        """Say (``resync`` rank field) that the rank's records are incomplete and why; None clears it."""
+        field = keys.rank_field("resync", rank)
+        if reason:
+            self.r.hset(self.instance_key, field, reason)
+        else:
+            self.r.hdel(self.instance_key, field)
