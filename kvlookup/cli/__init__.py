@@ -216,6 +216,8 @@ def _refused_redis(settings: kvconfig.Settings, client=None) -> str | None:
     from kvlookup.proc.redis_server import connect
 
     if client is None:
+        if not settings.redis_url:
+            return None
         client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=5)
     return eviction_refusal(client)
 

@@ -201,10 +201,10 @@ def _watched_since(store: Store, now_ms: int, every_s: float | None) -> int:
     it does not pass periodically. A failed pass (an outage) leaves a gap that starts a new run."""
     if every_s is None:
         return -1
-    since, last = getattr(store, "_reaper_run", (now_ms, now_ms))
+    since, last = store.reaper_run or (now_ms, now_ms)
     if now_ms - last > every_s * 1000 + store.outage_gap_ms or now_ms < last:
         since = now_ms
-    store._reaper_run = (since, now_ms)
+    store.reaper_run = (since, now_ms)
     return since
 
 

@@ -90,6 +90,7 @@ class Store:
             "TOUCH", "FORGET_HOLDER", "RETIRE_UNKNOWN", "LEASE_CLOCK")}
         self._scripts = s
         self.clock = ServerClock(client)
+        self.reaper_run: tuple[int, int] | None = None  # (since, last) of a periodic reaper (fleet.reap)
         # (instance_id, worker_id) -> {(location, space): holder id}: a cache of HOLDER results
         self._holders: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
         self.journal: Journal | None = None

@@ -162,7 +162,7 @@ class EmbeddedRedis:
         self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=preexec)
-        if self.password:
+        if self.password and self.proc.stdin is not None:
             self.proc.stdin.write(f"requirepass {self.password}\n".encode())
             self.proc.stdin.close()
         auth = f":{self.password}@" if self.password else ""
