@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flask import Flask
+from flask import Flask, jsonify, request
 from flask.json.provider import DefaultJSONProvider
 
 from kvlookup import config as kvconfig
@@ -58,6 +58,13 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
         "metrics_registries": metrics_view.build_registries(fleet),
     }
     errors.init_app(app)
+    from kvlookup.app.auth import host_allowed
+
+    @app.before_request
+    def _host_check():  # DNS rebinding: a loopback-bound controller answers loopback names only
+        if not host_allowed(request.headers.get("Host"), settings.host):
+            return jsonify(error="Host is not this controller's (bound to loopback)"), 421
+        return None
     app.register_blueprint(health.bp)
     app.register_blueprint(control.bp)
     app.register_blueprint(registry.bp)
@@ -90,4 +97,4 @@ def create_asgi_app(settings: kvconfig.Settings | Mapping[str, Any] | None = Non
     flask_app = create_app(settings)
     ext = flask_app.extensions["kvlookup"]
     s = ext["settings"]
-    return AsgiController(flask_app, ext["lookup_route"], s.max_body_bytes, s.body_timeout_s)
+    return AsgiController(flask_app, ext["lookup_route"], s.max_body_bytes, s.body_timeout_s, bind_host=s.host)

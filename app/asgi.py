@@ -11,20 +11,25 @@ Every request body is read here first, within ``max_body_bytes`` (413) and ``bod
 (408), as :class:`app.body.RequestBody` does for WSGI. A lookup answered from the controller's
 cached reads does no I/O, so it runs in the loop; one that must ask Redis (``lookup_cache:
 off``, Redis Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup.index.tracking's
-``LOCAL_ONLY`` / ``NeedsRedis``) and every explain run in the thread pool, so a slow round trip
-never holds the other connections.
+``LOCAL_ONLY`` / ``NeedsRedis``) runs in the thread pool, so a slow round trip never holds
+the other connections. Every explain and every lookup with a large body (decoded and hashed
+off the loop) runs in a small bounded pool of its own (HEAVY_THREADS), so they never delay
+/health or ordinary lookups; when it is full they are answered 503.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
 import msgspec
 from a2wsgi import WSGIMiddleware, asgi_typing, wsgi_typing
 from flask import Flask
 
+from kvlookup.app.auth import host_allowed
 from kvlookup.app.body import declared_length
 from kvlookup.app.errors import ApiError, json_bytes
 from kvlookup.app.lookup import EXPLAIN_PATH, LookupRoute
@@ -36,6 +41,16 @@ Send = Callable[[dict], Awaitable[None]]
 #: Threads per worker process for the Flask app (control calls may wait on a slow LMCache
 #: worker for ``control_timeout_s``) and for lookups that need Redis round trips.
 THREADS = 16
+#: Heavy requests (every explain, and a lookup whose body is over BIG_BODY_BYTES: decoding and
+#: hashing 1M tokens takes ~1 s) run in a pool of their own, HEAVY_THREADS wide, with at most
+#: HEAVY_WAITING more waiting; beyond that they are answered 503 at once (Retry-After: 1). So
+#: /health, the control API and ordinary lookups never wait behind them (issue 20 item 8).
+HEAVY_THREADS = 1
+HEAVY_WAITING = 16
+BIG_BODY_BYTES = 64 * 1024
+#: How long a thread holds the GIL before it must hand it over (CPython's default is 5 ms): a
+#: request waiting behind a CPU-bound explain gets it back within this.
+SWITCH_INTERVAL_S = 0.0005
 
 
 class AsgiController:
@@ -45,13 +60,18 @@ class AsgiController:
     events are acknowledged; websockets are refused.
     """
 
-    def __init__(self, flask_app: Flask, route: LookupRoute, max_bytes: int, timeout_s: float):
+    def __init__(self, flask_app: Flask, route: LookupRoute, max_bytes: int, timeout_s: float,
+                 bind_host: str = "0.0.0.0"):
         self.route = route
+        self.bind_host = bind_host  # the Flask app checks Host itself (app.create_app)
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         # cast: a2wsgi types the WSGI environ and the ASGI messages as TypedDicts, Flask and this
         # module as plain dicts (the same values)
         self.wsgi = WSGIMiddleware(cast(wsgi_typing.WSGIApp, flask_app.wsgi_app), workers=THREADS)
+        self.heavy = ThreadPoolExecutor(HEAVY_THREADS, thread_name_prefix="kvlookup-heavy")
+        sys.setswitchinterval(SWITCH_INTERVAL_S)  # a CPU-bound explain hands the GIL over sooner
+        self._heavy_now = 0  # heavy requests running or waiting (the event loop's thread only)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -63,6 +83,8 @@ class AsgiController:
         except ApiError as exc:  # the rest of the body is never read: the connection closes
             return await send_json(send, exc.status, {"error": exc.message}, [("Connection", "close")])
         path = scope["path"]
+        if self.route.serves(path) and not host_allowed(_text(_header(scope, b"host")), self.bind_host):
+            return await send_json(send, 421, {"error": "Host is not this controller's (bound to loopback)"})
         if not self.route.serves(path):
             return await self.wsgi(cast(asgi_typing.HTTPScope, _with_length(scope, len(data))),
                                    cast(asgi_typing.Receive, _replay(data)), cast(asgi_typing.Send, send))
@@ -70,13 +92,26 @@ class AsgiController:
         ctype = _header(scope, b"content-type")
         args = (path, scope["method"], scope["query_string"].decode("latin-1"), data, keep,
                 ctype.decode("latin-1") if ctype else "")
-        answer = self._respond_here(path, args)
-        if answer is None:  # the request decoded in the loop (in ``keep``) is not decoded again
+        heavy = path == EXPLAIN_PATH or len(data) > BIG_BODY_BYTES
+        answer = None if heavy else self._respond_here(path, args)
+        if heavy:
+            answer = await self._heavy(args)
+        elif answer is None:  # the request decoded in the loop (in ``keep``) is not decoded again
             answer = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self.route.respond, *args)
         status, body, headers = answer
         await send_json(send, status, body, headers)
         self.route.count(keep)  # counted, and the decoded request freed, after the answer is out
         keep.clear()
+
+    async def _heavy(self, args: tuple) -> tuple:
+        """Answer in the heavy pool; (503, busy) when HEAVY_THREADS + HEAVY_WAITING are taken."""
+        if self._heavy_now >= HEAVY_THREADS + HEAVY_WAITING:
+            return 503, {"error": "busy: too many explains or large lookups at once; retry"}, [("Retry-After", "1")]
+        self._heavy_now += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.heavy, self.route.respond, *args)
+        finally:
+            self._heavy_now -= 1
 
     def _respond_here(self, path: str, args: tuple) -> tuple | None:
         """The answer from the event loop when it needs nothing from Redis (the chunk sets and
@@ -133,6 +168,10 @@ def _header(scope: dict, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1")
 
 
 def _with_length(scope: dict, length: int) -> dict:

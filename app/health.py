@@ -20,6 +20,7 @@ from pathlib import Path
 import redis
 from flask import Blueprint, Flask, current_app, jsonify
 
+from kvlookup.index import keys
 from kvlookup.index.fleet import sidecar_leases
 from kvlookup.proc.supervise import STATUS_ENV
 
@@ -40,7 +41,21 @@ def redis_check(app: Flask) -> list[Component]:
         client.ping()
     except redis.RedisError as exc:
         return [("redis", {"state": "down", "error": str(exc)}, False)]
-    return [("redis", {"state": "up", "ms": round((time.perf_counter() - start) * 1000, 3)}, True)]
+    return [("redis", {"state": "up", "ms": round((time.perf_counter() - start) * 1000, 3)}, True), *_writes(client)]
+
+
+def _writes(client) -> list[Component]:
+    """``redis writes``: down when Redis refuses a write (OOM under ``maxmemory`` with
+    ``noeviction``: ingest stops; MISCONF: the disk under the AOF/RDB is full, ``disk_full``).
+    Lookups go on answering from what is there either way."""
+    try:
+        client.set(keys.health_probe_key(), "1", px=10_000)
+    except redis.ResponseError as exc:  # redis-py strips the OOM prefix (OutOfMemoryError)
+        text = ("OOM " if isinstance(exc, redis.exceptions.OutOfMemoryError) else "") + str(exc)
+        return [("redis writes", {"state": "down", "error": text, "disk_full": text.startswith("MISCONF")}, False)]
+    except redis.RedisError:
+        return []  # not a refusal: the redis component reports the connection
+    return [("redis writes", {"state": "up"}, True)]
 
 
 def supervised_check(_app: Flask) -> list[Component]:
@@ -73,7 +88,7 @@ def sidecars_check(app: Flask) -> list[Component]:
         leases = sidecar_leases(app.extensions["kvlookup"]["redis"])
     except redis.RedisError:
         return []  # redis_check reports it
-    now_ms = time.time() * 1000
+    now_ms = app.extensions["kvlookup"]["fleet"].store.clock.now_ms()  # leases are Redis server time
     gone_ms = max(app.extensions["kvlookup"]["settings"].instance_ttl_s, GONE_AFTER_S) * 1000
     out = []
     for lease in leases:

@@ -9,7 +9,6 @@ sidecars' leases (``keys.sidecars_key``) and the index's size and memory (``DBSI
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from flask import Blueprint, current_app, jsonify
@@ -103,7 +102,7 @@ def overview(ext: dict, now: float | None = None) -> dict:
     """The whole document (``ext``: the app's ``extensions["kvlookup"]``): ``{"generated_at",
     "instances", "totals", "sidecars", "index", "settings", "features"}``. Raises
     redis.RedisError when Redis cannot be read."""
-    now = time.time() if now is None else now
+    now = ext["fleet"].store.clock.now() if now is None else now  # liveness is Redis server time
     fleet, settings = ext["fleet"], ext["settings"]
     rows = instances(fleet, now)
     workers = [w for row in rows for w in row["workers"]]

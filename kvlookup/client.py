@@ -18,6 +18,7 @@ from kvlookup.hashing import vllm as vh
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.hashing.namespace import DEFAULT, Namespace
 from kvlookup.index import keys
+from kvlookup.index.clock import ServerClock
 from kvlookup.index.records import Chain, Match
 from kvlookup.index.store import Store
 from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
@@ -160,6 +161,7 @@ class VllmChains:
         self.r = redis
         self.refresh_s = refresh_s
         self.check_alive = check_alive
+        self.clock = ServerClock(redis)  # leases are Redis server time
         self._sizes: list[tuple[int, int]] = []
         self._read_at = float("-inf")
         self._refreshing = threading.Event()
@@ -197,7 +199,7 @@ class VllmChains:
         per_rank = cast(dict[str, str], self.r.hgetall(keys.block_sizes_key()))
         if self.check_alive and per_rank:
             insts = sorted({m.split(keys.SEP, 1)[1] for m in per_rank})
-            now_ms = time.time() * 1000
+            now_ms = self.clock.now_ms()
             live = {i for i, s in zip(insts, self.r.zmscore(keys.alive_key(), insts), strict=True)
                     if s is not None and s >= now_ms}
             per_rank = {m: bs for m, bs in per_rank.items() if m.split(keys.SEP, 1)[1] in live}
@@ -267,7 +269,7 @@ class Client:
         if validate:
             validate_tokens(tokens, self.max_tokens)
         chains = self.chains(tokens, namespace)
-        found = self.store.lookup(chains, now_ms=int(time.time() * 1000))
+        found = self.store.lookup(chains)
         if causes is not None:
             causes.append(found.miss)
         if not found.kept:

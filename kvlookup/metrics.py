@@ -16,6 +16,8 @@ from prometheus_client import Counter
 INGEST_OPS = Counter("kvlookup_ingest_ops_total", "Chunk operations received", ["kind", "outcome"])
 MESSAGES = Counter("kvlookup_messages_total", "Worker messages handled", ["type"])
 REJECTED = Counter("kvlookup_rejected_frames_total", "Frames or events rejected", ["source", "reason"])
+UNPARSABLE = Counter("kvlookup_unparsable_records_total", "Registry records a loop could not parse and skipped",
+                     ["where"])
 SEQ_GAPS = Counter("kvlookup_seq_gaps_total", "Sequence gaps seen", ["source"])
 RESYNCS = Counter("kvlookup_resyncs_total", "Instances cleared or asked to resync", ["source", "reason"])
 #: outcome: resumed (a persisted stream continued), caught_up (batches after the last applied),

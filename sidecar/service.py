@@ -55,6 +55,13 @@ REAP_EVERY_S = 5.0
 RELEASE_AFTER_OPS = 200_000
 #: How long a sidecar's own lease lasts (its status in /health goes "down" after this).
 SIDECAR_LEASE_S = 5.0
+#: A stopping sidecar (SIGTERM) reads what its sockets hold and writes every queued op, for at
+#: most DRAIN_S; it stops reading once the PULL socket stayed quiet for DRAIN_QUIET_S, or after
+#: DRAIN_READ_S however busy its senders are (what they send later waits in their queues, or
+#: goes to the next sidecar process).
+DRAIN_S = 10.0
+DRAIN_QUIET_S = 0.1
+DRAIN_READ_S = 1.0
 
 
 def default_sidecar_id(*urls: str | None) -> str:
@@ -230,6 +237,7 @@ class Sidecar:
         self._next_tick = self._next_reap = self._next_purge = 0.0
         self._started = False
         run_turns(self._turn, self._stop, "sidecar")
+        self._drain()
         self._sign_off()
         self.close()
 
@@ -255,6 +263,36 @@ class Sidecar:
         self._purge(BUSY_PURGE_BUDGET if self.lmcache.queued_ops else PURGE_BUDGET)
         self._after_burst()
         self.last_turn = time.monotonic()
+
+    def _drain(self) -> None:
+        """Stopping on purpose loses no acknowledged op (issue 20 item 5): what the LMCache sockets
+        already received is read and answered, and every queued op written, until the PULL
+        socket is quiet and the queue empty, or DRAIN_S passed (Redis failing throughout)."""
+        if not self._started:
+            return
+        start = time.monotonic()
+        end = start + DRAIN_S
+        quiet_since = start
+        while time.monotonic() < end:
+            try:
+                reading = time.monotonic() - start < DRAIN_READ_S
+                for sock in self.sockets.poll(0) if reading else ():
+                    self.sockets.handlers[sock](sock)
+                    if sock in (self.pull, self.router):
+                        quiet_since = time.monotonic()
+                if not reading:
+                    quiet_since = float("-inf")
+                self.lmcache.flush(self.limits.slice_ops)
+            except redis.RedisError as exc:
+                log.warning("sidecar %s: draining: redis error (%s); retrying", self.sidecar_id, exc)
+                time.sleep(0.1)
+                continue
+            if not self.lmcache.queued_ops and time.monotonic() - quiet_since >= DRAIN_QUIET_S:
+                return
+            if not self.lmcache.queued_ops:
+                time.sleep(0.005)
+        log.warning("sidecar %s: stopped with %d op(s) unwritten after %.0f s of draining", self.sidecar_id,
+                    self.lmcache.queued_ops, DRAIN_S)
 
     def _sign_off(self) -> None:
         if not self._started:

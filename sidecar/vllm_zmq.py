@@ -306,7 +306,7 @@ class VllmLoop:
             if self.store.is_registered(*key):
                 log.warning("vLLM %s rank %d: its event stream stayed disconnected %.0fs; recording it gone",
                             key[0], key[1], self.grace_s)
-                self.store.suspect(*key, int(time.time() * 1000))
+                self.store.suspect(*key, self.store.clock.now_ms())
 
     def stop(self) -> None:
         self._stop.set()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvlookup import config as kvconfig
 from kvlookup.config import names, options
+from kvlookup.proc.redis_urls import redacted
 from kvlookup.proc.runtime import GunicornController, ensure_redis, master_temp_dir, setup_logging
 
 if TYPE_CHECKING:
@@ -187,6 +188,9 @@ def cmd_controller(args: argparse.Namespace) -> int:
         lease = ensure_redis(settings, port=getattr(args, "redis_port", None))
         if lease is None:
             preflight.say_redis(settings, log)
+        if why := _refused_redis(settings):
+            print(f"kvlookup controller: error: {why}", file=sys.stderr)
+            return 1
         children = [_spawn_embedded_sidecar(settings, settings_dir)] if settings.pull_port() else []
         supervisor = Supervisor(children, new_status_file(), extra=lambda: {"redis": lease.status()} if lease else {})
         supervisor.start()
@@ -204,6 +208,18 @@ def cmd_controller(args: argparse.Namespace) -> int:
                 shutil.rmtree(metrics_dir, ignore_errors=True)
             shutil.rmtree(settings_dir, ignore_errors=True)
     return 0
+
+
+def _refused_redis(settings: kvconfig.Settings, client=None) -> str | None:
+    """Why the configured Redis must not hold the index (kvlookup.proc.redis_policy), or None."""
+    from kvlookup.proc.redis_policy import eviction_refusal
+    from kvlookup.proc.redis_server import connect
+
+    if client is None:
+        if not settings.redis_url:
+            return None
+        client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=5)
+    return eviction_refusal(client)
 
 
 def _spawn_embedded_sidecar(settings: kvconfig.Settings, settings_dir: str) -> Child:
@@ -277,6 +293,9 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
     store.model = settings.model
+    if why := _refused_redis(settings, store.r):
+        print(f"kvlookup sidecar: error: {why}", file=sys.stderr)
+        return 1
     sidecar = Sidecar(store, settings.pull_url, settings.reply_url, sidecar_id=settings.sidecar_id,
                       instance_ids=(settings.instance_id,) if settings.instance_id else (),
                       advertise_reply=settings.advertise_reply, vllm=vllm, limits=settings.limits(),
@@ -294,7 +313,8 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
         serve(sidecar, settings.host, settings.metrics_port)
     log.info("sidecar %s: PULL %s, ROUTER %s, vLLM %s, Redis %s; peers %s, instances %s", sidecar.sidecar_id,
-             settings.pull_url or "-", settings.reply_url or "-", settings.vllm_endpoint or "-", settings.redis_url,
+             settings.pull_url or "-", settings.reply_url or "-", settings.vllm_endpoint or "-",
+             redacted(settings.redis_url),
              settings.peer_networks(), ", ".join(settings.allowed_instance_ids) or "any")
     try:
         sidecar.run()
@@ -324,6 +344,8 @@ def _mp_only(settings) -> int:
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
+    import redis
+
     from kvlookup.index.fleet import reap
     from kvlookup.index.store import Store
     from kvlookup.proc.redis_server import connect
@@ -335,9 +357,15 @@ def cmd_reap(args: argparse.Namespace) -> int:
     stop = threading.Event()
     _stop_on_signals(stop.set)
     while True:
-        reaped = reap(store)
-        purged = store.purge()
-        print(json.dumps({"reaped": [f"{i}/{w}" for i, w in reaped], "purged": purged}), flush=True)
+        try:
+            reaped = reap(store, every_s=args.loop)
+            purged = store.purge()
+        except redis.RedisError as exc:  # an outage: judge again when Redis answers (a lone pass fails)
+            if not args.loop:
+                raise
+            log.warning("reap: redis error (%s); next pass in %.1f s", exc, args.loop)
+        else:
+            print(json.dumps({"reaped": [f"{i}/{w}" for i, w in reaped], "purged": purged}), flush=True)
         if not args.loop or stop.wait(args.loop):
             return 0
 

@@ -41,12 +41,13 @@ def say_redis(settings: kvconfig.Settings, log: logging.Logger) -> None:
     starts: /health and /lookup answer 503 until it does). Raises ValueError for a Redis Cluster
     of which no node answers."""
     from kvlookup.proc.redis_server import connect
+    from kvlookup.proc.redis_urls import redacted
 
-    url = settings.redis_url
-    if url is None:
+    if settings.redis_url is None:
         return
+    url = redacted(settings.redis_url)  # what is logged: never the password
     try:
-        client = connect(url, cluster=settings.redis_cluster, socket_timeout=2, socket_connect_timeout=2)
+        client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=2, socket_connect_timeout=2)
         client.ping()
     except Exception as exc:  # noqa: BLE001  (any failure to reach it is reported the same way)
         why = str(exc) or type(exc).__name__

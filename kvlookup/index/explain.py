@@ -17,10 +17,11 @@ docs/operations.md ("Explaining a miss").
 from __future__ import annotations
 
 import datetime as dt
-import time
+import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from kvlookup import metrics
 from kvlookup.hashing import vllm as vh
 from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, seeded_str_hash
 from kvlookup.hashing.namespace import DEFAULT, Namespace
@@ -29,6 +30,12 @@ from kvlookup.index.io import raise_errors
 from kvlookup.index.records import Chain, walk_registry_keys
 from kvlookup.index.walk import ChainWalk, Holder
 
+log = logging.getLogger(__name__)
+
+#: Instances one explanation covers at most: those reaching furthest into the prompt
+#: (``instances_omitted`` counts the rest); with more than 4x this many holders in the
+#: registry, instances that hold none of the prompt are not searched for recent evictions.
+MAX_INSTANCES = 256
 #: Chunk sizes tried for the LMCache space: LMCache's usual sizes and vLLM's block sizes.
 CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 #: Chunks read per other profile or namespace.
@@ -135,7 +142,7 @@ class Explainer:
         "profiles", "namespaces", "diagnosis", "cause"}`` (docs/operations.md). Raises
         redis.RedisError when Redis fails.
         """
-        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        now_ms = self.client.store.clock.now_ms() if now_ms is None else now_ms
         prof = self.client.profile
         ns = namespace.label()
         chains = [c for c in self.client.chains(tokens, namespace) if c.hashes]
@@ -150,6 +157,8 @@ class Explainer:
                "instances": entries,
                "profiles": [st.variant_json(v) for v in variants if v.kind == "profile" and v.matched],
                "namespaces": [st.variant_json(v) for v in variants if v.kind == "namespace" and v.matched]}
+        if st.omitted:
+            out["instances_omitted"] = st.omitted
         out["diagnosis"] = st.diagnosis(out)
         out["cause"] = _cause(out)
         return out
@@ -212,19 +221,22 @@ class _State:
             pos += len(c.hashes)
         res = raise_errors(io.execute([("HGETALL", keys.holders_key()),
                                        ("ZRANGE", keys.departures_key(), 0, -1, "WITHSCORES")]))
-        self.desc = {hid: keys.parse_holder(v) for hid, v in _pairs(res[0])}
+        self.desc = _descriptions(_pairs(res[0]))
         self.departures = {m: float(s) for m, s in _pairs(res[1])}
+        self._bound()
         hids = sorted({h for lists in self.members for ms in lists for h in ms})
         insts = sorted({self.desc[h][0] for h in hids if h in self.desc})
         workers = sorted({(self.desc[h][0], self.desc[h][1]) for h in hids if h in self.desc})
         live = self.ex.client.store.liveness(self.now)
         cmds: list[tuple] = [("EVALSHA", self.ex.resolve_sha, 6, *walk_registry_keys(), keys.registry_version_key(),
                               *live.argv(), *hids)] if hids else []
-        cmds += [("ZSCORE", keys.dead_holders_key(), h) for h in hids]
-        cmds += [c for i in insts
-                 for c in (("SMEMBERS", keys.instance_workers_key(i)), ("ZSCORE", keys.alive_key(), i))]
-        cmds += [c for i, w in workers for c in (("HGETALL", keys.worker_key(i, w)),
-                                                  ("ZSCORE", keys.heartbeats_key(), keys.worker_member(i, w)))]
+        # one ZMSCORE per sorted set, not one ZSCORE per member: linear with a small constant
+        cmds += [("ZMSCORE", keys.dead_holders_key(), *hids)] if hids else []
+        cmds += [("ZMSCORE", keys.alive_key(), *insts)] if insts else []
+        members = [keys.worker_member(i, w) for i, w in workers]
+        cmds += [("ZMSCORE", keys.heartbeats_key(), *members)] if members else []
+        cmds += [("SMEMBERS", keys.instance_workers_key(i)) for i in insts]
+        cmds += [("HGETALL", keys.worker_key(i, w)) for i, w in workers]
         res = raise_errors(io.execute(cmds))
         texts = res[0][1:] if hids else []
         res = res[1:] if hids else res
@@ -232,16 +244,39 @@ class _State:
         for hid, text in zip(hids, texts, strict=True):
             holder = Holder.parse(text.rpartition(keys.SEP)[0]) if text else None
             self.resolved[hid] = (holder, float(text.rpartition(keys.SEP)[2]) if text else 0.0)
-        self.dead = {h: float(s) for h, s in zip(hids, res[:len(hids)], strict=True) if s is not None}
-        res = res[len(hids):]
-        self.ranks = {i: set(res[2 * n]) for n, i in enumerate(insts)}
-        self.alive = {i: res[2 * n + 1] for n, i in enumerate(insts)}
-        res = res[2 * len(insts):]
-        self.workers = {w: _dict(res[2 * n]) for n, w in enumerate(workers)}
-        self.heartbeats = {w: res[2 * n + 1] for n, w in enumerate(workers)}
+        dead = res.pop(0) if hids else []
+        alive = res.pop(0) if insts else []
+        beats = res.pop(0) if members else []
+        self.dead = {h: float(s) for h, s in zip(hids, dead, strict=True) if s is not None}
+        self.ranks = {i: set(res[n]) for n, i in enumerate(insts)}
+        self.alive = {i: _score(a) for i, a in zip(insts, alive, strict=True)}
+        res = res[len(insts):]
+        self.workers = {w: _dict(res[n]) for n, w in enumerate(workers)}
+        self.heartbeats = {w: _score(b) for w, b in zip(workers, beats, strict=True)}
         self.counting = {h: hol for h, (hol, until) in self.resolved.items() if hol is not None and until >= self.now}
         self._walk()
         self._read_evictions()
+
+    def _bound(self) -> None:
+        """Keep the MAX_INSTANCES instances that reach furthest into the prompt (ties by id):
+        the holders of the others leave the chunk lists and the registry candidates, so an
+        explanation costs at most about MAX_INSTANCES instances whatever the fleet's size;
+        ``self.omitted`` counts the instances left out."""
+        depth: dict[str, int] = {}
+        for lists in self.members:
+            for i, ms in enumerate(lists):
+                for h in ms:
+                    d = self.desc.get(h)
+                    if d and depth.get(d[0], -1) < i:
+                        depth[d[0]] = i
+        self.omitted = 0
+        self.candidates_capped = len(self.desc) > MAX_INSTANCES * 4
+        if len(depth) <= MAX_INSTANCES:
+            return
+        kept = set(sorted(depth, key=lambda inst: (-depth[inst], inst))[:MAX_INSTANCES])
+        self.omitted = len(depth) - len(kept)
+        self.members = [[[h for h in ms if h in self.desc and self.desc[h][0] in kept] for ms in lists]
+                        for lists in self.members]
 
     def _walk(self) -> None:
         self.walks = []
@@ -266,7 +301,27 @@ class _State:
             for _key, (inst, wid, upto, end, short) in w.stops().items():
                 self.stops.append((ci, inst, wid, upto, end, short))
         grouped = {(ci, inst, wid) for ci, inst, wid, *_ in self.stops}
+        grouped_insts = {(ci, inst) for ci, inst, *_ in grouped}
         space_of = [c.prefix[len(keys.chunk_prefix()):].rstrip(":") for c in self.chains]
+        # Indexes, so that every step below is linear in holders (issue 20: it was quadratic):
+        # (instance, space) -> its holder ids; per chain, instance -> holder ids in the prompt's
+        # chunk lists, and per chunk, instance -> the holder ids of that chunk.
+        self.of_inst: dict[tuple[str, str], list[str]] = {}
+        for hid, (inst, _w, _loc, space) in self.desc.items():
+            self.of_inst.setdefault((inst, space), []).append(hid)
+        self.in_chain: list[set[str]] = []
+        self.at_chunk: list[list[dict[str, list[str]]]] = []
+        for lists in self.members[:len(self.chains)]:
+            per_chunk = []
+            for ms in lists:
+                by: dict[str, list[str]] = {}
+                for h in ms:
+                    d = self.desc.get(h)
+                    if d:
+                        by.setdefault(d[0], []).append(h)
+                per_chunk.append(by)
+            self.at_chunk.append(per_chunk)
+            self.in_chain.append({inst for by in per_chunk for inst in by})
         for ci, lists in enumerate(self.members[:len(self.chains)]):  # instances that never formed a group
             for hid in {h for ms in lists for h in ms}:
                 d = self.desc.get(hid)
@@ -274,12 +329,15 @@ class _State:
                 wid = hol.worker_id if hol else ""
                 if d and (ci, d[0], wid) not in grouped and (ci, d[0], "") not in grouped:
                     grouped.add((ci, d[0], wid))
+                    grouped_insts.add((ci, d[0]))
                     self.stops.append((ci, d[0], wid, 0, 0, None))
         for ci in range(len(self.chains)):  # current holders that may have held chunk 0 recently
+            if self.candidates_capped:
+                break  # a large fleet: only instances holding some of the prompt are asked (bounded)
             for hid, (inst, _w, _loc, space) in self.desc.items():
-                if space == space_of[ci] and hid not in self.dead and (ci, inst, "") not in grouped and not any(
-                        g[0] == ci and g[1] == inst for g in grouped):
+                if space == space_of[ci] and hid not in self.dead and (ci, inst) not in grouped_insts:
                     grouped.add((ci, inst, ""))
+                    grouped_insts.add((ci, inst))
                     self.stops.append((ci, inst, "", 0, 0, None))
         self.evict_cmds: list[tuple[int, int, str]] = []
         cmds: list[tuple] = []
@@ -287,10 +345,9 @@ class _State:
             c = self.chains[ci]
             if upto >= len(c.hashes):
                 continue
-            for hid, d in self.desc.items():
-                if d[0] == inst and d[3] == space_of[ci]:
-                    self.evict_cmds.append((si, len(cmds), hid))
-                    cmds.append(("ZSCORE", keys.holder_evicted_key(hid), str(c.hashes[upto])))
+            for hid in self.of_inst.get((inst, space_of[ci]), ()):
+                self.evict_cmds.append((si, len(cmds), hid))
+                cmds.append(("ZSCORE", keys.holder_evicted_key(hid), str(c.hashes[upto])))
         res = raise_errors(self.ex.io.execute(cmds)) if cmds else []
         self.evicted: dict[int, tuple[float, str]] = {}
         for si, ri, hid in self.evict_cmds:
@@ -301,8 +358,7 @@ class _State:
         keep = []
         for si, s in enumerate(self.stops):  # a holder with no chunk of the prompt and no eviction: not listed
             ci, inst = s[0], s[1]
-            if s[3] > 0 or si in self.evicted or any(self.desc.get(h, ("",))[0] == inst
-                                                      for ms in self.members[ci] for h in ms):
+            if s[3] > 0 or si in self.evicted or inst in self.in_chain[ci]:
                 keep.append((si, s))
         self.kept = keep
 
@@ -350,7 +406,7 @@ class _State:
         start, stop_tok = upto * c.chunk_size, min((upto + 1) * c.chunk_size, c.n_tokens)
         stop = {"chunk": upto, "token_offset": start, "chunk_hash": str(c.hashes[upto])}
         where = f"chunk {upto} (tokens {start}-{stop_tok}, hash {c.hashes[upto]})"
-        mine = [h for h in self.members[ci][upto] if self.desc.get(h, ("",))[0] == inst]
+        mine = self.at_chunk[ci][upto].get(inst, [])
         counting = [self.counting[h] for h in mine if h in self.counting]
         if short is not None and counting:
             held = sorted(short, key=_num)
@@ -475,5 +531,23 @@ def _pairs(flat) -> list[tuple]:
     return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
 
+def _score(value):
+    """A ZMSCORE element as ZSCORE answers it (float or None; raw replies may be text)."""
+    return None if value is None else float(value)
+
+
 def _dict(flat) -> dict:
     return dict(_pairs(flat)) if flat else {}
+
+
+def _descriptions(pairs) -> dict[str, tuple[str, str, str, str]]:
+    """holder id -> parsed description; an unparsable one (written by a version that did not
+    check engine strings) is skipped and counted (``kvlookup_unparsable_records_total``)."""
+    out = {}
+    for hid, value in pairs:
+        try:
+            out[hid] = keys.parse_holder(value)
+        except ValueError as exc:
+            metrics.UNPARSABLE.labels("explain").inc()
+            log.debug("holder %s skipped: %s", hid, exc)
+    return out

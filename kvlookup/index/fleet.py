@@ -10,7 +10,6 @@ periodic reaper and ``kvlookup reap``.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 from kvlookup import kinds
@@ -114,7 +113,7 @@ class Fleet:
         """Whether each instance's liveness lease is current (all True when liveness is off)."""
         if self.store.instance_ttl_ms <= 0 or not instance_ids:
             return dict.fromkeys(instance_ids, True)
-        now_ms = (time.time() if now is None else now) * 1000
+        now_ms = (self.store.clock.now() if now is None else now) * 1000
         scores = self.r.zmscore(keys.alive_key(), instance_ids)
         return {inst: s is not None and s >= now_ms for inst, s in zip(instance_ids, scores, strict=True)}
 
@@ -123,7 +122,7 @@ class Fleet:
         if not instance_alive:
             return False
         if self.store.worker_ttl_ms > 0 and w.heartbeats > 0:
-            now = time.time() if now is None else now
+            now = self.store.clock.now() if now is None else now
             return (now - w.last_heartbeat_time) * 1000 <= self.store.worker_ttl_ms
         return True
 
@@ -146,7 +145,7 @@ class Fleet:
         return sorted(out)
 
 
-def reap(store: Store, now: float | None = None) -> list[tuple[str, int | str]]:
+def reap(store: Store, now: float | None = None, every_s: float | None = None) -> list[tuple[str, int | str]]:
     """Deregister every worker there is evidence against; returns the (instance_id, worker_id)
     pairs reaped.
 
@@ -158,27 +157,55 @@ def reap(store: Store, now: float | None = None) -> list[tuple[str, int | str]]:
     reads, no SCAN); each decision is re-checked atomically in Redis (``REAP_WORKER``), so
     concurrent reapers (one per sidecar) are safe. Its records stop counting at once and
     :meth:`Store.purge` deletes them in bounded steps.
+
+    Every deadline is Redis server time, judged with the lease clock (:meth:`Store.lease_clock`):
+    a lease or heartbeat that lapsed while no sidecar could renew it (a Redis outage) is no
+    evidence until ``Store.outage_grace_ms`` after renewals resumed, and none is while no sidecar
+    renewed for ``Store.outage_gap_ms`` (it may not have reached Redis yet).
+    ``now`` (unix s) only narrows the candidates in tests; the scripts judge on server time.
+    every_s: this reaper passes every ``every_s`` seconds (``kvlookup reap --loop``): passes
+    that follow each other within that plus the outage gap are its own evidence that Redis
+    answered (needed where no sidecar renews any more).
     """
-    now = time.time() if now is None else now
-    now_ms = int(now * 1000)
+    clock = store.lease_clock()
+    watched = _watched_since(store, clock[0], every_s)
+    if now is not None:
+        clock = (int(now * 1000), *clock[1:])
+    now_ms = clock[0]
     fleet = Fleet(store)
     pipe = store.r.pipeline(transaction=False)
     pipe.smembers(keys.instances_key())
-    pipe.zrangebyscore(keys.heartbeats_key(), "-inf", now_ms - store.worker_ttl_ms - 1)
+    pipe.zrangebyscore(keys.heartbeats_key(), "-inf", now_ms - store.worker_ttl_ms - 1, withscores=True)
     pipe.zrangebyscore(keys.suspects_key(), "-inf", now_ms)
     instances, stale, suspects = pipe.execute()
-    members = set(suspects) | (set(stale) if store.worker_ttl_ms > 0 else set())
+    members = set(suspects)
+    if store.worker_ttl_ms > 0:
+        members |= {m for m, hb in stale if store.lapsed(hb + store.worker_ttl_ms, clock, watched)}
     pairs = {tuple(reversed(m.split(keys.SEP, 1))) for m in members}
     if store.instance_ttl_ms > 0:
-        alive = fleet.alive(sorted(instances), now)
-        gone = [inst for inst, ok in alive.items() if not ok]
+        insts = sorted(instances)
+        scores = store.r.zmscore(keys.alive_key(), insts) if insts else []
+        gone = [inst for inst, exp in zip(insts, scores, strict=True)
+                if exp is None or store.lapsed(exp, clock, watched)]
         pairs |= {(w.instance_id, str(w.worker_id)) for w in fleet.workers(gone)}
     reaped = []
     for inst, wid in sorted(pairs):
-        if store.reap_worker(inst, wid, now_ms):
+        if store.reap_worker(inst, wid, watched_since_ms=watched):
             reaped.append((inst, _wid(wid)))
             log.info("reaped worker %s/%s", inst, wid)
     return reaped
+
+
+def _watched_since(store: Store, now_ms: int, every_s: float | None) -> int:
+    """Since when (server ms) this process's passes saw Redis answer without a break; -1 when
+    it does not pass periodically. A failed pass (an outage) leaves a gap that starts a new run."""
+    if every_s is None:
+        return -1
+    since, last = store.reaper_run or (now_ms, now_ms)
+    if now_ms - last > every_s * 1000 + store.outage_gap_ms or now_ms < last:
+        since = now_ms
+    store.reaper_run = (since, now_ms)
+    return since
 
 
 @dataclass(frozen=True)

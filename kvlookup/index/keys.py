@@ -25,8 +25,17 @@ PREFIX = f"kvl:v{SCHEMA_VERSION}:"
 REGISTRY = PREFIX + "{r}:"
 
 #: Separates the fields of packed registry values (holder descriptions, worker members).
-#: Instance ids, locations and worker ids are printable, so a tab never occurs inside them.
+#: Instance ids, locations, media and worker ids are printable (:func:`printable_name`, checked
+#: where engines send them and again in :func:`holder_value`), so a tab never occurs inside them.
 SEP = "\t"
+#: The longest engine-controlled name (instance id, location, medium) the index stores.
+MAX_NAME = 256
+
+
+def printable_name(value: str, max_len: int = MAX_NAME) -> bool:
+    """1..``max_len`` characters, none a control character (TAB, newline, DEL, C1 ...) or
+    another non-printable one: the charset of every engine-controlled name kvlookup stores."""
+    return 0 < len(value) <= max_len and value.isprintable()
 
 
 def key_name(name: str) -> str:
@@ -161,14 +170,28 @@ def purge_key() -> str:
 
 
 def holder_value(instance_id: str, worker_id: int | str, location: str, space: str = "") -> str:
-    """The packed description of a holder in :func:`holders_key`."""
-    return SEP.join((instance_id, str(worker_id), location, space))
+    """The packed description of a holder in :func:`holders_key`. Raises ValueError when a
+    field is not a :func:`printable_name` (space may be ''): the description stays unambiguous."""
+    fields = (instance_id, str(worker_id), location)
+    if not all(printable_name(f) for f in fields) or (space and not printable_name(space)):
+        raise ValueError(f"holder fields must be 1..{MAX_NAME} printable characters: {fields!r:.200}")
+    return SEP.join((*fields, space))
 
 
 def parse_holder(value: str) -> tuple[str, str, str, str]:
-    """(instance_id, worker_id, location, space) from :func:`holder_value`'s text."""
-    inst, wid, loc, space = value.split(SEP)
+    """(instance_id, worker_id, location, space) from :func:`holder_value`'s text. Raises
+    ValueError for any other text (one written by a version that did not check its fields)."""
+    parts = value.split(SEP)
+    if len(parts) != 4:
+        raise ValueError(f"unparsable holder description ({len(parts)} fields): {value!r:.120}")
+    inst, wid, loc, space = parts
     return inst, wid, loc, space
+
+
+def holder_space(value: str) -> str:
+    """The hash space of a holder description, even an unparsable one: kvlookup writes the space
+    (never an engine), last, so purge can still find the records of a corrupt description."""
+    return value.rsplit(SEP, 1)[-1] if SEP in value else ""
 
 
 # -- instances and workers (registry) --------------------------------------------------------
@@ -208,12 +231,21 @@ def rules_key() -> str:
 
 
 def alive_key() -> str:
-    """Sorted set instance_id -> liveness lease expiry (unix ms), renewed by the owning sidecar."""
+    """Sorted set instance_id -> liveness lease expiry (Redis server time, unix ms), renewed by
+    the owning sidecar."""
     return REGISTRY + "alive"
 
 
+def lease_clock_key() -> str:
+    """Hash ``tick`` -> the last sidecar renewal (server time, unix ms), ``since`` -> when
+    the current unbroken run of renewals began: a gap longer than the outage gap (Redis did not
+    answer, or nobody renewed) starts a new run, and a deadline that passed before ``since`` is
+    not evidence until a grace after it (kvlookup.index.scripts.TOUCH)."""
+    return REGISTRY + "leases:clock"
+
+
 def heartbeats_key() -> str:
-    """Sorted set worker member -> last heartbeat (unix ms), for workers that send heartbeats."""
+    """Sorted set worker member -> last heartbeat (server time, unix ms), for workers that send heartbeats."""
     return REGISTRY + "heartbeats"
 
 
@@ -251,6 +283,12 @@ def sidecar_instances_key(sidecar_id: str) -> str:
 def sidecars_key() -> str:
     """Sorted set sidecar id -> lease expiry (unix ms) of every sidecar that owns instances."""
     return REGISTRY + "sidecars"
+
+
+def health_probe_key() -> str:
+    """String written (10 s TTL) by each controller /health: whether Redis accepts writes
+    (OOM under maxmemory, MISCONF on a full disk) is reported there."""
+    return REGISTRY + "health:probe"
 
 
 def sidecar_status_key(sidecar_id: str) -> str:

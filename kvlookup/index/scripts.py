@@ -66,6 +66,44 @@ local function rule_of(rules_key, inst)
 end
 """
 
+# Redis server time and the lease clock (keys.lease_clock_key): every liveness deadline is
+# server time, and one that passed while nobody could renew (the run of sidecar renewals broke
+# for longer than the outage gap: Redis did not answer) is evidence only a grace after
+# renewals resumed. While no renewal ran for longer than the gap (Redis just came back and no
+# sidecar reached it yet, or none is running) no lease or heartbeat is evidence at all.
+_CLOCK = """
+local function server_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function clock_tick(clock_key, gap)
+  local now = server_ms()
+  local c = redis.call('HMGET', clock_key, 'tick', 'since')
+  local since = tonumber(c[2])
+  if not c[1] or not since or now - tonumber(c[1]) > gap or now < since then since = now end
+  redis.call('HSET', clock_key, 'tick', string.format('%d', now), 'since', string.format('%d', since))
+  return now, since
+end
+local function clock_read(clock_key, now)
+  local c = redis.call('HMGET', clock_key, 'tick', 'since')
+  local tick, since = tonumber(c[1] or ''), tonumber(c[2] or '')
+  if not since then return now, 0 end
+  return tick, math.min(since, now)
+end
+local function lapsed(deadline, now, tick, since, grace, gap)
+  if deadline >= now or now - tick > gap then return false end
+  return deadline >= since or now - since > grace
+end
+"""
+
+#: Read the lease clock. KEYS[1] lease clock. Returns {now, tick, since} (server time, unix
+#: ms; tick now and since 0 when no renewal ever ran).
+LEASE_CLOCK = _CLOCK + """
+local now = server_ms()
+local tick, since = clock_read(KEYS[1], now)
+return {now, tick, since}
+"""
+
 #: Register (or re-register) a worker: a new epoch, old holders retired.
 #: KEYS[1] worker hash, KEYS[2] instance workers set, KEYS[3] instances set, KEYS[4] dead
 #: holders, KEYS[5] instance hash, KEYS[6] ip index set of the new ip, KEYS[7] ip index set of
@@ -100,7 +138,7 @@ return epoch
 # KEYS[5] instance hash, KEYS[6] ip index set of the ip the caller saw, KEYS[7] rules,
 # KEYS[8] heartbeats, KEYS[9] block sizes, KEYS[10] suspects, KEYS[11] owners, KEYS[12] the
 # set of the owner the caller saw (any registry key when none), KEYS[13] alive, KEYS[14]
-# departures, KEYS[15] registry version
+# departures, KEYS[15] lease clock (REAP_WORKER), KEYS[16] registry version
 # ARGV[1] worker_id, ARGV[2] instance_id, ARGV[3] worker member, ARGV[4] ip the caller saw,
 # ARGV[5] owner the caller saw ('' when none), ARGV[6] now (unix ms)
 # The departure is logged in KEYS[14] as ``<member>\t<cause>`` (the script sets ``cause``).
@@ -147,18 +185,31 @@ DEREGISTER = _RETIRE + _KNOWN + "local cause = 'deregistered'\n" + _DEREGISTER_B
 #: Reap a worker, atomically: deregister it (as DEREGISTER) only on evidence that it is gone:
 #: its instance's liveness lease expired (its sidecar stopped; when ARGV[8] is '1'), it sent
 #: heartbeats and the last is older than the worker TTL (ARGV[7] ms, 0 = off), or it is a
-#: suspect (connection closed, health call failed) whose deadline passed.
-#: KEYS, ARGV[1..6] as DEREGISTER. Returns LIVE when there is no evidence, else as DEREGISTER.
-REAP_WORKER = _RETIRE + _KNOWN + """
-local now, wttl = tonumber(ARGV[6]), tonumber(ARGV[7])
+#: suspect (connection closed, health call failed) whose deadline passed. Judged on Redis
+#: server time; a lease or heartbeat that lapsed before the lease clock's ``since`` (KEYS[15]:
+#: during an outage) counts only ARGV[9] ms (the grace) after it, and none counts while no
+#: renewal ran for ARGV[10] ms (the outage gap) -- unless the reaper itself saw Redis answer
+#: without a break since ARGV[11] (server ms, -1: no such run; a continuous ``reap --loop``):
+#: then a deadline after it counts, and one before it after the grace.
+#: KEYS as DEREGISTER (KEYS[15] the lease clock), ARGV[1..5] as DEREGISTER (ARGV[6] is
+#: replaced by server time). Returns LIVE when there is no evidence, else as DEREGISTER.
+REAP_WORKER = _RETIRE + _CLOCK + _KNOWN + """
+local now, wttl, grace, gap = server_ms(), tonumber(ARGV[7]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local tick, since = clock_read(KEYS[15], now)
+local jsince = tonumber(ARGV[11] or '-1')
+local function gone(deadline)
+  if lapsed(deadline, now, tick, since, grace, gap) then return true end
+  return jsince >= 0 and deadline < now and (deadline >= jsince or now - jsince > grace)
+end
+ARGV[6] = string.format('%d', now)
 local silent = false
 if ARGV[8] == '1' then
   local exp = redis.call('ZSCORE', KEYS[13], ARGV[2])
-  silent = not exp or tonumber(exp) < now
+  silent = not exp or gone(tonumber(exp))
 end
 if not silent and wttl > 0 then
   local hb = redis.call('ZSCORE', KEYS[8], ARGV[3])
-  silent = hb and now - tonumber(hb) > wttl
+  silent = hb and gone(tonumber(hb) + wttl)
 end
 if not silent then
   local d = redis.call('ZSCORE', KEYS[10], ARGV[3])
@@ -204,14 +255,15 @@ redis.call('HSET', KEYS[1], ARGV[1], hid)
 return hid
 """
 
-#: Record a worker heartbeat. KEYS[1] worker hash, KEYS[2] heartbeats, KEYS[3] suspects
-#: ARGV[1] worker member, ARGV[2] now (unix s, text), ARGV[3] now (unix ms).
+#: Record a worker heartbeat at Redis server time. KEYS[1] worker hash, KEYS[2] heartbeats,
+#: KEYS[3] suspects; ARGV[1] worker member, ARGV[2] (tests only) the time to record (unix ms).
 #: Returns 1, or 0 when the worker is not registered.
-HEARTBEAT = """
+HEARTBEAT = _CLOCK + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[2])
+local now = tonumber(ARGV[2] or '') or server_ms()
+redis.call('HSET', KEYS[1], 'last_heartbeat', string.format('%.3f', now / 1000))
 redis.call('HINCRBY', KEYS[1], 'heartbeats', 1)
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 return 1
 """
@@ -228,33 +280,36 @@ return 1
 #: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] the previous owner's set the
 #: caller saw (KEYS[2] when none or the same), KEYS[4] alive
 #: ARGV[1] instance_id, ARGV[2] sidecar id, ARGV[3] previous owner the caller saw ('' none),
-#: ARGV[4] lease expiry (unix ms). Returns 1, or RETRY.
-OWN = """
+#: ARGV[4] lease lifetime (ms, from Redis server time). Returns 1, or RETRY.
+OWN = _CLOCK + """
 local prev = redis.call('HGET', KEYS[1], ARGV[1]) or ''
 if prev ~= ARGV[3] then return -2 end
 if prev ~= '' and prev ~= ARGV[2] then redis.call('SREM', KEYS[3], ARGV[1]) end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[1])
-redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
+redis.call('ZADD', KEYS[4], server_ms() + tonumber(ARGV[4]), ARGV[1])
 return 1
 """
 
 #: Renew the leases of every instance a sidecar still owns, and the sidecar's own lease;
 #: instances another sidecar took over leave this sidecar's set.
-#: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] alive, KEYS[4] sidecars
-#: ARGV[1] sidecar id, ARGV[2] instance lease expiry, ARGV[3] sidecar lease expiry (unix ms).
-#: Returns the instances renewed.
-TOUCH = """
+#: Leases run from Redis server time, and the renewal ticks the lease clock.
+#: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] alive, KEYS[4] sidecars,
+#: KEYS[5] lease clock; ARGV[1] sidecar id, ARGV[2] instance lease lifetime, ARGV[3] sidecar
+#: lease lifetime, ARGV[4] outage gap (ms). Returns the instances renewed.
+TOUCH = _CLOCK + """
+local now = clock_tick(KEYS[5], tonumber(ARGV[4]))
+local expiry = string.format('%d', now + tonumber(ARGV[2]))
 local n = 0
 for _, inst in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   if redis.call('HGET', KEYS[1], inst) == ARGV[1] then
-    redis.call('ZADD', KEYS[3], ARGV[2], inst)
+    redis.call('ZADD', KEYS[3], expiry, inst)
     n = n + 1
   else
     redis.call('SREM', KEYS[2], inst)
   end
 end
-redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
+redis.call('ZADD', KEYS[4], string.format('%d', now + tonumber(ARGV[3])), ARGV[1])
 return n
 """
 

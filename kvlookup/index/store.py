@@ -22,6 +22,7 @@ from redis.cluster import RedisCluster
 
 from kvlookup import kinds
 from kvlookup.index import keys, scripts
+from kvlookup.index.clock import ServerClock
 from kvlookup.index.failover import Journal
 from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches, Records
 from kvlookup.index.single import SingleNodeRecords
@@ -57,6 +58,10 @@ def make_records(client, cache_reads: bool | str = False, cache_keys: int = 200_
     return SingleNodeRecords(client, cache_reads=cache_reads, cache_keys=cache_keys)
 
 
+#: What the grace after an outage adds to the TTL (Store.outage_grace_ms).
+OUTAGE_RECONNECT_MS = 5_000
+
+
 class Store:
     """Redis-backed registry and chunk index.
 
@@ -86,8 +91,10 @@ class Store:
         self.records = records or make_records(client, cache_reads, cache_keys)
         s = {name: client.register_script(getattr(scripts, name)) for name in (
             "REGISTER", "DEREGISTER", "REAP_WORKER", "RETIRE_LOCATION", "HOLDER", "HEARTBEAT", "MARK_PROBED", "OWN",
-            "TOUCH", "FORGET_HOLDER", "RETIRE_UNKNOWN")}
+            "TOUCH", "FORGET_HOLDER", "RETIRE_UNKNOWN", "LEASE_CLOCK")}
         self._scripts = s
+        self.clock = ServerClock(client)
+        self.reaper_run: tuple[int, int] | None = None  # (since, last) of a periodic reaper (fleet.reap)
         # (instance_id, worker_id) -> {(location, space): holder id}: a cache of HOLDER results
         self._holders: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
         self.journal: Journal | None = None
@@ -110,7 +117,7 @@ class Store:
         Re-registration of a known (instance, worker) starts a new epoch: its earlier records
         stop counting at once (the engine restarted with a cold cache) and are purged later.
         """
-        now = time.time() if now is None else now
+        now = self.clock.now() if now is None else now
         wid = str(worker_id)
         self._forget(instance_id, wid)
         wk = keys.worker_key(instance_id, wid)
@@ -137,12 +144,16 @@ class Store:
         """Drop a worker and retire its records; returns False when it was not registered."""
         return self._deregister("DEREGISTER", instance_id, worker_id, []) >= 0
 
-    def reap_worker(self, instance_id: str, worker_id: int | str, now_ms: int | None = None) -> bool:
+    def reap_worker(self, instance_id: str, worker_id: int | str, now_ms: int | None = None,
+                    watched_since_ms: int = -1) -> bool:
         """Deregister a worker if there is evidence it is gone (see scripts.REAP_WORKER); True
-        when reaped. Checked and done atomically, so concurrent reapers are safe."""
-        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        when reaped. Checked and done atomically, so concurrent reapers are safe.
+        watched_since_ms: since when (server ms) this reaper saw Redis answer without a break
+        (-1: not watching continuously)."""
+        now_ms = self.clock.now_ms() if now_ms is None else now_ms
         n = self._deregister("REAP_WORKER", instance_id, worker_id,
-                             [self.worker_ttl_ms, 1 if self.instance_ttl_ms > 0 else 0], now_ms)
+                             [self.worker_ttl_ms, 1 if self.instance_ttl_ms > 0 else 0, self.outage_grace_ms,
+                              self.outage_gap_ms, watched_since_ms], now_ms)
         return n >= 0
 
     def _deregister(self, script: str, instance_id: str, worker_id: int | str, extra: list,
@@ -160,9 +171,9 @@ class Store:
                       keys.instance_key(instance_id), keys.ip_index_key(old_ip or ""), keys.rules_key(),
                       keys.heartbeats_key(), keys.block_sizes_key(), keys.suspects_key(), keys.owners_key(),
                       keys.sidecar_instances_key(owner or ""), keys.alive_key(), keys.departures_key(),
-                      keys.registry_version_key()],
+                      keys.lease_clock_key(), keys.registry_version_key()],
                 args=[wid, instance_id, keys.worker_member(instance_id, wid), old_ip or "", owner or "",
-                      int(time.time() * 1000) if now_ms is None else now_ms, *extra],
+                      self.clock.now_ms() if now_ms is None else now_ms, *extra],
             ))
             if n != scripts.RETRY:
                 return n if n != scripts.LIVE else -1
@@ -173,12 +184,13 @@ class Store:
         return bool(self.r.exists(keys.worker_key(instance_id, str(worker_id))))
 
     def heartbeat_worker(self, instance_id: str, worker_id: int | str, now: float | None = None) -> bool:
-        """Record a worker heartbeat (it also clears suspicion); False when not registered."""
-        now = time.time() if now is None else now
+        """Record a worker heartbeat at Redis server time (it also clears suspicion); False when
+        not registered. now: (tests) the time to record instead, unix s."""
         wid = str(worker_id)
+        at = [] if now is None else [int(now * 1000)]
         ok = self._scripts["HEARTBEAT"](
             keys=[keys.worker_key(instance_id, wid), keys.heartbeats_key(), keys.suspects_key()],
-            args=[keys.worker_member(instance_id, wid), repr(now), int(now * 1000)])
+            args=[keys.worker_member(instance_id, wid), *at])
         return bool(ok)
 
     def suspect(self, instance_id: str, worker_id: int | str, deadline_ms: int) -> None:
@@ -189,7 +201,7 @@ class Store:
     def mark_probed(self, instance_id: str, worker_id: int | str) -> None:
         """The worker answered a health call (its control port works); recorded in its hash
         (``probed_at``, unix s) while it is registered."""
-        self._scripts["MARK_PROBED"](keys=[keys.worker_key(instance_id, str(worker_id))], args=[repr(time.time())])
+        self._scripts["MARK_PROBED"](keys=[keys.worker_key(instance_id, str(worker_id))], args=[repr(self.clock.now())])
 
     def clear_suspect(self, instance_id: str, worker_id: int | str) -> None:
         """The worker spoke: drop the evidence against it."""
@@ -198,7 +210,41 @@ class Store:
     # -- liveness leases and ownership ----------------------------------------------------
 
     def _expiry(self) -> int:
-        return int(time.time() * 1000) + self.instance_ttl_ms
+        return self.clock.now_ms() + self.instance_ttl_ms
+
+    @property
+    def outage_gap_ms(self) -> int:
+        """A break this long in sidecar renewals is an outage (keys.lease_clock_key): half the
+        instance TTL, between 1 and 10 s (sidecars renew every min(1, TTL/3) s)."""
+        return int(min(10_000, max(1_000, self.instance_ttl_ms / 2)))
+
+    @property
+    def outage_grace_ms(self) -> int:
+        """How long after an outage a lease or heartbeat that lapsed during it still counts:
+        the longer TTL, plus 5 s for every sidecar to reconnect (their backoff is at most 1 s)."""
+        return max(self.instance_ttl_ms, self.worker_ttl_ms) + OUTAGE_RECONNECT_MS
+
+    def lease_clock(self) -> tuple[int, int, int]:
+        """(now, tick, since): Redis server time, the last lease renewal and the start of the
+        current unbroken run of them (unix ms; tick now and since 0 when none ever ran), see
+        scripts.LEASE_CLOCK."""
+        now, tick, since = self._scripts["LEASE_CLOCK"](keys=[keys.lease_clock_key()])
+        return int(now), int(tick), int(since)
+
+    def lapsed(self, deadline_ms: float, clock: tuple[int, int, int], watched_since_ms: int = -1) -> bool:
+        """A liveness deadline passed on evidence (as scripts.REAP_WORKER judges it): it passed
+        while renewals ran, or the grace after the outage it passed in is over; never while no
+        renewal ran for ``outage_gap_ms``, unless the reaper watched Redis answer since
+        ``watched_since_ms``. clock: :meth:`lease_clock`."""
+        now_ms, tick_ms, since_ms = clock
+        if deadline_ms >= now_ms:
+            return False
+        grace = self.outage_grace_ms
+        if watched_since_ms >= 0 and (deadline_ms >= watched_since_ms or now_ms - watched_since_ms > grace):
+            return True
+        if now_ms - tick_ms > self.outage_gap_ms:
+            return False
+        return deadline_ms >= since_ms or now_ms - since_ms > grace
 
     def touch_instances(self, instance_ids: Iterable[str]) -> None:
         """Renew instances' liveness leases directly (without a sidecar owning them)."""
@@ -218,7 +264,7 @@ class Store:
             mine = keys.sidecar_instances_key(sidecar_id)
             n = self._scripts["OWN"](
                 keys=[keys.owners_key(), mine, keys.sidecar_instances_key(prev) if prev else mine, keys.alive_key()],
-                args=[instance_id, sidecar_id, prev, self._expiry()])
+                args=[instance_id, sidecar_id, prev, self.instance_ttl_ms])
             if int(n) != scripts.RETRY:
                 return
         raise RuntimeError(f"owner of {instance_id!r} kept changing")
@@ -227,10 +273,10 @@ class Store:
         """Renew the leases of every instance ``sidecar_id`` owns, and its own (for
         ``sidecar_lease_s``); returns how many instances it owns. A restarted sidecar calls this
         first and resumes where it stopped."""
-        now_ms = int(time.time() * 1000)
         return int(self._scripts["TOUCH"](
-            keys=[keys.owners_key(), keys.sidecar_instances_key(sidecar_id), keys.alive_key(), keys.sidecars_key()],
-            args=[sidecar_id, now_ms + self.instance_ttl_ms, now_ms + int(sidecar_lease_s * 1000)]))
+            keys=[keys.owners_key(), keys.sidecar_instances_key(sidecar_id), keys.alive_key(), keys.sidecars_key(),
+                  keys.lease_clock_key()],
+            args=[sidecar_id, self.instance_ttl_ms, int(sidecar_lease_s * 1000), self.outage_gap_ms]))
 
     def sign_off(self, sidecar_id: str) -> None:
         """A sidecar stopping on purpose: drop its own lease and status, so /health does not
@@ -261,7 +307,7 @@ class Store:
             del cached[cache_key]
         return int(self._scripts["RETIRE_LOCATION"](
             keys=[keys.worker_key(instance_id, wid), keys.dead_holders_key(), keys.registry_version_key()],
-            args=[keys.location_field(location), int(time.time() * 1000)],
+            args=[keys.location_field(location), self.clock.now_ms()],
         ))
 
     def _forget(self, instance_id: str, wid: str) -> None:
@@ -374,7 +420,7 @@ class Store:
                 ops.update(dict.fromkeys(w.admits, ADMIT))
                 ops.update(dict.fromkeys(w.evicts, EVICT))
                 described[w.holder_id] = desc
-        now_ms = int(time.time() * 1000)
+        now_ms = self.clock.now_ms()
         for hid, desc in described.items():
             self._scripts["RETIRE_UNKNOWN"](
                 keys=[keys.holders_key(), keys.dead_holders_key(), keys.registry_version_key()],
@@ -398,7 +444,7 @@ class Store:
         """Delete up to about ``budget`` records of retired holders (retired more than
         ``purge_grace_s`` ago); returns records removed. Each step touches at most one
         bucket range of one holder, so Redis is never blocked for long."""
-        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        now_ms = self.clock.now_ms() if now_ms is None else now_ms
         removed = 0
         while removed < budget:
             dead = self.r.zrangebyscore(keys.dead_holders_key(), "-inf", now_ms - self.purge_grace_ms, start=0, num=16)
@@ -409,7 +455,7 @@ class Store:
             pipe.hget(keys.holders_key(), hid)
             pipe.hget(keys.purge_key(), hid)
             desc, progress = pipe.execute()
-            space = keys.parse_holder(desc)[3] if desc else ""
+            space = keys.holder_space(desc) if desc else ""  # a corrupt description is purged too
             n, bucket = self.records.purge_step(hid, space, int(progress or 0), budget - removed)
             removed += n
             if bucket >= keys.HOLDER_CHUNK_BUCKETS:
@@ -425,7 +471,7 @@ class Store:
 
     def liveness(self, now_ms: int | None = None) -> Liveness:
         """What a lookup at ``now_ms`` checks (this store's TTL settings)."""
-        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        now_ms = self.clock.now_ms() if now_ms is None else now_ms
         return Liveness(now_ms, self.worker_ttl_ms, self.instance_ttl_ms > 0)
 
     def reads_locally(self) -> bool:

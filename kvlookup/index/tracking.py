@@ -101,6 +101,7 @@ class CachedReads:
         conn = redis.Connection(**self._kwargs)
         try:
             conn.connect()
+            bound_tracking_table(conn, self.max_keys)
             conn.send_command("CLIENT", "ID")
             self._listener_id = int(conn.read_response())
             self._listener_run = _run_id(conn)
@@ -303,3 +304,21 @@ def _run_id(conn) -> str:
 
 def _cacheable(cmd: tuple) -> bool:
     return cmd[0] in CACHED and (cmd[0] == "ZRANGE" or cmd[1] == keys.registry_version_key())
+
+
+def bound_tracking_table(conn, max_keys: int) -> None:
+    """Make Redis keep at most ``max_keys`` keys in its tracking table (``tracking-table-max-keys``:
+    valkey's default is 1,000,000, ~160 MiB; 0 is unlimited): every lookup of a new prompt tracks
+    the chunk keys it read, which grew Redis by ~60 MiB per 3,000 random lookups (issue 20).
+    Past the bound Redis invalidates the oldest tracked keys (their copies here go). A server
+    that refuses CONFIG raises redis.ConnectionError: caching stays off there (reads go to Redis)."""
+    conn.send_command("CONFIG", "GET", "tracking-table-max-keys")
+    got = conn.read_response()
+    values = dict(zip(got[0::2], got[1::2], strict=True)) if isinstance(got, list) else dict(got or {})
+    current = int(next(iter(values.values()), 0) or 0)
+    if 0 < current <= max_keys:
+        return
+    conn.send_command("CONFIG", "SET", "tracking-table-max-keys", str(max_keys))
+    reply = conn.read_response()
+    if isinstance(reply, Exception) or reply not in (b"OK", "OK"):
+        raise redis.ConnectionError(f"cannot bound the tracking table: {reply}")

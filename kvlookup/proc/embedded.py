@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 
 from kvlookup.proc.lifetime import Backoff, FileLock, LockTimeout
 from kvlookup.proc.redis_server import PORT_FILE, EmbeddedRedis, connect, ping, port_free
+from kvlookup.proc.redis_urls import redacted
 
 log = logging.getLogger("kvlookup.proc.embedded")
 
@@ -212,7 +213,7 @@ class Keeper:
             self.restarts += 1
             self._publish()
             self._up_since, self._next_start = time.monotonic(), None
-            log.info("valkey-server of %s restarted at %s", self.data_dir, self.server.url)
+            log.info("valkey-server of %s restarted at %s", self.data_dir, redacted(self.server.url))
 
     def _stop_if_unused(self) -> bool:
         start = FileLock(self.data_dir / START_LOCK)
@@ -337,7 +338,7 @@ class Lease:
             info = served_by(self.data_dir) or {}
             if info.get("pid") == keeper.pid and info.get("url") and ping(info["url"]):
                 self.keepers_started += 1
-                log.info("started the embedded Redis of %s at %s (keeper pid %d)", self.data_dir, info["url"],
+                log.info("started the embedded Redis of %s at %s (keeper pid %d)", self.data_dir, redacted(info["url"]),
                          keeper.pid)
                 return info
             if keeper.poll() is not None:

@@ -140,16 +140,16 @@ class EmbeddedRedis:
         self.url: str | None = None
 
     def command(self) -> list[str]:
-        """The server command line."""
+        """The server command line. A password is not on it (``ps`` shows command lines): the
+        server reads ``requirepass`` from its standard input (the ``-`` config file)."""
         return [
-            self.binary or find_server_binary(),
+            self.binary or find_server_binary(), *(["-"] if self.password else []),
             "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "yes",
             "--dir", str(self.data_dir), "--save", "",
             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
             "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log"),
             "--maxclients", "1000",
             "--set-max-intset-entries", "4096",  # reverse-index buckets stay intsets (kvlookup.index.keys)
-            *(["--requirepass", self.password] if self.password else []),
             *(["--unixsocket", self.unix_socket, "--unixsocketperm", "700"] if self.unix_socket else []),
         ]
 
@@ -160,7 +160,11 @@ class EmbeddedRedis:
             self.port = _previous_port(self.data_dir) or free_port()
         preexec = dies_with_parent() if self.die_with_parent else None
         self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=preexec)
+        if self.password and self.proc.stdin is not None:
+            self.proc.stdin.write(f"requirepass {self.password}\n".encode())
+            self.proc.stdin.close()
         auth = f":{self.password}@" if self.password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         deadline = time.monotonic() + timeout

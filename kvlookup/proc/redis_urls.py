@@ -16,6 +16,22 @@ from redis.sentinel import SentinelConnectionPool
 SCHEMES = ("redis+sentinel", "rediss+sentinel")
 
 
+def redacted(url: str | None) -> str:
+    """``url`` with any password replaced by ``***`` (for logs): ``redis://:***@host:6379/0``."""
+    if not url:
+        return url or ""
+    parts = urlsplit(url)
+    if parts.password is None and "password=" not in parts.query:
+        return url
+    netloc = parts.netloc
+    if parts.password is not None:
+        user = parts.username or ""
+        netloc = f"{user}:***@{netloc.rsplit('@', 1)[1]}"
+    query = "&".join("sentinel_password=***" if q.startswith("sentinel_password=") else q
+                     for q in parts.query.split("&")) if parts.query else ""
+    return parts._replace(netloc=netloc, query=query).geturl()
+
+
 def is_sentinel(url: str) -> bool:
     """True for a ``redis+sentinel://`` (or ``rediss+sentinel://``) URL."""
     return url.split("://", 1)[0] in SCHEMES

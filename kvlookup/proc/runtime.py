@@ -15,6 +15,7 @@ from gunicorn.app.base import BaseApplication
 from kvlookup.config import Settings
 from kvlookup.proc import embedded, redis_server
 from kvlookup.proc.lifetime import set_parent_death_signal
+from kvlookup.proc.redis_urls import redacted
 
 log = logging.getLogger("kvlookup")
 
@@ -42,10 +43,10 @@ def ensure_redis(settings: Settings, *, watch: bool = True, port: int | None = N
     settings.redis_url = lease.url
     if lease.joined:  # said at WARNING: a second demo on the same dir shares (and can reap) one index
         log.warning("joined the embedded Redis of data dir %s at %s, already used by %d other process(es): "
-                    "they share one index; --data-dir DIR gives this process its own", data_dir, lease.url,
-                    max(embedded.live_users(data_dir) - 1, 0))
+                    "they share one index; --data-dir DIR gives this process its own", data_dir,
+                    redacted(lease.url), max(embedded.live_users(data_dir) - 1, 0))
     else:
-        log.info("embedded Redis at %s (data dir %s, AOF everysec, keeper pid %s)", lease.url, data_dir,
+        log.info("embedded Redis at %s (data dir %s, AOF everysec, keeper pid %s)", redacted(lease.url), data_dir,
                  lease.info.get("pid"))
     return lease
 

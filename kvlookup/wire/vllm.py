@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from kvlookup.index import keys
 from kvlookup.wire.errors import WireError
 
 U64_MASK = (1 << 64) - 1
@@ -201,9 +202,15 @@ def _opt_int(value: Any, name: str) -> int | None:
 
 
 def _opt_str(value: Any, name: str) -> str | None:
-    if value is None or isinstance(value, str):
+    """None, or a name the index can store (keys.printable_name: no TAB or other control
+    character, at most keys.MAX_NAME characters); ValueError otherwise."""
+    if value is None:
         return value
-    raise ValueError(f"{name} must be a string, got {value!r:.40}")
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {value!r:.40}")
+    if not keys.printable_name(value):
+        raise ValueError(f"{name} must be 1..{keys.MAX_NAME} printable characters, got {value!r:.60}")
+    return value
 
 
 def _lookahead(value: Any) -> tuple[tuple[int, ...], ...] | None:

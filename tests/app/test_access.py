@@ -55,7 +55,7 @@ def redis_state(r) -> dict:
     """Every key with its type and exact content (the whole index, for before/after checks)."""
     read = {"string": r.get, "hash": r.hgetall, "set": r.smembers, "list": lambda k: r.lrange(k, 0, -1),
             "zset": lambda k: r.zrange(k, 0, -1, withscores=True)}
-    own = keys.REGISTRY + "sidecar"  # the sidecar's own lease and status, not the index
+    own = (keys.REGISTRY + "sidecar", keys.lease_clock_key())  # the sidecars' leases, status, renewal clock
     return {k: (t, read[t](k)) for k in sorted(r.scan_iter(count=1000)) if not k.startswith(own)
             for t in [r.type(k)]}
 

@@ -30,7 +30,7 @@ def _chunked(path: str, body: bytes, pieces: int = 3) -> bytes:
     step = max(1, len(body) // pieces)
     parts = [body[i:i + step] for i in range(0, len(body), step)]
     chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts)
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    return (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             "Transfer-Encoding: chunked\r\n\r\n").encode() + chunks + b"0\r\n\r\n"
 
 
@@ -53,12 +53,13 @@ def test_errors_are_json(ctrl):
     assert status == "HTTP/1.1 400 Bad Request"
     assert body == {"error": "malformed HTTP request (bad request line, header or chunked encoding)"}
     big = b'{"tokens": [' + b"1, " * 2000 + b"1]}"
-    status, body = _json(_raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+    status, body = _json(_raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s"
                               % (len(big), big)))
     assert (status, body) == ("HTTP/1.1 413 Request Entity Too Large", {"error": "request body too large"})
     status, body = _json(_raw(ctrl.port, _chunked("/lookup", big, pieces=8)))  # no length declared
     assert (status, body) == ("HTTP/1.1 413 Request Entity Too Large", {"error": "request body too large"})
-    status, body = _json(_raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n[1, 2, 3]"))
+    status, body = _json(_raw(ctrl.port,
+                              b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: 9\r\n\r\n[1, 2, 3]"))
     assert status == "HTTP/1.1 400 Bad Request"
     assert body == {"error": "invalid request: Expected `object`, got `array`"}
     resp = ctrl.session.get(ctrl.http + "/lookup", timeout=5)
@@ -73,7 +74,7 @@ def test_errors_are_json(ctrl):
 
 def test_keep_alive_connection_serves_lookups_back_to_back(ctrl):
     body = json.dumps({"tokens": SEED_TOKENS}).encode()
-    request = b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    request = b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     with socket.create_connection(("127.0.0.1", ctrl.port), timeout=5) as s:
         answers = []
         for _ in range(50):
@@ -104,7 +105,7 @@ def test_stalled_heads_and_huge_headers_are_refused(r, redis_args):
         ctrl.wait_ready()
         silent = [socket.create_connection(("127.0.0.1", ctrl.port), timeout=5) for _ in range(50)]
         dribbling = socket.create_connection(("127.0.0.1", ctrl.port), timeout=5)
-        dribbling.sendall(b"POST /lookup HTTP/1.1\r\nHost: x\r\n")
+        dribbling.sendall(b"POST /lookup HTTP/1.1\r\nHost: localhost\r\n")
         assert ctrl.layout(SEED_TOKENS) == {"inst": ["LocalCPUBackend", 12]}  # served meanwhile
         for s in [*silent, dribbling]:
             assert _json(_response(s)) == ("HTTP/1.1 408 Request Timeout",
@@ -115,7 +116,7 @@ def test_stalled_heads_and_huge_headers_are_refused(r, redis_args):
         assert _json(_raw(ctrl.port, many)) == ("HTTP/1.1 431 Request Header Fields Too Large", {
             "error": "request header fields too large (at most 100 fields of 8190 bytes)"})
         with socket.create_connection(("127.0.0.1", ctrl.port), timeout=5) as s:
-            s.sendall(b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: 20000000\r\n\r\n")
+            s.sendall(b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: 20000000\r\n\r\n")
             assert _json(_response(s)) == ("HTTP/1.1 413 Request Entity Too Large",
                                            {"error": "request body too large"})
             assert s.recv(1) == b""
@@ -155,7 +156,7 @@ def test_a_hung_redis_never_holds_the_event_loop(tmp_path):
         time.sleep(0.5)
         start = time.monotonic()
         assert ctrl.session.options(ctrl.http + "/lookup", timeout=5).headers["Allow"] == "OPTIONS, POST"
-        assert _json(_raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: 9999\r\n\r\n"))[0] \
+        assert _json(_raw(ctrl.port, b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: 9999\r\n\r\n"))[0] \
             == "HTTP/1.1 413 Request Entity Too Large"
         assert _json(_raw(ctrl.port, b"GARBAGE\r\n\r\n"))[0] == "HTTP/1.1 400 Bad Request"
         assert time.monotonic() - start < 1.0

@@ -30,6 +30,8 @@ def test_registry_keys():
     assert keys.worker_key("a", 1) == "kvl:v2:{r}:worker:a:1"
     assert keys.rules_key() == "kvl:v2:{r}:rules"
     assert keys.alive_key() == "kvl:v2:{r}:alive"
+    assert keys.lease_clock_key() == "kvl:v2:{r}:leases:clock"
+    assert keys.health_probe_key() == "kvl:v2:{r}:health:probe"
     assert keys.heartbeats_key() == "kvl:v2:{r}:heartbeats"
     assert keys.suspects_key() == "kvl:v2:{r}:suspects"
     assert keys.ip_index_key("10.0.0.1") == "kvl:v2:{r}:ip:10.0.0.1"
