@@ -23,11 +23,7 @@ heartbeat.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import redis
@@ -36,6 +32,7 @@ from kvlookup import metrics
 from kvlookup.index.failover import MasterWatch
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store, chunk_text
 from kvlookup.sidecar.admission import InstancePolicy
+from kvlookup.sidecar.opqueue import Batch, OpQueue
 from kvlookup.wire import lmcache as proto
 from kvlookup.wire.errors import WireError
 
@@ -46,20 +43,6 @@ log = logging.getLogger(__name__)
 #: Non-connection Redis errors (BUSY, OOM, READONLY...) tolerated for the head of the queue
 #: before it is dropped and counted, so a persistent error cannot wedge the sidecar.
 MAX_REDIS_FAILURES = 5
-
-
-@dataclass
-class Batch:
-    """Queued ops of one (instance, worker, location), already folded: chunk hash text ->
-    its last op (ADMIT or EVICT), in first-seen order. ``implicit``: 0.3-era admits, which
-    register their worker when the registry does not know it."""
-
-    instance_id: str
-    worker_id: int
-    location: str
-    ops: dict[str, str]
-    implicit: bool = False
-    queued_at: float = field(default_factory=time.monotonic)
 
 
 class Observer(Protocol):
@@ -103,8 +86,7 @@ class LMCacheIngest:
         self.policy = policy or InstancePolicy()
         self.heartbeat_url = heartbeat_url
         self.observer: Observer = observer or Unobserved()
-        self.queue: deque[Batch] = deque()
-        self.queued_ops = 0  # chunk operations queued, not written yet (folded per chunk and holder)
+        self.queue = OpQueue()
         self._registered: set[tuple[str, int]] = set()  # known registered (cache; NotRegistered resets)
         self._synced: set[tuple[str, int]] = set()  # registered or full-synced by this process
         self._gaps: set[tuple[str, int]] = set()  # skipped a seq: its next heartbeat asks a full sync
@@ -163,35 +145,24 @@ class LMCacheIngest:
             log.warning("%s is a request; it belongs on the reply socket", tag)
 
     def _add(self, instance_id: str, worker_id: int, location: str, ops, implicit: bool = False) -> None:
-        """Queue (chunk text, op) pairs: into the last batch when it is the same holder's, else
-        a new one (so ops keep their order per holder), each chunk folded to its last op."""
-        tail = self.queue[-1] if self.queue else None
-        if not (tail and (tail.instance_id, tail.worker_id, tail.location, tail.implicit) == (
-                instance_id, worker_id, location, implicit)):
-            tail = Batch(instance_id, worker_id, location, {}, implicit)
-            self.queue.append(tail)
-        before = len(tail.ops)
-        tail.ops.update(ops)
-        self.queued_ops += len(tail.ops) - before
+        self.queue.add(instance_id, worker_id, location, ops, implicit)
+
+    @property
+    def queued_ops(self) -> int:
+        """Chunk operations queued, not written yet (folded per chunk and holder)."""
+        return self.queue.queued_ops
 
     def drop_queued(self, instance_id: str, worker_id: int, location: str | None = None) -> int:
         """Drop the queued ops of a worker (of one location, when given): its holder is being
         retired, so they are moot. Returns the ops dropped."""
-        keep: deque[Batch] = deque()
-        gone = 0
-        for b in self.queue:
-            if b.instance_id == instance_id and b.worker_id == worker_id and location in (None, b.location):
-                gone += len(b.ops)
-                metrics.count_ops(b.ops, "superseded")
-            else:
-                keep.append(b)
-        self.queue = keep
-        self.queued_ops -= gone
-        return gone
+        gone = self.queue.drop(instance_id, worker_id, location)
+        for b in gone:
+            metrics.count_ops(b.ops, "superseded")
+        return sum(len(b.ops) for b in gone)
 
     def lag_s(self) -> float:
         """How long the oldest queued op has waited (seconds; 0 when nothing is queued)."""
-        return time.monotonic() - self.queue[0].queued_at if self.queue else 0.0
+        return self.queue.lag_s()
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -206,45 +177,25 @@ class LMCacheIngest:
         """
         if self.masters.replaced() or self._failed_over:
             self.after_failover()
-        taken = self._take(budget)
+        taken = self.queue.take(budget)
         if not taken:
             return 0
         try:
             self._write(taken)
             self._redis_failures = 0
         except (redis.ConnectionError, redis.TimeoutError):
-            self._put_back(taken)
+            self.queue.put_back(taken)
             raise
         except redis.RedisError as exc:
             self._redis_failures += 1
             if self._redis_failures < MAX_REDIS_FAILURES:
-                self._put_back(taken)
+                self.queue.put_back(taken)
                 raise
             self._redis_failures = 0
             for b in taken:
                 metrics.count_ops(b.ops, "redis_error")
             log.error("dropped %d batches after %d Redis errors: %s", len(taken), MAX_REDIS_FAILURES, exc)
         return sum(len(b.ops) for b in taken)
-
-    def _take(self, budget: int | None) -> list[Batch]:
-        taken, n = [], 0
-        while self.queue and (budget is None or n < budget):
-            b = self.queue[0]
-            room = len(b.ops) if budget is None else budget - n
-            if len(b.ops) <= room:
-                taken.append(self.queue.popleft())
-            else:  # split: the rest stays at the head, in order (distinct chunks: any split is exact)
-                part = dict(itertools.islice(b.ops.items(), room))
-                for k in part:
-                    del b.ops[k]
-                taken.append(Batch(b.instance_id, b.worker_id, b.location, part, b.implicit, b.queued_at))
-            n += len(taken[-1].ops)
-        self.queued_ops -= n
-        return taken
-
-    def _put_back(self, taken: list[Batch]) -> None:
-        self.queue.extendleft(reversed(taken))
-        self.queued_ops += sum(len(b.ops) for b in taken)
 
     def _write(self, taken: list[Batch]) -> None:
         writable = [b for b in taken if self._writable(b)]
