@@ -53,7 +53,7 @@ def test_a_controller_stops_quickly_and_quietly(tmp_path, sig, target):
     assert rc == 0, text
     assert [line for line in text.splitlines() if any(word in line for word in QUIET)] == []
     assert "Worker (pid:" in text and "was sent SIGTERM" in text  # the workers stopped as on SIGTERM
-    assert took < 5.0, f"stopping took {took:.2f} s"
+    assert took < 2.0, f"stopping took {took:.2f} s"  # 0.9-1.2 s measured at load 2 on 2 cores
     assert served_by(tmp_path / "data") is None  # the embedded Redis stopped with its last user
 
 
