@@ -18,13 +18,12 @@ import json
 import os
 import random
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
 from kvlookup.bench import progress
-from kvlookup.bench.procs import Procs, lmcache_python
+from kvlookup.bench.procs import Procs, wrk_and_lmcache
 from kvlookup.bench.wrkload import FIRST_WARMUP_S, WARMUP_S, feed_prompts
 from kvlookup.hashing.lmcache import HashProfile
 
@@ -101,11 +100,7 @@ def fresh_bodies(prompt: list[int], n: int, rng: random.Random) -> list[str]:
 
 def run(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seconds: float = 2.0,
         instances: int = 8, lmcache_venv: str | None = None) -> dict:
-    if not shutil.which("wrk"):
-        raise FileNotFoundError("wrk is not installed (apt-get install wrk)")
-    py = lmcache_python(lmcache_venv)
-    if py is None:
-        raise FileNotFoundError("no LMCache 0.5.6 venv (scripts/real-peers.sh)")
+    py = wrk_and_lmcache(lmcache_venv)
     rng = random.Random(5)
     prompts = {n: [rng.randrange(128_000) for _ in range(n)] for n in lengths}
     rows = []

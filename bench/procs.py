@@ -30,6 +30,17 @@ PARTS = ("compare", "ingest", "memory", "sweeps", "stages", "purge", "cluster", 
          "vllm-ingest", "mp")
 
 
+def wrk_and_lmcache(venv: str | None = None) -> Path:
+    """The LMCache 0.5.6 venv's python for a wrk benchmark; FileNotFoundError naming what is
+    missing (wrk, or the venv)."""
+    if not shutil.which("wrk"):
+        raise FileNotFoundError("wrk is not installed (apt-get install wrk)")
+    py = lmcache_python(venv)
+    if py is None:
+        raise FileNotFoundError("no LMCache 0.5.6 venv (scripts/real-peers.sh)")
+    return py
+
+
 def lmcache_python(venv: str | None = None, create: bool = False) -> Path | None:
     """Python of a venv holding LMCache 0.5.6: ``venv``, else ``$KVLOOKUP_LMCACHE_PYTHON``, else
     ``.venv-lmcache`` (created with torch 2.13.0 CPU then lmcache 0.5.6 when ``create``)."""

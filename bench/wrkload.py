@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import random
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
 from kvlookup.bench import progress
-from kvlookup.bench.procs import Procs, lmcache_python
+from kvlookup.bench.procs import Procs, wrk_and_lmcache
 from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.hashing.lmcache import HashProfile
 
@@ -72,11 +71,7 @@ def run(lengths=(12, 256, 1024, 32768), concurrencies=(1, 4, 16), seconds: float
     target's round with its median req/s is kept (this machine is shared: a slow second hits
     one round, not the point). ``reference_conf`` (another worker class of kvlookup, on the same
     Redis) is measured at each point too, to show what the default wins."""
-    if not shutil.which("wrk"):
-        raise FileNotFoundError("wrk is not installed (apt-get install wrk)")
-    py = lmcache_python(lmcache_venv)
-    if py is None:
-        raise FileNotFoundError("no LMCache 0.5.6 venv (scripts/real-peers.sh)")
+    py = wrk_and_lmcache(lmcache_venv)
     rng = random.Random(3)
     prompts = {n: [rng.randrange(128_000) for _ in range(n)] for n in lengths}
     rows = []

@@ -12,7 +12,7 @@ import pytest
 from kvlookup.client import Client, VllmChains
 from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.vllm_zmq import VllmSource
-from tests.sidecar.test_vllm_hybrid import WORKED_HELD
+from tests.sidecar.test_vllm_hybrid import FULL, MAMBA, SW, WORKED_HELD, A, P
 from tests.sidecar.test_vllm_sidecar import Running
 from tests.support.helpers import wait_for
 from tests.support.vllm_helpers import RealPublisher, real_vllm
@@ -21,13 +21,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     real_vllm() is None, reason="KVLOOKUP_VLLM_PYTHON / KVLOOKUP_VLLM_SRC not set")]
 
 V = "0.33.0"
-A = list(range(1000, 1032))
 B = list(range(2000, 2016))
 T = list(range(7000, 7100))  # 100 tokens: 6 full blocks of 16
-P = list(range(5000, 5512))  # 512 tokens: 2 LMCache chunks of 256
-SW = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 32}
-FULL = {"kv_cache_spec_kind": "full_attention"}
-MAMBA = {"kv_cache_spec_kind": "mamba"}
 
 
 @pytest.fixture()
