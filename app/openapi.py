@@ -32,6 +32,13 @@ from kvlookup.app.control import (
 from kvlookup.app.lookup import LookupRequest
 from kvlookup.app.registry import QueryInstanceRequest, QueryWorkerInfoRequest
 from kvlookup.app.tokenizer import TokenizeRequest
+from kvlookup.wire.lmcache_mp import (
+    BlendLookupRequest,
+    CacheEventsRequest,
+    ChunkSizeRequest,
+    DirectoryLookupRequest,
+    RegisterRequest,
+)
 
 bp = Blueprint("openapi", __name__)
 
@@ -159,6 +166,73 @@ class Tokenized(msgspec.Struct):
     tokenizer: str
 
 
+class MPError(msgspec.Struct, omit_defaults=True):
+    """The LMCache MP coordinator paths' errors (422 naming the field, 404, 409, 413)."""
+    error: str
+    detail: str | None = None
+
+
+class MPRegistered(msgspec.Struct):
+    instance_id: str
+    re_registered: bool
+
+
+class MPInstanceId(msgspec.Struct):
+    instance_id: str
+
+
+class MPChunkSize(msgspec.Struct):
+    chunk_size: int
+
+
+class MPApplied(msgspec.Struct):
+    """``POST /events``: batches applied, duplicates (seq already seen) and stale (an older
+    incarnation, or a departed one's L1)."""
+    applied: int
+    duplicates: int
+    stale: int
+
+
+#: directory answers are the coordinator's JSON shapes (docs/lmcache-mp.md)
+_ANY_OBJECT = {"type": "object"}
+
+
+def _mp(method: str, summary: str, request: Any, response: Any, codes: tuple[int, ...] = (422,)) -> dict:
+    op: dict = {"summary": f"LMCache MP coordinator: {summary}",
+                "responses": {"200": _json("OK", response), **{str(c): _json("error", MPError) for c in codes}}}
+    if request is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": request}}}
+    return {method: op}
+
+
+def _mp_paths() -> dict:
+    """The LMCache MP coordinator's paths (app/coordinator.py), same bodies as lmcache.v1.mp_coordinator."""
+    iid = [{"name": "instance_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    keys_params = [{"name": n, "in": "query", "schema": s} for n, s in (
+        ("tier", {"enum": ["l1", "l2", "all"]}), ("instance_id", {"type": "string"}),
+        ("backend", {"type": "string"}), ("offset", {"type": "integer", "minimum": 0}),
+        ("limit", {"type": "integer", "minimum": 1, "maximum": 10000}))]
+    return {
+        "/instances": {**_mp("post", "register an MP server", RegisterRequest, MPRegistered, (409, 422)),
+                       **_mp("get", "registered MP servers", None, _ANY_OBJECT, ())},
+        "/instances/{instance_id}/heartbeat": {"put": {**_mp("put", "heartbeat (404: re-register)", None,
+                                                             MPInstanceId, (404,))["put"], "parameters": iid}},
+        "/instances/{instance_id}": {"delete": {**_mp("delete", "deregister", None, _ANY_OBJECT, (404,))["delete"],
+                                                "parameters": iid}},
+        "/config/chunk-size": _mp("put", "bind the fleet's chunk size (409 on a conflict)", ChunkSizeRequest,
+                                  MPChunkSize, (409, 422)),
+        "/events": _mp("post", "cache event batches (nothing of a rejected request is applied)",
+                       CacheEventsRequest, MPApplied, (413, 422)),
+        "/directory/lookup": _mp("post", "placements of keys, or of a prompt's chunks", DirectoryLookupRequest,
+                                 _ANY_OBJECT, (400, 422)),
+        "/directory/keys": {"get": {**_mp("get", "stored keys, paged", None, _ANY_OBJECT)["get"],
+                                    "parameters": keys_params}},
+        "/directory/stats": _mp("get", "directory counts", None, _ANY_OBJECT, ()),
+        "/directory/blend-lookup": _mp("post", "stored chunks anywhere in a prompt (non-prefix)", BlendLookupRequest,
+                                       _ANY_OBJECT),
+    }
+
+
 def _post(summary: str, request: Any, response: Any, *, codes: tuple[int, ...] = (400,), **extra) -> dict:
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
         "application/json": {"schema": request}, **extra.get("content", {})}},
@@ -181,7 +255,11 @@ def _paths() -> tuple[dict, list]:
             {"name": "lora_name", "in": "query", "schema": {"type": "string"},
              "description": "namespace of vLLM blocks, for an application/octet-stream body"},
             {"name": "cache_salt", "in": "query", "schema": {"type": "string"},
-             "description": "vLLM's cache salt, for an application/octet-stream body"}],
+             "description": "vLLM's cache salt, for an application/octet-stream body"},
+            {"name": "model_name", "in": "query", "schema": {"type": "string"},
+             "description": "scope to one model, for an application/octet-stream body"},
+            {"name": "world_size", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 255},
+             "description": "LMCache MP KV world size, for an application/octet-stream body"}],
         "requestBody": {"required": True, "content": {
             "application/json": {"schema": LookupRequest},
             "application/msgpack": {"schema": LookupRequest},
@@ -223,11 +301,13 @@ def _paths() -> tuple[dict, list]:
                            codes=(400, 413)),
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
             "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        **_mp_paths(),
     }
     types = [LookupRequest, LookupFlat, LookupLayoutInfo, Explain, Health, HealthRequest, InstanceHealth,
              ClearRequest, PinRequest, CompressRequest, MoveRequest, NumTokens, CheckFinishRequest, CheckFinish,
              QueryInstanceRequest, QueryInstance, QueryWorkerInfoRequest, QueryWorkerInfo, Workers, KeyStats,
-             Overview, TokenizeRequest, Tokenized, Error]
+             Overview, TokenizeRequest, Tokenized, Error, RegisterRequest, ChunkSizeRequest, CacheEventsRequest,
+             DirectoryLookupRequest, BlendLookupRequest, MPError, MPRegistered, MPInstanceId, MPChunkSize, MPApplied]
     return paths, types
 
 

@@ -23,7 +23,10 @@ pytestmark = pytest.mark.single_node
 
 ROUTES = {"/lookup", "/lookup/explain", "/health", "/clear", "/pin", "/compress", "/decompress", "/move",
           "/check_finish", "/query_instance", "/query_worker_info", "/controller/workers", "/controller/key-stats",
-          "/controller/overview", "/tokenize", "/metrics"}
+          "/controller/overview", "/tokenize", "/metrics",
+          # LMCache MP coordinator paths (app/coordinator.py)
+          "/instances", "/instances/{instance_id}/heartbeat", "/instances/{instance_id}", "/config/chunk-size",
+          "/events", "/directory/lookup", "/directory/keys", "/directory/stats", "/directory/blend-lookup"}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +72,10 @@ def test_the_document_is_valid_openapi_3_1_and_covers_every_route(fleet):
     ("get", "/controller/workers", None, "200"),
     ("get", "/controller/key-stats", None, "200"),
     ("get", "/controller/overview", None, "200"),
+    ("post", "/instances", {"ip": "127.0.0.1", "http_port": 8080, "instance_id": "mp-a"}, "200"),
+    ("post", "/events", {"batches": []}, "200"),
+    ("post", "/events", {"batches": [{"instance_id": "mp-a"}]}, "422"),
+    ("get", "/directory/stats", None, "200"),
 ])
 def test_real_answers_match_the_schemas(fleet, method, path, body, status):
     doc = fleet.session.get(fleet.http + "/openapi.json", timeout=10).json()
