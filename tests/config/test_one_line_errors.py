@@ -110,3 +110,20 @@ def test_an_unreachable_redis_url_is_said_at_start():
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def test_every_kvlookup_variable_the_repository_uses_is_a_setting_or_known():
+    """A variable read by scripts, tests or benchmarks that is no setting must be in NOT_SETTINGS,
+    or every command run under it (CI exports several) warns that it is ignored."""
+    import subprocess
+
+    from kvlookup.config import setting_names
+    from kvlookup.config.names import NOT_SETTINGS
+
+    text = subprocess.run(["git", "grep", "-ohE", r"KVLOOKUP_[A-Z0-9_]*[A-Z0-9]", "--", "*.py", "*.sh", ".ci/run"],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    misspelt = {"BOGUS", "CHUNK_SIZE", "INSTANCE_TLL_S"}  # this file's own examples of a wrong name
+    names = {n[len("KVLOOKUP_"):] for n in text.split()} - misspelt
+    known = setting_names()
+    assert sorted(n for n in names if n.lower() not in known and n not in NOT_SETTINGS
+                  and not n.startswith("HASH")) == []  # KVLOOKUP_HASH__<KEY>: the hash setting
