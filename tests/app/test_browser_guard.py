@@ -16,8 +16,8 @@ from tests.conftest import SEED_TOKENS
 from tests.support.procs import ControllerProc
 
 
-def test_mutating_calls_from_web_pages_and_rebinding_hosts_are_refused(redis_url):
-    ctl = ControllerProc("--redis-url", redis_url, "--workers", "1").wait_ready()
+def test_mutating_calls_from_web_pages_and_rebinding_hosts_are_refused(redis_args):
+    ctl = ControllerProc(*redis_args, "--workers", "1").wait_ready()
     url = ctl.http
     body = '{"instance_id": "victim", "location": "LocalCPUBackend"}'
     try:
