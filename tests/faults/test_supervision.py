@@ -247,7 +247,7 @@ def test_supervisor_start_names_a_child_that_exits_before_listening(tmp_path):
     assert not (tmp_path / "status.json").exists()
 
 
-def test_health_runs_every_check_and_is_503_while_one_component_is_down(redis_url, tmp_path, monkeypatch):
+def test_health_runs_every_check_and_is_503_while_one_component_is_down(redis_settings, tmp_path, monkeypatch):
     from kvlookup.app import create_app
     from kvlookup.app.health import health_checks
     from kvlookup.proc.supervise import STATUS_ENV
@@ -256,19 +256,20 @@ def test_health_runs_every_check_and_is_503_while_one_component_is_down(redis_ur
     monkeypatch.setenv(STATUS_ENV, str(status_file))
     published = {"embedded_sidecar": {"state": "restarting", "restarts": 1, "pid": None, "error": "exited (signal 9)"}}
     Supervisor([], status_file, extra=lambda: published).publish()
-    app = create_app({"redis_url": redis_url})
+    app = create_app(redis_settings)
     http = app.test_client()
     resp = http.get("/health")
     body = resp.get_json()
     assert (resp.status_code, body["status"], body["redis"]) == (503, "unavailable", "ok")
-    assert body["components"] == {"redis": {"state": "up", "ms": body["redis_ms"]}, **published}
+    assert body["components"] == {"redis": {"state": "up", "ms": body["redis_ms"]}, "redis writes": {"state": "up"},
+                                  **published}
 
     health_checks(app).append(lambda _app: [("sidecar:pod-a", {"state": "up", "age_s": 1.5}, True)])
     published["embedded_sidecar"] = {"state": "up", "restarts": 1, "pid": 4242, "error": None}
     Supervisor([], status_file, extra=lambda: published).publish()
     resp = http.get("/health")
     assert resp.status_code == 200 and resp.get_json()["status"] == "ok"
-    assert list(resp.get_json()["components"]) == ["redis", "embedded_sidecar", "sidecar:pod-a"]
+    assert list(resp.get_json()["components"]) == ["redis", "redis writes", "embedded_sidecar", "sidecar:pod-a"]
 
     stale = json.loads(status_file.read_text())
     status_file.write_text(json.dumps({**stale, "updated": time.time() - 10}))  # the master stopped writing

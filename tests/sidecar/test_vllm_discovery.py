@@ -14,6 +14,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import zmq
 
 from kvlookup.client import Client, VllmChains
 from kvlookup.proc.redis_server import free_port
@@ -71,8 +72,19 @@ def events_config(pub: LoopbackPublisher, topic: str = "kv@pod") -> dict:
 
 
 def two_ranks() -> list[LoopbackPublisher]:
-    base, rbase = free_port(), free_port()
-    return [LoopbackPublisher(topic=b"kv@pod", port=base + r, replay_port=rbase + r) for r in (0, 1)]
+    """Publishers of DP ranks 0 and 1 on ports P, P+1 (replay R, R+1): ports are picked again
+    when P+1 or R+1 is taken (free_port only vouches for P and R)."""
+    for _ in range(20):
+        base, rbase = free_port(), free_port()
+        pubs: list[LoopbackPublisher] = []
+        try:
+            for r in (0, 1):
+                pubs.append(LoopbackPublisher(topic=b"kv@pod", port=base + r, replay_port=rbase + r))
+            return pubs
+        except zmq.ZMQError:
+            for pub in pubs:
+                pub.close()
+    raise RuntimeError("no two consecutive free ports for the DP ranks")
 
 
 def layout(client, tokens, **kw):
