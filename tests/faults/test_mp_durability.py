@@ -152,22 +152,28 @@ def test_cluster_master_kill9_loses_no_acknowledged_placement(tmp_path):
     try:
         _ready(base)
         requests.post(base + "/instances", json=REG, timeout=5)
-        last = _traffic(base, 1, 40)
-        before = _state(base)
         victim = six.node_of(K.MP)
         (replica,) = six.replicas_of(victim)
-        start = time.monotonic()
-        six.kill(victim)
-        assert wait_for(lambda: _safe(lambda: six.node_of(K.MP) is replica), True, timeout=30)
-        assert wait_for(lambda: _safe(lambda: _state(base)), before, timeout=30) == before
-        print(f"[mp cluster failover] answered again after {time.monotonic() - start:.1f} s")
-        assert requests.put(base + "/instances/mp-test-1/heartbeat", timeout=5).status_code == 200
-        assert requests.post(base + "/events", json={"batches": [batch(last + 1, entries=[entry("ab" * 32)])]},
-                             timeout=5).json() == {"applied": 1, "duplicates": 0, "stale": 0}
+        _kill_and_converge(base, lambda: six.kill(victim), lambda: six.node_of(K.MP) is replica, "cluster")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(20)
         six.stop()
+
+
+def _kill_and_converge(base: str, kill, promoted, label: str) -> None:
+    """40 acknowledged batches, then ``kill()`` the master: once ``promoted()``, the directory
+    answers exactly as before, the next heartbeat gets 200 and the next batch is applied."""
+    last = _traffic(base, 1, 40)
+    before = _state(base)
+    start = time.monotonic()
+    kill()
+    assert wait_for(lambda: _safe(promoted), True, timeout=30)
+    assert wait_for(lambda: _safe(lambda: _state(base)), before, timeout=30) == before
+    print(f"[mp {label} failover] answered again after {time.monotonic() - start:.1f} s")
+    assert requests.put(base + "/instances/mp-test-1/heartbeat", timeout=5).status_code == 200
+    assert requests.post(base + "/events", json={"batches": [batch(last + 1, entries=[entry("ab" * 32)])]},
+                         timeout=5).json() == {"applied": 1, "duplicates": 0, "stale": 0}
 
 
 def _safe(fn):
@@ -192,17 +198,8 @@ def test_sentinel_master_kill9_loses_no_acknowledged_placement(tmp_path):
     try:
         _ready(base)
         requests.post(base + "/instances", json=REG, timeout=5)
-        last = _traffic(base, 1, 40)
-        before = _state(base)
         victim = s.master()
-        start = time.monotonic()
-        s.kill(victim)
-        assert wait_for(lambda: _safe(lambda: s.master() is not victim), True, timeout=30)
-        assert wait_for(lambda: _safe(lambda: _state(base)), before, timeout=30) == before
-        print(f"[mp sentinel failover] answered again after {time.monotonic() - start:.1f} s")
-        assert requests.put(base + "/instances/mp-test-1/heartbeat", timeout=5).status_code == 200
-        assert requests.post(base + "/events", json={"batches": [batch(last + 1, entries=[entry("ab" * 32)])]},
-                             timeout=5).json() == {"applied": 1, "duplicates": 0, "stale": 0}
+        _kill_and_converge(base, lambda: s.kill(victim), lambda: s.master() is not victim, "sentinel")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(20)
