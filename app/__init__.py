@@ -83,7 +83,7 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
 
     explainer = Explainer(client, hash_seed=settings.hash.get("hash_seed"))
     routed = lookup.LookupRoute(app.wsgi_app, client, settings.lookup_response, settings.max_tokens, explainer,
-                                mp=coordinator.Scoper(app.extensions["kvlookup"]["mp"], redis_client))
+                                mp=coordinator.Scoper(app.extensions["kvlookup"]["mp"]))
     app.wsgi_app = RequestBody(routed, settings.max_body_bytes, settings.body_timeout_s)  # type: ignore[method-assign]
     app.extensions["kvlookup"]["lookup_route"] = routed
     return app

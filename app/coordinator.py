@@ -262,9 +262,8 @@ class Scoper:
     instances whose model is that one or undeclared: kvlookup.client.Client.matches), plus the
     LMCache MP instances holding a prefix for that model, world size and cache salt; longest first."""
 
-    def __init__(self, d: MPDirectory, redis_client):
+    def __init__(self, d: MPDirectory):
         self.d = d
-        self.r = redis_client
 
     def __call__(self, matches: list, req) -> list:
         from kvlookup.client import InstanceMatch, pick_location
