@@ -14,14 +14,12 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import zmq
 
 from kvlookup.client import Client, VllmChains
-from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.vllm_discovery import DiscoveryError, discover
 from tests.support.helpers import wait_for
 from tests.support.procs import ROOT, SidecarProc
-from tests.support.vllm_helpers import LoopbackPublisher, payload, stored
+from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, payload, stored
 
 A = list(range(1000, 1032))
 B = list(range(2000, 2016))
@@ -71,28 +69,12 @@ def events_config(pub: LoopbackPublisher, topic: str = "kv@pod") -> dict:
             "max_queue_size": 100000, "topic": topic}
 
 
-def two_ranks() -> list[LoopbackPublisher]:
-    """Publishers of DP ranks 0 and 1 on ports P, P+1 (replay R, R+1): ports are picked again
-    when P+1 or R+1 is taken (free_port only vouches for P and R)."""
-    for _ in range(20):
-        base, rbase = free_port(), free_port()
-        pubs: list[LoopbackPublisher] = []
-        try:
-            for r in (0, 1):
-                pubs.append(LoopbackPublisher(topic=b"kv@pod", port=base + r, replay_port=rbase + r))
-            return pubs
-        except zmq.ZMQError:
-            for pub in pubs:
-                pub.close()
-    raise RuntimeError("no two consecutive free ports for the DP ranks")
-
-
 def layout(client, tokens, **kw):
     return {m.instance_id: (m.location, m.matched_prefix_length, m.ranks) for m in client.matches(tokens, **kw)}
 
 
 def test_discover_reads_every_rank_and_the_model():
-    pubs = two_ranks()
+    pubs = dp_publishers(topic=b"kv@pod")
     server = FakeVllmServer({str(r): events_config(p) for r, p in enumerate(pubs)})
     try:
         found = discover(server.url)
@@ -124,7 +106,7 @@ def test_older_server_one_line_error(redis_args):
 
 
 def test_vllm_url_alone_subscribes_every_rank_scopes_by_model_and_follows_a_restart(r, redis_args):
-    pubs = two_ranks()
+    pubs = dp_publishers(topic=b"kv@pod")
     server = FakeVllmServer({str(rank): events_config(p) for rank, p in enumerate(pubs)})
     sc = SidecarProc(*redis_args, "--vllm-url", server.url).start()
     client = Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
@@ -139,7 +121,7 @@ def test_vllm_url_alone_subscribes_every_rank_scopes_by_model_and_follows_a_rest
         # the engine restarts on other ports: the sidecar reads /kv_event_sources again
         for p in pubs:
             p.close()
-        pubs = two_ranks()
+        pubs = dp_publishers(topic=b"kv@pod")
         server.sources = {str(rank): events_config(p) for rank, p in enumerate(pubs)}
         pubs[1].publish(payload(stored([7], B, rank=1), rank=1), send=False)
         want = {inst: ("GPU", 16, {"1": 16})}

@@ -19,7 +19,7 @@ from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.sidecar.test_sidecar_lmcache import S600, S600_HASHES
 from tests.support.helpers import wait_for
-from tests.support.vllm_helpers import LoopbackPublisher, payload, removed, stored
+from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, payload, removed, stored
 
 A = list(range(1000, 1032))
 B = list(range(2000, 2016))
@@ -89,10 +89,9 @@ def test_replay_unavailable_marks_resync(r, client):
 
 
 def test_data_parallel_ranks_and_detail(r, redis_settings):
-    pubs = [LoopbackPublisher(replay=False)]
+    pubs = dp_publishers(replay=False)  # rank r: port + r
     sc = None
     try:
-        pubs.append(LoopbackPublisher(replay=False, port=pubs[0].port + 1))  # rank r: port + r
         sc = Running(r, VllmSource("pod-dp", pubs[0].endpoint, dp_size=2))
         pubs[0].publish(payload(stored([1], A[:16])))
         pubs[1].publish(payload(stored([1, 2], A, rank=1), rank=1))

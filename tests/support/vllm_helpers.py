@@ -71,14 +71,22 @@ class LoopbackPublisher:
         self.port = port or free_port()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
         self.topic, self.replay_topic, self.buffer_size = topic, replay_topic, buffer
         self.seq, self.buffer = 0, []
         self.lock = threading.Lock()
         self.replay_port = (replay_port or free_port()) if replay else None
         self._stop = threading.Event()
-        if replay:
-            self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.router = self.ctx.socket(zmq.ROUTER) if replay else None
+        try:  # both binds here, so a taken port raises ZMQError from the constructor
+            self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+            if self.router is not None:
+                self.router.setsockopt(zmq.LINGER, 0)
+                self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        except zmq.ZMQError:
+            self.ctx.destroy(0)
+            raise
+        if self.router is not None:  # the thread owns the router from here on
+            self.thread = threading.Thread(target=self._serve, args=(self.router,), daemon=True)
             self.thread.start()
 
     @property
@@ -103,10 +111,7 @@ class LoopbackPublisher:
         with self.lock:
             self.seq, self.buffer = 0, []
 
-    def _serve(self) -> None:
-        router = self.ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.bind(self.replay_endpoint)
+    def _serve(self, router: zmq.Socket) -> None:
         while not self._stop.is_set():
             if not router.poll(50):
                 continue
@@ -126,6 +131,27 @@ class LoopbackPublisher:
             self.thread.join(5)
         self.pub.close(0)
         self.ctx.term()
+
+
+def dp_publishers(ranks: int = 2, **kw) -> list[LoopbackPublisher]:
+    """Publishers of DP ranks 0..ranks-1 on ports P+r (replay R+r), as vLLM binds them.
+
+    free_port only vouches for P and R, so the whole set is picked again when a P+r or R+r is
+    taken; ``kw`` goes to every :class:`LoopbackPublisher` (``replay=False``: no replay ports).
+    Raises RuntimeError after 20 tries.
+    """
+    for _ in range(20):
+        base = free_port()
+        rbase = free_port() if kw.get("replay", True) else None
+        pubs: list[LoopbackPublisher] = []
+        try:
+            for r in range(ranks):
+                pubs.append(LoopbackPublisher(port=base + r, replay_port=rbase and rbase + r, **kw))
+            return pubs
+        except zmq.ZMQError:
+            for pub in pubs:
+                pub.close()
+    raise RuntimeError(f"no {ranks} consecutive free ports for the DP ranks")
 
 
 # -- the real vLLM publisher ----------------------------------------------------------------
