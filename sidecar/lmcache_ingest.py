@@ -16,14 +16,25 @@ worker the registry lost) whatever arrived before it, as LMCache's own controlle
 A frame that fails to decode or apply is counted and logged; the rest of the batch goes on.
 
 After a failover (a Redis master that served the index was replaced, kvlookup.index.failover), writes
-it had not replicated may be lost: the sidecar writes its recent record writes again (the
-store's journal of the last minute) and asks every 0.5-era worker for a full sync at its next
-heartbeat.
+it had not replicated may be lost: the sidecar writes again every registration and epoch it made
+(it keeps them: a lost registration is made again, a lost cold restart retires the old epoch
+again), and takes its instances again, then its recent record writes (the store's journal of the
+last minute, those of a lost holder onto its new one), and asks every 0.5-era worker for a full
+sync at its next heartbeat: engines that never heartbeat (LMCache 0.5.6's default) heal too.
+Ops of a worker this process registered are never dropped as unregistered because the registry
+lost the registration: it is written again first (unless the departures log shows the worker left).
+
+A registration or deregistration arriving while Redis cannot answer (a stopped server, a
+failover) waits in the op queue (sidecar.opqueue ``registry``) and is applied, before any op,
+once Redis answers; a 0.5-era worker gets its ``RegisterRetMsg`` at once (its push loop waits
+for it; LMCache never retries a registration answered ``ErrorMsg``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
@@ -32,7 +43,7 @@ from kvlookup import metrics
 from kvlookup.index.failover import MasterWatch
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store, chunk_text
 from kvlookup.sidecar.admission import InstancePolicy
-from kvlookup.sidecar.opqueue import Batch, OpQueue
+from kvlookup.sidecar.opqueue import Batch, OpQueue, RegistryWrite
 from kvlookup.wire import lmcache as proto
 from kvlookup.wire.errors import WireError
 
@@ -54,6 +65,18 @@ class Observer(Protocol):
     def registered(self, instance_id: str, worker_id: int) -> None: ...
 
     def forget(self, instance_id: str, worker_id: int) -> None: ...
+
+
+@dataclass
+class Held:
+    """A registration this process made: what to write again if the registry loses it.
+    at_ms: when (Redis server time, unix ms); epoch: the epoch Redis gave it."""
+
+    ip: str
+    port: int
+    url: str | None
+    epoch: int
+    at_ms: int
 
 
 class Unobserved:
@@ -91,6 +114,8 @@ class LMCacheIngest:
         self._synced: set[tuple[str, int]] = set()  # registered or full-synced by this process
         self._gaps: set[tuple[str, int]] = set()  # skipped a seq: its next heartbeat asks a full sync
         self._redis_failures = 0
+        self._held: dict[tuple[str, int], Held] = {}  # registrations made by this process
+        self._down = False  # the last Redis call failed to connect: registry writes queue
         self._next_seq: dict[tuple[str, int, str], int] = {}
         self.masters = MasterWatch(store.r)  # failover: rewrite the journal, ask for full syncs
         self._failed_over = False
@@ -133,7 +158,14 @@ class LMCacheIngest:
         elif tag == "RegisterMsg":
             self._register(msg)
         elif tag == "HeartbeatMsg":  # 0.3.5-0.3.9 heartbeats come on PUSH: nothing to answer
-            if not self.store.heartbeat_worker(msg.instance_id, msg.worker_id):
+            if (msg.instance_id, msg.worker_id) in self.queue.registry or self._down:
+                return  # its registration waits for Redis; heartbeats come again
+            try:
+                known = self.store.heartbeat_worker(msg.instance_id, msg.worker_id)
+            except (redis.ConnectionError, redis.TimeoutError):
+                self._down = True
+                return
+            if not known:
                 self._register(msg)
         elif tag == "DeRegisterMsg":
             self._deregister(msg.instance_id, msg.worker_id)
@@ -164,6 +196,16 @@ class LMCacheIngest:
         """How long the oldest queued op has waited (seconds; 0 when nothing is queued)."""
         return self.queue.lag_s()
 
+    def redis_down(self) -> None:
+        """Redis could not be reached (the service loop saw it): registry writes queue at once
+        until the next flush writes again."""
+        self._down = True
+
+    @property
+    def down(self) -> bool:
+        """Did the last Redis call fail to connect or time out (registry writes queue)?"""
+        return self._down
+
     # -- writing ---------------------------------------------------------------------------
 
     def flush(self, budget: int | None = None) -> int:
@@ -175,8 +217,11 @@ class LMCacheIngest:
         dropped and counted. First, if a master was replaced since the last look, the journal
         is written again (:meth:`after_failover`).
         """
-        if self.masters.replaced() or self._failed_over:
+        if self._failed_over or (not self._down and self.masters.replaced()):  # down: one blocking call a turn
             self.after_failover()
+        if self.queue.registry:
+            self._apply_registry()
+        self._down = False
         taken = self.queue.take(budget)
         if not taken:
             return 0
@@ -185,6 +230,7 @@ class LMCacheIngest:
             self._redis_failures = 0
         except (redis.ConnectionError, redis.TimeoutError):
             self.queue.put_back(taken)
+            self._down = True
             raise
         except redis.RedisError as exc:
             self._redis_failures += 1
@@ -223,6 +269,8 @@ class LMCacheIngest:
         if self.store.is_registered(*key):
             self._registered.add(key)
             return True
+        if key in self._held and self._heal(key):
+            return True
         if b.implicit:
             log.info("0.3-era admits of unregistered worker %s/%s: registering it", *key)
             self._register_worker(b.instance_id, b.worker_id)
@@ -238,42 +286,108 @@ class LMCacheIngest:
         again at the next flush."""
         self._failed_over = True
         self._synced.clear()
+        healed = sum(self._heal(key) for key in list(self._held) if key not in self.queue.registry)
+        for instance_id in {i for i, _w in self._held}:
+            self.store.own(self.sidecar_id, instance_id)
         ops, span = self.store.rewrite_journal()
         self._failed_over = False
-        log.warning("failover: wrote the ops of the last %.0f s again (%d); full sync of every worker at its "
-                    "next heartbeat", span, ops)
+        log.warning("failover: wrote the ops of the last %.0f s again (%d); %d of %d workers registered again; "
+                    "full sync of every worker at its next heartbeat", span, ops, healed, len(self._held))
+
+    def _heal(self, key: tuple[str, int]) -> bool:
+        """Write again a registration of this process the registry lost (Store.reassert_worker);
+        True when it was missing or older. A worker that left since is forgotten."""
+        held = self._held[key]
+        epoch = self.store.reassert_worker(*key, held.epoch, held.at_ms, held.ip, held.port, held.url)
+        if epoch is None:
+            if not self.store.is_registered(*key):
+                self.forget(*key)
+            return False
+        held.epoch = epoch
+        self.store.own(self.sidecar_id, key[0])
+        self._registered.add(key)
+        log.warning("the registry lost worker %s/%s (a failover?): registered it again, epoch %d", *key, epoch)
+        return True
 
     # -- registry --------------------------------------------------------------------------
 
-    def _register(self, msg: proto.Register) -> int:
+    def _register(self, msg: proto.Register) -> int | None:
         url = msg.peer_init_url if msg.peer_init_url is not None else msg.distributed_url
         return self._register_worker(msg.instance_id, msg.worker_id, msg.ip, msg.port, url)
 
     def _register_worker(self, instance_id: str, worker_id: int, ip: str = "", port: int = 0,
-                         url: str | None = None) -> int:
+                         url: str | None = None) -> int | None:
+        """Register now, or queue the registration while Redis cannot answer; returns the
+        epoch, or None when queued."""
         self.drop_queued(instance_id, worker_id)  # a new epoch: queued ops of the old one are moot
-        epoch = self.store.register_worker(instance_id, worker_id, ip, port, url)
-        self.store.own(self.sidecar_id, instance_id)
-        key = (instance_id, worker_id)
+        self._reset_seq(instance_id, worker_id)
+        write = RegistryWrite(True, ip, port, url)
+        if not self._down and not self.queue.registry:
+            try:
+                return self._apply_registration((instance_id, worker_id), write)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._down = True
+                log.warning("Redis cannot answer (%s): the registration of %s worker %d waits for it", exc,
+                            instance_id, worker_id)
+        self.queue.put_registry(instance_id, worker_id, write)
+        return None
+
+    def _apply_registration(self, key: tuple[str, int], w: RegistryWrite) -> int:
+        at_ms = self.store.clock.now_ms()
+        epoch = self.store.register_worker(*key, w.ip, w.port, w.url)
+        self.store.own(self.sidecar_id, key[0])
+        self._held[key] = Held(w.ip, w.port, w.url, epoch, at_ms)
         self._registered.add(key)
         self._synced.add(key)
-        self._reset_seq(instance_id, worker_id)
-        self.observer.registered(instance_id, worker_id)
-        log.info("registered %s worker %d (%s:%d), epoch %d", instance_id, worker_id, ip, port, epoch)
+        self.observer.registered(*key)
+        log.info("registered %s worker %d (%s:%d), epoch %d", *key, w.ip, w.port, epoch)
         return epoch
+
+    def _apply_registry(self) -> None:
+        """Apply the registry writes queued while Redis could not answer, oldest first (each
+        leaves the queue once written; a Redis error propagates with the rest kept)."""
+        while self.queue.registry:
+            key, w = next(iter(self.queue.registry.items()))
+            try:
+                if w.register:
+                    self._apply_registration(key, w)
+                else:
+                    self.store.deregister_worker(*key)
+            except (redis.ConnectionError, redis.TimeoutError):
+                self._down = True
+                raise
+            except redis.RedisError as exc:
+                self._redis_failures += 1
+                if self._redis_failures < MAX_REDIS_FAILURES:
+                    raise
+                self._redis_failures = 0
+                log.error("dropped the queued registry write of %s/%s after %d Redis errors: %s", *key,
+                          MAX_REDIS_FAILURES, exc)
+            self.queue.registry.pop(key, None)
+            log.info("applied the queued %sregistration of %s worker %d (waited %.1f s)",
+                     "" if w.register else "de", *key, time.monotonic() - w.queued_at)
 
     def _deregister(self, instance_id: str, worker_id: int) -> None:
         self.drop_queued(instance_id, worker_id)
-        known = self.store.deregister_worker(instance_id, worker_id)
         self.forget(instance_id, worker_id)
         self.observer.forget(instance_id, worker_id)
-        log.info("deregistered %s worker %d%s", instance_id, worker_id, "" if known else " (was unknown)")
+        if not self._down and not self.queue.registry:
+            try:
+                known = self.store.deregister_worker(instance_id, worker_id)
+                log.info("deregistered %s worker %d%s", instance_id, worker_id, "" if known else " (was unknown)")
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._down = True
+                log.warning("Redis cannot answer (%s): the deregistration of %s worker %d waits for it", exc,
+                            instance_id, worker_id)
+        self.queue.put_registry(instance_id, worker_id, RegistryWrite(False))
 
     def forget(self, instance_id: str, worker_id: int | str) -> None:
         """Drop what this process knows of a worker that left the registry, so its next
         heartbeat or record re-registers it (and, for 0.5.x, asks for a full sync)."""
         wid = int(worker_id) if isinstance(worker_id, str) and worker_id.isdigit() else worker_id
         self._registered.discard((instance_id, wid))
+        self._held.pop((instance_id, wid), None)  # type: ignore[arg-type]
         self._synced.discard((instance_id, wid))
         self._gaps.discard((instance_id, wid))
         self._reset_seq(instance_id, wid)
@@ -355,6 +469,10 @@ class LMCacheIngest:
         """Refresh a worker. One this process has not registered or synced since it started
         (or that skipped a seq) is asked for a full sync, once."""
         key = (msg.instance_id, msg.worker_id)
+        if key in self.queue.registry:  # its registration waits for Redis: no error for a transient failure
+            return proto.HeartbeatRetMsg()
+        if self._down:  # answer at once rather than after a socket timeout (the worker's is 30 s)
+            return proto.ErrorMsg(error="index unavailable: Redis cannot answer")
         known = self.store.heartbeat_worker(msg.instance_id, msg.worker_id)
         if known and key in self._synced:
             return proto.HeartbeatRetMsg()

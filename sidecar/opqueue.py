@@ -5,6 +5,11 @@ the last op (ADMIT or EVICT), so writing a batch in any order leaves the index a
 ops one by one would. ``queued_ops`` counts what waits: the sidecar stops reading pushed traffic
 past ``max_queued_ops`` (back pressure, never a drop). Any ingest can queue into one: the writer
 takes slices oldest first (:meth:`OpQueue.take`) and puts them back when a write fails.
+
+Registry writes that Redis could not take (a registration or deregistration arriving while Redis
+cannot answer: a stopped server, a failover) wait in ``registry``, one per worker, newest
+kept; the ingest applies them before any queued op, so a worker's ops, queued after its
+registration, are written after it (issue 20 item 4).
 """
 
 from __future__ import annotations
@@ -30,12 +35,31 @@ class Batch:
     queued_at: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class RegistryWrite:
+    """A registration (``register``: the worker's ip, port and peer URL) or a deregistration
+    (``register`` False) waiting for Redis."""
+
+    register: bool
+    ip: str = ""
+    port: int = 0
+    url: str | None = None
+    queued_at: float = field(default_factory=time.monotonic)
+
+
 class OpQueue:
-    """Batches in arrival order; ``queued_ops``: the ops they hold."""
+    """Batches in arrival order; ``queued_ops``: the ops they hold; ``registry``: registry
+    writes waiting for Redis, per (instance, worker), in arrival order."""
 
     def __init__(self) -> None:
         self.batches: deque[Batch] = deque()
         self.queued_ops = 0
+        self.registry: dict[tuple[str, int], RegistryWrite] = {}
+
+    def put_registry(self, instance_id: str, worker_id: int, write: RegistryWrite) -> None:
+        """Queue a registry write of a worker; it replaces (and goes behind) an earlier one."""
+        self.registry.pop((instance_id, worker_id), None)
+        self.registry[(instance_id, worker_id)] = write
 
     def __bool__(self) -> bool:
         return bool(self.batches)
@@ -67,8 +91,10 @@ class OpQueue:
         return gone
 
     def lag_s(self) -> float:
-        """How long the oldest queued op has waited (seconds; 0 when nothing is queued)."""
-        return time.monotonic() - self.batches[0].queued_at if self.batches else 0.0
+        """How long the oldest queued op or registry write has waited (seconds; 0 when nothing
+        is queued)."""
+        oldest = [w.queued_at for w in self.registry.values()] + ([self.batches[0].queued_at] if self.batches else [])
+        return time.monotonic() - min(oldest) if oldest else 0.0
 
     def take(self, budget: int | None) -> list[Batch]:
         """Up to ``budget`` ops (all when None), oldest first; a batch larger than what is left

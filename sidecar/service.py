@@ -245,20 +245,33 @@ class Sidecar:
         if not self._started:
             self._start()
             self._started = True
+        if self.lmcache.down:  # Redis failing: answer the workers before the next try may block
+            for sock in self.sockets.poll(0) if self.sockets.handlers else ():
+                self.sockets.handlers[sock](sock)
         now = time.monotonic()
-        if now >= self._next_tick:
-            self._tick()
-            self._next_tick = now + self.heartbeat_s
-        if now >= self._next_reap:
-            self._reap()
-            self._next_reap = now + REAP_EVERY_S
+        down: redis.RedisError | None = None
+        try:
+            if now >= self._next_tick:
+                self._tick()
+                self._next_tick = now + self.heartbeat_s
+            if now >= self._next_reap:
+                self._reap()
+                self._next_reap = now + REAP_EVERY_S
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            down = exc  # Redis cannot answer: still serve the workers (registrations queue), then back off
+            self.lmcache.redis_down()
+        was_down = self.lmcache.down
         busy = self.lmcache.queued_ops > 0
-        wait_ms = 0 if busy else int(max(0.0, min(self._next_tick - time.monotonic(), 0.2)) * 1000)
+        wait_ms = 0 if busy or down else int(max(0.0, min(self._next_tick - time.monotonic(), 0.2)) * 1000)
         if self.sockets.handlers:
             for sock in self.sockets.poll(wait_ms):
                 self.sockets.handlers[sock](sock)
         else:  # vLLM only: no socket here to wait on (zmq's poll of none returns at once)
             self._stop.wait(wait_ms / 1000)
+        if down is not None:
+            raise down
+        if self.lmcache.down and not was_down:  # a handler found Redis not answering: serve the sockets again
+            raise redis.ConnectionError("Redis stopped answering while serving workers")  # before the next try
         self._written += self.lmcache.flush(self.limits.slice_ops)
         self._purge(BUSY_PURGE_BUDGET if self.lmcache.queued_ops else PURGE_BUDGET)
         self._after_burst()

@@ -98,6 +98,9 @@ class Store:
         # (instance_id, worker_id) -> {(location, space): holder id}: a cache of HOLDER results
         self._holders: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
         self.journal: Journal | None = None
+        # holder id -> (instance, worker, location, space): holders of a current epoch whose
+        # allocation a failover lost; rewrite_journal writes their journal to the new holder
+        self._orphans: dict[str, tuple[str, str, str, str]] = {}
 
     # -- registry -------------------------------------------------------------------------
 
@@ -120,6 +123,8 @@ class Store:
         now = self.clock.now() if now is None else now
         wid = str(worker_id)
         self._forget(instance_id, wid)
+        for hid in [h for h, o in self._orphans.items() if o[:2] == (instance_id, wid)]:
+            del self._orphans[hid]  # a new epoch: what the old one lost is moot
         wk = keys.worker_key(instance_id, wid)
         fields = ["ip", ip, "port", int(port), "peer_init_url", peer_init_url or "",
                   "registered_at", repr(now), "last_heartbeat", repr(now), "heartbeats", 0]
@@ -182,6 +187,36 @@ class Store:
     def is_registered(self, instance_id: str, worker_id: int | str) -> bool:
         """True when (instance, worker) is in the registry."""
         return bool(self.r.exists(keys.worker_key(instance_id, str(worker_id))))
+
+    def reassert_worker(self, instance_id: str, worker_id: int | str, epoch: int, since_ms: int, ip: str = "",
+                        port: int = 0, peer_init_url: str | None = None) -> int | None:
+        """Write again a registration this process made (epoch ``epoch``) that the registry lost
+        (a failover inside the replication lag, kvlookup.index.failover): when the registry has
+        no such worker, or an older epoch of it, the worker is registered again (an older epoch
+        stops counting, as the lost registration meant) and the holders of the lost epoch are
+        kept as orphans, so :meth:`rewrite_journal` writes their records to the new holders.
+        since_ms: when (Redis server time, unix ms) this process made the registration: a worker
+        the departures log shows leaving since (deregistered, reaped) is not registered again.
+        Returns the new epoch, or None when the registry already has ``epoch`` or a newer one,
+        or the worker left. Raises RedisError."""
+        wid = str(worker_id)
+        have = self.r.hget(keys.worker_key(instance_id, wid), "epoch")
+        if have is not None and int(have) >= epoch:
+            return None
+        if self.departed_since(instance_id, wid, since_ms):
+            return None
+        lost = {hid: (instance_id, wid, loc, space)
+                for (loc, space), hid in self._holders.get((instance_id, wid), {}).items()}
+        epoch_now = self.register_worker(instance_id, wid, ip, port, peer_init_url)
+        self._orphans.update(lost)
+        return epoch_now
+
+    def departed_since(self, instance_id: str, worker_id: int | str, since_ms: int) -> bool:
+        """True when the departures log records the worker leaving (deregistered, reaped) at or
+        after ``since_ms`` (Redis server time, unix ms)."""
+        member = keys.worker_member(instance_id, worker_id)
+        left = self.r.zrangebyscore(keys.departures_key(), since_ms, "+inf")
+        return any(m.rsplit(keys.SEP, 1)[0] == member for m in left)
 
     def heartbeat_worker(self, instance_id: str, worker_id: int | str, now: float | None = None) -> bool:
         """Record a worker heartbeat at Redis server time (it also clears suspicion); False when
@@ -378,12 +413,17 @@ class Store:
                 return applied
             for inst, wid, loc, _ops in retry:
                 hid = self._holders.get((inst, wid), {}).pop((loc, space), None)
-                if hid is not None:  # retired; or unknown, and then its records would be left behind
-                    self._scripts["RETIRE_UNKNOWN"](
-                        keys=[keys.holders_key(), keys.dead_holders_key(), keys.registry_version_key()],
-                        args=[hid, keys.holder_value(inst, wid, loc, space), score])
+                if hid is not None and self._retire_unknown(hid, keys.holder_value(inst, wid, loc, space), score):
+                    self._orphans[hid] = (inst, wid, loc, space)  # a failover lost its allocation
             todo = retry
         raise RuntimeError(f"holders kept being retired while applying {len(todo)} batches")
+
+    def _retire_unknown(self, hid: str, desc: str, now_ms: int) -> bool:
+        """Retire a holder id the registry does not describe (its records would be left
+        behind); True when it was unknown."""
+        return bool(self._scripts["RETIRE_UNKNOWN"](
+            keys=[keys.holders_key(), keys.dead_holders_key(), keys.registry_version_key()],
+            args=[hid, desc, now_ms]))
 
     # -- after a failover -----------------------------------------------------------------
 
@@ -421,10 +461,23 @@ class Store:
                 ops.update(dict.fromkeys(w.evicts, EVICT))
                 described[w.holder_id] = desc
         now_ms = self.clock.now_ms()
+        current = {hid: (inst, wid, loc, space) for (inst, wid), held in self._holders.items()
+                   for (loc, space), hid in held.items()}
+        moved: dict[str, str] = {}  # lost holder id of a current epoch -> the holder now
         for hid, desc in described.items():
-            self._scripts["RETIRE_UNKNOWN"](
-                keys=[keys.holders_key(), keys.dead_holders_key(), keys.registry_version_key()],
-                args=[hid, desc, now_ms])
+            if self._retire_unknown(hid, desc, now_ms) and hid in current:
+                inst, wid, loc, space = current[hid]
+                self._holders[(inst, wid)].pop((loc, space), None)
+                self._orphans[hid] = current[hid]
+            if hid in self._orphans:
+                try:
+                    moved[hid] = self.holder_id(*self._orphans[hid])
+                except NotRegistered:  # the worker left since: its records count for nothing
+                    pass
+        for (hid, space) in [k for k in last if k[0] in moved]:  # the lost holder's writes came first
+            ops = last.pop((hid, space))
+            ops.update(last.get((moved[hid], space), {}))
+            last[(moved[hid], space)] = ops
         writes, n, total = [], 0, 0
         for (hid, space), ops in last.items():
             items = list(ops.items())
@@ -438,6 +491,7 @@ class Store:
                     writes, total, n = [], total + n, 0
         if writes:
             self.records.apply(writes, entries[-1][0])
+        self._orphans.clear()
         return total + n, span
 
     def purge(self, budget: int = 10_000, now_ms: int | None = None) -> int:

@@ -79,7 +79,7 @@ class Engine(threading.Thread):
     """
 
     def __init__(self, instance_id: str, era: str, sidecar: SidecarProc, prompts: list[list[int]], seed: int, *,
-                 static: bool = False, heartbeat_s: float = 0.3, pace_s: float = 0.02):
+                 static: bool = False, heartbeat_s: float | None = 0.3, pace_s: float = 0.02):
         super().__init__(daemon=True, name=f"engine-{instance_id}")
         self.instance_id, self.era, self.static = instance_id, era, static
         self.sim = WorkerSim(instance_id, era=era, pull_url=sidecar.pull_url,
@@ -143,7 +143,7 @@ class Engine(threading.Thread):
                     done.set()
                 if not self.static:
                     self.step()
-                if self.era == "0.5" and time.monotonic() >= next_hb:
+                if self.era == "0.5" and self.heartbeat_s is not None and time.monotonic() >= next_hb:
                     self._heartbeat()
                     next_hb = time.monotonic() + self.heartbeat_s
             except Exception as exc:  # recorded; the test asserts there are none
@@ -333,11 +333,14 @@ class Fleet:
     """
 
     def __init__(self, redis_args: Sequence[str], client: Client, registry: redis.Redis,
-                 masters: Callable[[], list[redis.Redis]], tmp_path: Path, seed: int):
+                 masters: Callable[[], list[redis.Redis]], tmp_path: Path, seed: int,
+                 heartbeat_s: float | None = 0.3):
         self.prompts = make_prompts(seed)
+        self.heartbeat_s = heartbeat_s  # of the 0.5-era engines; None: they never heartbeat (0.5.6's default)
         self.sidecar = SidecarProc(redis_args, tmp_path / "sidecar.log")
         self.rc, self.client, self._masters = registry, client, masters
-        self.engines = [Engine(f"e5-{i}", "0.5", self.sidecar, self.prompts, seed + i) for i in range(3)]
+        self.engines = [Engine(f"e5-{i}", "0.5", self.sidecar, self.prompts, seed + i, heartbeat_s=heartbeat_s)
+                        for i in range(3)]
         self.engines += [Engine(f"e3-{i}", "0.3", self.sidecar, self.prompts, seed + 10 + i) for i in range(2)]
         self.static = Engine("static", "0.3", self.sidecar, self.prompts, seed + 20, static=True)
         self.static_prompts = self.prompts[:4]
@@ -413,7 +416,7 @@ class Fleet:
         restarted = self.engines[0]
         restarted.do("register")
         restarted.do("admit", PROFILE.chunk_hashes(self.during[0]))
-        late5 = Engine("late5", "0.5", self.sidecar, self.prompts, 77).start_engine(
+        late5 = Engine("late5", "0.5", self.sidecar, self.prompts, 77, heartbeat_s=self.heartbeat_s).start_engine(
             PROFILE.chunk_hashes(self.late_prompt))
         late3 = Engine("late3", "0.3", self.sidecar, self.prompts, 78)
         late3.sim.register()
@@ -441,7 +444,7 @@ class Fleet:
         assert self.sidecar.lines("failover: wrote the ops"), "the sidecar did not see the master replaced"
         for e in self.all:
             assert not e.errors, e.errors
-            if e.era == "0.5":
+            if e.era == "0.5" and e.heartbeat_s is not None:
                 assert any(t > killed for t in e.syncs), f"{e.instance_id} was not asked for a full sync"
         assert not self.static_wrong() and not self.static_wrong(http)  # lookups failed or waited, never lied
         assert self.state().records == true_records(self.all)
@@ -449,13 +452,14 @@ class Fleet:
         assert layouts_match(http.client, self.all, self.prompts) == []
 
     def fail_over(self, name: str, deployment, victim, replica, promoted: Callable[[], bool],
-                  http: Lookups) -> None:
+                  http: Lookups) -> dict:
         """The failover both tests run, with lookups in-process and through ``http``: the
         replica is stopped and its link cut, so what the master acknowledges next (the
         :meth:`lag_window` traffic) reaches only the master; then kill -9 of the master, the
         replica thawed, ``promoted()`` awaited, 4 s more ingest, and the index must converge
         exactly. Asserts the lookups were answered again within 10 s and :meth:`check_healed`;
-        prints the measured numbers under ``name``. deployment: LocalCluster or LocalSentinel."""
+        prints the measured numbers under ``name`` and returns them. deployment: LocalCluster or
+        LocalSentinel."""
         self.hold_private()
         self.lookups.start()
         http.start()
@@ -478,9 +482,10 @@ class Fleet:
         http.stop()
         out, out_http = self.lookups.outage(killed), http.outage(killed)
         assert converged is not None, f"index did not converge: {self.why_not()}"
-        report(name, lost_replication_bytes=lost_bytes, promoted_after_s=took, converged_after_stop_s=converged,
-               converged_after_kill_s=stopped + converged - killed, records=len(self.state().records),
-               ops=sum(e.ops for e in self.all), full_syncs=sum(len(e.syncs) for e in self.all))
+        numbers = dict(lost_replication_bytes=lost_bytes, promoted_after_s=took, converged_after_stop_s=converged,
+                       converged_after_kill_s=stopped + converged - killed, records=len(self.state().records),
+                       ops=sum(e.ops for e in self.all), full_syncs=sum(len(e.syncs) for e in self.all))
+        report(name, **numbers)
         report(f"{name}, Client", **out)
         report(f"{name}, controller HTTP", **out_http)
         assert lost_bytes > 0  # writes were acknowledged that the promoted replica never saw
@@ -489,6 +494,7 @@ class Fleet:
             assert o["failing_to_succeeding_s"] is None or o["failing_to_succeeding_s"] < 10
             assert o["longest_without_answer_s"] < 10
         self.check_healed(killed, http)
+        return numbers
 
 def report(name: str, **numbers) -> None:
     """Print measured numbers on one line (pytest -s shows them)."""
