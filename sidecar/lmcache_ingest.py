@@ -465,7 +465,7 @@ class LMCacheIngest:
                  msg.worker_id, msg.location, msg.total_keys, msg.batch_count)
         return proto.FullSyncStartRetMsg(sync_id=msg.sync_id, accepted=True)
 
-    def _heartbeat(self, msg: proto.Register) -> proto.HeartbeatRetMsg:
+    def _heartbeat(self, msg: proto.Register) -> proto.HeartbeatRetMsg | proto.ErrorMsg:
         """Refresh a worker. One this process has not registered or synced since it started
         (or that skipped a seq) is asked for a full sync, once."""
         key = (msg.instance_id, msg.worker_id)
