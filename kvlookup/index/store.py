@@ -205,8 +205,9 @@ class Store:
             return None
         if self.departed_since(instance_id, wid, since_ms):
             return None
-        lost = {hid: (instance_id, wid, loc, space)
-                for (loc, space), hid in self._holders.get((instance_id, wid), {}).items()}
+        lost = {h: o for h, o in self._orphans.items() if o[:2] == (instance_id, wid)}
+        lost.update({hid: (instance_id, wid, loc, space)
+                     for (loc, space), hid in self._holders.get((instance_id, wid), {}).items()})
         epoch_now = self.register_worker(instance_id, wid, ip, port, peer_init_url)
         self._orphans.update(lost)
         return epoch_now
@@ -443,8 +444,10 @@ class Store:
         """Write the journal's record writes again, each to the holder it was written for (a
         write for a holder retired since counts for nothing, as before), after a failover that
         may have lost some (kvlookup.index.failover). A holder the registry no longer describes (its
-        allocation was lost too) is retired first, so purge deletes its records. The writes are
-        folded per holder in order; re-admitted records take the newest write's time.
+        allocation was lost too) is retired first, so purge deletes its records; when it was a
+        holder of a current epoch (this process still wrote to it, or :meth:`reassert_worker`
+        registered its worker again) its writes are written to the worker's holder now too. The
+        writes are folded per holder in order; re-admitted records take the newest write's time.
 
         Returns (operations written, seconds back the journal reached); (0, 0.0) without one.
         Raises RedisError when Redis fails meanwhile (the journal is kept: call again).
@@ -474,8 +477,10 @@ class Store:
                     moved[hid] = self.holder_id(*self._orphans[hid])
                 except NotRegistered:  # the worker left since: its records count for nothing
                     pass
-        for (hid, space) in [k for k in last if k[0] in moved]:  # the lost holder's writes came first
-            ops = last.pop((hid, space))
+        # the lost holder's writes came first; they are written to it too (it is retired), so that
+        # purge finds, through its reverse index, the records of it that other shards kept
+        for (hid, space) in [k for k in last if k[0] in moved]:
+            ops = dict(last[(hid, space)])
             ops.update(last.get((moved[hid], space), {}))
             last[(moved[hid], space)] = ops
         writes, n, total = [], 0, 0
