@@ -41,7 +41,7 @@ import redis
 
 from kvlookup import metrics
 from kvlookup.index.failover import MasterWatch
-from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store, chunk_text
+from kvlookup.index.store import ADMIT, EVICT, HoldersLost, NotRegistered, Store, chunk_text
 from kvlookup.sidecar.admission import InstancePolicy
 from kvlookup.sidecar.opqueue import Batch, OpQueue, RegistryWrite
 from kvlookup.wire import lmcache as proto
@@ -246,7 +246,12 @@ class LMCacheIngest:
     def _write(self, taken: list[Batch]) -> None:
         writable = [b for b in taken if self._writable(b)]
         try:
-            self.store.apply([(b.instance_id, b.worker_id, b.location, b.ops) for b in writable])
+            try:
+                self.store.apply([(b.instance_id, b.worker_id, b.location, b.ops) for b in writable], lost_raises=True)
+            except HoldersLost as exc:  # a failover the watch has not told yet: heal the registry first
+                log.warning("%s: healing before writing them", exc)
+                self.after_failover()
+                self.store.apply([(b.instance_id, b.worker_id, b.location, b.ops) for b in writable])
         except NotRegistered:  # a worker left the registry since we looked: sort them out one by one
             self._registered.clear()
             for b in writable:
@@ -335,6 +340,7 @@ class LMCacheIngest:
     def _apply_registration(self, key: tuple[str, int], w: RegistryWrite) -> int:
         at_ms = self.store.clock.now_ms()
         epoch = self.store.register_worker(*key, w.ip, w.port, w.url)
+        self.store.expect_epoch(*key, epoch)
         self.store.own(self.sidecar_id, key[0])
         self._held[key] = Held(w.ip, w.port, w.url, epoch, at_ms)
         self._registered.add(key)
@@ -387,7 +393,8 @@ class LMCacheIngest:
         heartbeat or record re-registers it (and, for 0.5.x, asks for a full sync)."""
         wid = int(worker_id) if isinstance(worker_id, str) and worker_id.isdigit() else worker_id
         self._registered.discard((instance_id, wid))
-        self._held.pop((instance_id, wid), None)  # type: ignore[arg-type]
+        if self._held.pop((instance_id, wid), None) is not None:  # type: ignore[arg-type]
+            self.store.expect_epoch(instance_id, wid, None)
         self._synced.discard((instance_id, wid))
         self._gaps.discard((instance_id, wid))
         self._reset_seq(instance_id, wid)

@@ -28,7 +28,7 @@ from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches,
 from kvlookup.index.single import SingleNodeRecords
 from kvlookup.kinds import Kind
 
-__all__ = ["ADMIT", "EVICT", "Chain", "Match", "NotRegistered", "Store"]
+__all__ = ["ADMIT", "EVICT", "Chain", "HoldersLost", "Match", "NotRegistered", "Store"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,15 @@ HOLDER_ID_GAP = 1 << 16
 
 class NotRegistered(LookupError):
     """Raised when records arrive for a worker the registry does not know."""
+
+
+class HoldersLost(NotRegistered):
+    """Raised by ``Store.apply(..., lost_raises=True)`` when a holder it wrote to was unknown to
+    the registry: a failover lost its allocation (and maybe its worker's registration or cold
+    restart), or when the registry has an older epoch of a worker than :meth:`Store.expect_epoch`
+    was told (a lost cold restart). The caller heals the registry first (Store.reassert_worker,
+    Store.rewrite_journal), then applies the batches again (idempotent). A NotRegistered, for
+    callers that do not heal."""
 
 
 def make_records(client, cache_reads: bool | str = False, cache_keys: int = 200_000) -> Records:
@@ -101,6 +110,8 @@ class Store:
         # holder id -> (instance, worker, location, space): holders of a current epoch whose
         # allocation a failover lost; rewrite_journal writes their journal to the new holder
         self._orphans: dict[str, tuple[str, str, str, str]] = {}
+        # (instance_id, worker_id) -> the epoch the caller registered (expect_epoch)
+        self._expected: dict[tuple[str, str], int] = {}
 
     # -- registry -------------------------------------------------------------------------
 
@@ -210,7 +221,18 @@ class Store:
                      for (loc, space), hid in self._holders.get((instance_id, wid), {}).items()})
         epoch_now = self.register_worker(instance_id, wid, ip, port, peer_init_url)
         self._orphans.update(lost)
+        if (instance_id, wid) in self._expected:
+            self._expected[(instance_id, wid)] = epoch_now
         return epoch_now
+
+    def expect_epoch(self, instance_id: str, worker_id: int | str, epoch: int | None) -> None:
+        """Remember the epoch this process registered a worker under (None: forget it): a holder
+        is then never allocated under an older epoch the registry went back to after a failover
+        (:meth:`holder_id` raises HoldersLost instead)."""
+        if epoch is None:
+            self._expected.pop((instance_id, str(worker_id)), None)
+        else:
+            self._expected[(instance_id, str(worker_id))] = epoch
 
     def departed_since(self, instance_id: str, worker_id: int | str, since_ms: int) -> bool:
         """True when the departures log records the worker leaving (deregistered, reaped) at or
@@ -357,6 +379,12 @@ class Store:
         cached = self._holders.setdefault((instance_id, wid), {})
         hid = cached.get((location, space))
         if hid is None:
+            expected = self._expected.get((instance_id, wid))
+            if expected is not None:
+                have = self.r.hget(keys.worker_key(instance_id, wid), "epoch")
+                if have is not None and int(have) < expected:
+                    raise HoldersLost(f"the registry has epoch {have} of worker {wid} of {instance_id!r}, not "
+                                      f"{expected}: a failover lost its registration")
             hid = self._scripts["HOLDER"](
                 keys=[keys.worker_key(instance_id, wid), keys.holder_seq_key(), keys.holders_key(),
                       keys.holder_gen_key()],
@@ -377,6 +405,7 @@ class Store:
         space: str = "",
         now_ms: int | None = None,
         then: Sequence[tuple] = (),
+        lost_raises: bool = False,
     ) -> int:
         """Apply admit/evict ops, order kept per holder: the batches of one holder are joined in
         order and folded to every chunk's last op, which leaves the same final state.
@@ -386,6 +415,8 @@ class Store:
         (one per chunk and holder). Raises NotRegistered for an unknown worker (then nothing is
         written). then: plain commands to send once with the first write (same round trip on
         one Redis; sidecar.vllm_apply's engine map writes), also when there are no ops.
+        lost_raises: raise HoldersLost (the batches already written stay written) instead of
+        writing to the worker's holder the registry has now, when a failover lost a holder.
         """
         score = int(time.time() * 1000) if now_ms is None else now_ms
         merged: dict[tuple[str, str, str], dict[str, str]] = {}  # one write per holder: backends reorder
@@ -412,10 +443,14 @@ class Store:
             retry = [b for b, good in zip(todo, ok, strict=True) if not good]
             if not retry:
                 return applied
+            lost = False
             for inst, wid, loc, _ops in retry:
                 hid = self._holders.get((inst, wid), {}).pop((loc, space), None)
                 if hid is not None and self._retire_unknown(hid, keys.holder_value(inst, wid, loc, space), score):
                     self._orphans[hid] = (inst, wid, loc, space)  # a failover lost its allocation
+                    lost = True
+            if lost and lost_raises:
+                raise HoldersLost(f"a failover lost holders of {len(retry)} batch(es)")
             todo = retry
         raise RuntimeError(f"holders kept being retired while applying {len(todo)} batches")
 
