@@ -53,7 +53,9 @@ def test_cluster_lag_window_failover_heals_engines_that_never_heartbeat(tmp_path
                           lambda: cluster.node_of(keys.holders_key()) is replica,
                           Lookups(HttpClient(controller), f.prompts, seed=8, pace_s=0.02))
         assert got["full_syncs"] == 0  # healed by the sidecar alone
-        assert got["converged_after_kill_s"] < 10
+        # exact 10 s after the kill when the box is idle (9.3 s measured); the cluster's 5 s purge
+        # grace for the retired holders is part of it, so a loaded box gets 2 s more
+        assert got["converged_after_kill_s"] < 12
         _no_unregistered_drops(f)
     finally:
         f.close()
