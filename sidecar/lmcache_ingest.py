@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import redis
 
 from kvlookup import metrics
+from kvlookup.index import staleness
 from kvlookup.index.failover import MasterWatch
 from kvlookup.index.store import ADMIT, EVICT, HoldersLost, NotRegistered, Store, chunk_text
 from kvlookup.sidecar.admission import InstancePolicy
@@ -342,6 +343,7 @@ class LMCacheIngest:
         epoch = self.store.register_worker(*key, w.ip, w.port, w.url)
         self.store.expect_epoch(*key, epoch)
         self.store.own(self.sidecar_id, key[0])
+        staleness.clear(self.store.r, key[0])  # a new epoch: nothing old counts
         self._held[key] = Held(w.ip, w.port, w.url, epoch, at_ms)
         self._registered.add(key)
         self._synced.add(key)
@@ -466,6 +468,7 @@ class LMCacheIngest:
                                              error_msg="worker is not registered; register first")
         self.drop_queued(msg.instance_id, msg.worker_id, msg.location)
         self.store.retire_location(msg.instance_id, msg.worker_id, msg.location)
+        staleness.clear(self.store.r, msg.instance_id)
         self._next_seq.pop((msg.instance_id, msg.worker_id, msg.location), None)
         self._synced.add(key)
         log.info("full sync %s of %s/%s/%s: %d keys in %d batches", msg.sync_id, msg.instance_id,
