@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import redis
 import zmq
 
 from kvlookup import metrics
@@ -132,8 +133,11 @@ class Liveness:
             self.worker_conns.setdefault(w, set()).add(conn)
         self.timers.pop(w, None)
         if w in self.suspected:
+            try:
+                self.store.clear_suspect(*w)
+            except (redis.ConnectionError, redis.TimeoutError):
+                return  # Redis cannot answer: cleared at its next message; the message itself is not lost
             self.suspected.discard(w)
-            self.store.clear_suspect(*w)
 
     def registered(self, instance_id: str, worker_id: int | str) -> None:
         """A worker (re)registered: ask it once, so its control port is known to work."""

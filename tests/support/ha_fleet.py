@@ -110,6 +110,7 @@ class Engine(threading.Thread):
     def _send(self, op: str, chunks: list[int]) -> None:
         with self.lock:
             if op == "register":  # the engine restarted: a new epoch with a cold cache
+                time.sleep(0.05)  # ZMQ orders per socket: let its last PUSH ops arrive before the DEALER request
                 self.sim.register()
                 self.held.clear()
                 return
