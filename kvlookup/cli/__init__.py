@@ -291,7 +291,8 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     if server is None:
         preflight.say_redis(settings, log)
     store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
-                  instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
+                  instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s,
+                  max_workers_per_instance=settings.max_workers_per_instance)
     store.model = settings.model
     if why := _refused_redis(settings, store.r):
         print(f"kvlookup sidecar: error: {why}", file=sys.stderr)

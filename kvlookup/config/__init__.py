@@ -205,6 +205,14 @@ class Settings:
              "until the queue drains",
         doc="chunk operations decoded but not yet written; past it the sidecar stops reading PUSH traffic until "
             "the queue drains (ZMQ then holds up to 1,000 messages per peer, and the senders wait)")
+    max_workers_per_instance: int = setting(
+        256, readers=(SIDECAR, EMBEDDED), flag="--max-workers-per-instance",
+        help="most workers (TP ranks) one instance may register; a registration past it is refused with an "
+             "error reply naming the setting and counted (0 = no limit)",
+        doc="most workers (TP ranks) one instance may register through a sidecar; a new worker past it is "
+            "refused (an `ErrorMsg` naming the setting to a 0.5-era worker, counted in "
+            "`kvlookup_rejected_frames_total{reason=\"too_many_workers\"}`), so no peer can make the control API "
+            "fan out to thousands of sockets (0 = no limit)")
     allowed_peers: list[str] = setting(
         factory=lambda: list(LOOPBACK), readers=(SIDECAR, EMBEDDED),
         help="IPs/CIDR networks that may connect to the sidecar's bound ZMQ sockets, comma list or JSON "
@@ -217,8 +225,10 @@ class Settings:
         factory=list, readers=(SIDECAR, EMBEDDED), default_text="empty (any)",
         help="instance ids whose LMCache messages the sidecar accepts, comma list or JSON (default: any)",
         doc="instance ids whose LMCache messages are applied; messages naming another id are dropped and "
-            "counted, requests (registration, heartbeat, full sync) answered with `ErrorMsg`. When "
-            "`instance_id` is set too it must be in the list")
+            "counted, requests (registration, heartbeat, full sync) answered with `ErrorMsg`. The sidecar also "
+            "claims the listed instances (`kvl:v2:{r}:claims`): while its lease holds, every other sidecar "
+            "(the controller's embedded one included, whatever its own list) refuses messages for them the same "
+            "way. When `instance_id` is set too it must be in the list")
     # -- vLLM (sidecar) ---------------------------------------------------------------------------
     vllm_endpoint: str | None = setting(
         None, readers=(SIDECAR,),
@@ -406,7 +416,7 @@ RANGES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("max_tokens", "max_body_bytes", "redis_max_connections", "lookup_cache_keys",
       "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size", "mp_chunk_size"), lambda v: v >= 1,
      "a positive integer"),
-    (("control_retries", "mp_replica_acks"), lambda v: v >= 0, "an integer >= 0"),
+    (("control_retries", "mp_replica_acks", "max_workers_per_instance"), lambda v: v >= 0, "an integer >= 0"),
     (("body_timeout_s", "control_timeout_s", "vllm_replay_timeout_s", "mp_instance_timeout_s"), lambda v: v > 0,
      "a positive number of seconds"),
     (("instance_ttl_s", "worker_ttl_s", "disconnect_grace_s"), lambda v: v >= 0, "a number of seconds >= 0"),

@@ -288,6 +288,12 @@ def sidecar_instances_key(sidecar_id: str) -> str:
     return f"{REGISTRY}sidecar:{key_name(sidecar_id)}:instances"
 
 
+def claims_key() -> str:
+    """Hash instance_id -> id of the sidecar whose ``allowed_instance_ids`` names it: while that
+    sidecar's lease holds, no other sidecar writes for the instance (issue 20 item 10)."""
+    return REGISTRY + "claims"
+
+
 def sidecars_key() -> str:
     """Sorted set sidecar id -> lease expiry (unix ms) of every sidecar that owns instances."""
     return REGISTRY + "sidecars"

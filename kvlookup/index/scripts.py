@@ -29,6 +29,7 @@ from kvlookup.index.keys import DEPARTURES_KEEP_MS, DEPARTURES_MAX, MP_BUCKET_HE
 NOT_REGISTERED = -1
 RETRY = -2
 LIVE = -3
+TOO_MANY_WORKERS = -4
 
 # Retire a worker's holders (all locations, or one field): marked dead at once (lookups skip
 # them, scored by retire time) and purged later in bounded steps. bump() moves the registry
@@ -111,16 +112,22 @@ return {now, tick, since}
 #: KEYS[10] vLLM block sizes, KEYS[11] suspects, KEYS[12] registry version
 #: ARGV[1] worker_id, ARGV[2] instance_id, ARGV[3] worker member, ARGV[4] ip the caller saw
 #: ('' when none), ARGV[5] new ip index member ("<port>:<instance_id>"), ARGV[6] kind,
-#: ARGV[7] worker_rule, ARGV[8] now (unix ms), ARGV[9..] worker hash field/value pairs.
-#: Returns the new epoch (1 for a first registration), or RETRY.
+#: ARGV[7] worker_rule, ARGV[8] now (unix ms), ARGV[9] most workers an instance may have (0 =
+#: no limit), ARGV[10..] worker hash field/value pairs.
+#: Returns the new epoch (1 for a first registration), RETRY, or TOO_MANY_WORKERS when a new
+#: worker would pass the limit (nothing written).
 REGISTER = _RETIRE + """
 local old = redis.call('HMGET', KEYS[1], 'ip', 'port', 'epoch')
 if (old[1] or '') ~= ARGV[4] then return -2 end
+local cap = tonumber(ARGV[9])
+if cap > 0 and redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 and redis.call('SCARD', KEYS[2]) >= cap then
+  return -4
+end
 retire(KEYS[1], KEYS[4], ARGV[8], nil)
 if old[1] then redis.call('SREM', KEYS[7], (old[2] or '') .. ':' .. ARGV[2]) end
 local epoch = tonumber(old[3] or '0') + 1
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'epoch', epoch, unpack(ARGV, 9))
+redis.call('HSET', KEYS[1], 'epoch', epoch, unpack(ARGV, 10))
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('HSET', KEYS[5], 'kind', ARGV[6], 'worker_rule', ARGV[7])

@@ -48,6 +48,24 @@ RENEW_SLICE = 1000
 HOLDER_ID_GAP = 1 << 16
 
 
+class Refused(ValueError):
+    """A write the index refuses on purpose; ``reason`` is the metric label
+    (``kvlookup_rejected_frames_total``), the message says why."""
+
+    reason = "refused"
+
+
+class TooManyWorkers(Refused):
+    """A new worker would give its instance more than ``max_workers_per_instance`` workers."""
+
+    reason = "too_many_workers"
+
+
+#: Default most workers (TP ranks) one instance may register (issue 20 item 10: any peer could
+#: register ~1,000 and make every control call of the instance fail with "Too many open files").
+MAX_WORKERS_PER_INSTANCE = 256
+
+
 class NotRegistered(LookupError):
     """Raised when records arrive for a worker the registry does not know."""
 
@@ -77,6 +95,8 @@ class Store:
     one Redis, whose writes check retirement atomically; 5 s on a cluster, where a write racing
     a retirement lands within one round trip). cache_reads: lookups read through copies Redis
     keeps coherent (kvlookup.index.tracking; one Redis only; for a controller, not for writers).
+    max_workers_per_instance: registering a new worker beyond this many for one instance raises
+    :class:`TooManyWorkers` (0 = no limit).
     """
 
     #: the model the instances registered through this store serve (a sidecar's ``model`` setting);
@@ -85,8 +105,9 @@ class Store:
 
     def __init__(self, client, *, instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0,
                  purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool | str = False,
-                 cache_keys: int = 200_000):
+                 cache_keys: int = 200_000, max_workers_per_instance: int = MAX_WORKERS_PER_INSTANCE):
         self.r = client
+        self.max_workers_per_instance = max_workers_per_instance
         self.cluster = isinstance(client, RedisCluster)
         self.instance_ttl_ms = int(instance_ttl_s * 1000)
         self.worker_ttl_ms = int(worker_ttl_s * 1000)
@@ -120,6 +141,7 @@ class Store:
 
         Re-registration of a known (instance, worker) starts a new epoch: its earlier records
         stop counting at once (the engine restarted with a cold cache) and are purged later.
+        Raises :class:`TooManyWorkers` for a new worker past ``max_workers_per_instance``.
         """
         now = self.clock.now() if now is None else now
         wid = str(worker_id)
@@ -135,8 +157,12 @@ class Store:
                       keys.ip_index_key(ip if old_ip is None else old_ip), keys.rules_key(), keys.heartbeats_key(),
                       keys.block_sizes_key(), keys.suspects_key(), keys.registry_version_key()],
                 args=[wid, instance_id, keys.worker_member(instance_id, wid), old_ip or "",
-                      f"{int(port)}:{instance_id}", kind.name, kind.worker_rule, int(now * 1000), *fields],
+                      f"{int(port)}:{instance_id}", kind.name, kind.worker_rule, int(now * 1000),
+                      int(self.max_workers_per_instance), *fields],
             )
+            if int(epoch) == scripts.TOO_MANY_WORKERS:
+                raise TooManyWorkers(f"instance {instance_id!r} already has {self.max_workers_per_instance} workers "
+                                     f"(max_workers_per_instance): worker {wid} refused")
             if int(epoch) != scripts.RETRY:
                 self.touch_instances([instance_id])
                 if self.model:  # the owning sidecar's model: model-scoped lookups (app.coordinator.Scoper)
@@ -306,6 +332,29 @@ class Store:
         pipe.hset(key, mapping={k: str(v) for k, v in status.items()})
         pipe.expire(key, 3600)
         pipe.execute()
+
+    def claim(self, sidecar_id: str, instance_ids: Sequence[str]) -> dict[str, str]:
+        """Record that ``sidecar_id`` alone takes writes for these instances (its
+        ``allowed_instance_ids``; keys.claims_key); returns {instance: previous claimer} of
+        those another sidecar had claimed."""
+        ids = list(instance_ids)
+        if not ids:
+            return {}
+        prev = self.r.hmget(keys.claims_key(), ids)
+        self.r.hset(keys.claims_key(), mapping=dict.fromkeys(ids, sidecar_id))
+        return {i: p for i, p in zip(ids, prev, strict=True) if p and p != sidecar_id}
+
+    def claimed_by(self, instance_id: str) -> tuple[str, bool] | None:
+        """(claiming sidecar, whether its lease holds now, by Redis's clock) of an instance, or
+        None when no sidecar claims it."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(keys.claims_key(), instance_id)
+        pipe.zrange(keys.sidecars_key(), 0, -1, withscores=True)
+        sid, leases = pipe.execute()
+        if not sid:
+            return None
+        expiry = dict(leases).get(sid)
+        return sid, expiry is not None and expiry >= self.clock.now_ms()
 
     def owned(self, sidecar_id: str) -> set[str]:
         """The instance ids ``sidecar_id`` owns."""

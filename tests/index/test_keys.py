@@ -20,6 +20,7 @@ def test_record_keys():
 
 def test_registry_keys():
     assert keys.holders_key() == "kvl:v2:{r}:holders"
+    assert keys.claims_key() == "kvl:v2:{r}:claims"
     assert keys.holder_seq_key() == "kvl:v2:{r}:holders:seq"
     assert keys.holder_gen_key() == "kvl:v2:{r}:holders:gen"
     assert keys.records_key() == "kvl:v2:{r}:records"
