@@ -60,6 +60,20 @@ class Settings:
         False, readers=COMMON, help="the index lives on a Redis Cluster (redis_cluster: true)",
         doc="the index lives on a Redis Cluster (`KVLOOKUP_REDIS_CLUSTER=1`); needs `redis_url`, excludes a "
             "Sentinel URL")
+    embedded_redis_password: str | None = setting(
+        None, readers=COMMON, flag="",
+        help="`requirepass` of the embedded Redis this process starts (no flag: a secret on a command line shows "
+             "in `ps`; `KVLOOKUP_EMBEDDED_REDIS_PASSWORD` or the config file)",
+        doc="`requirepass` of the embedded Redis (no `redis_url`): the keeper gets it in its environment and "
+            "valkey-server on its standard input, never on a command line; the URL the processes share "
+            "(`redis.url`, `server.lock`, mode 0600) carries it, logs show `redis://:***@`. No flag (a secret on a "
+            "command line shows in `ps`): `KVLOOKUP_EMBEDDED_REDIS_PASSWORD`, the config file, or "
+            "`embedded_redis_password_file`. A server already running keeps the password it started with")
+    embedded_redis_password_file: str | None = setting(
+        None, readers=COMMON, flag="--embedded-redis-password-file",
+        help="file whose first line is the embedded Redis's password (instead of embedded_redis_password)",
+        doc="a file whose first line is `embedded_redis_password` (a Kubernetes secret mount); unreadable or empty "
+            "refuses to start, naming the setting")
     data_dir: str | None = setting(
         None, readers=COMMON, default_text="`$KVLOOKUP_DATA_DIR`, else `~/.local/share/kvlookup`",
         help="embedded Redis data dir (default ~/.local/share/kvlookup)",
@@ -276,6 +290,7 @@ class Settings:
         for f in dataclasses.fields(self):
             setattr(self, f.name, typed(f.name, getattr(self, f.name)))
         self._validate_ranges()
+        self._read_password_file()
         if self.sidecar_id is not None and not (0 < len(self.sidecar_id) <= 256 and self.sidecar_id.isprintable()):
             raise ValueError(f"sidecar_id: {self.sidecar_id!r} is not 1..256 printable characters")
         if self.redis_cluster and not self.redis_url:
@@ -304,6 +319,18 @@ class Settings:
         self.profile()
         self._validate_access()
         return self
+
+    def _read_password_file(self) -> None:
+        if not self.embedded_redis_password_file:
+            return
+        try:
+            lines = Path(self.embedded_redis_password_file).read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"embedded_redis_password_file: cannot read {self.embedded_redis_password_file!r}: "
+                             f"{exc.strerror}") from None
+        if not lines or not lines[0].strip():
+            raise ValueError(f"embedded_redis_password_file: {self.embedded_redis_password_file!r} is empty")
+        self.embedded_redis_password = lines[0].strip()
 
     def _validate_ranges(self) -> None:
         """Ranges and choices of the typed values (see the RANGES table)."""

@@ -8,6 +8,8 @@ sidecar and controller processes, real ZMQ, real Redis.
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import requests
 import zmq
@@ -60,9 +62,10 @@ def test_a_worker_past_max_workers_per_instance_is_refused(r, redis_args):
 def test_health_and_control_of_an_instance_with_1100_workers_answer(r, redis_args):
     """Workers registered without the limit (an older kvlookup let any peer do it), none of them
     answering: the fan-outs answer every worker (timeouts) instead of 500."""
+    hole = socket.create_server(("127.0.0.1", 0))  # accepts connections (the kernel does), never answers
     store = Store(r, instance_ttl_s=0, max_workers_per_instance=0)
     for wid in range(WIDE):
-        store.register_worker("wide", wid, "127.0.0.1", free_port())
+        store.register_worker("wide", wid, "127.0.0.1", hole.getsockname()[1])
     ctl = ControllerProc(*redis_args, "--instance-ttl", "0", "--workers", "1", "--control-timeout", "0.2").wait_ready()
     try:
         resp = requests.post(f"{ctl.http}/health", json={"instance_id": "wide"}, timeout=120)
@@ -74,3 +77,4 @@ def test_health_and_control_of_an_instance_with_1100_workers_answer(r, redis_arg
         assert requests.get(f"{ctl.http}/health", timeout=5).status_code == 200
     finally:
         ctl.stop()
+        hole.close()
