@@ -88,18 +88,20 @@ CLAIM_CACHE_S = 1.0
 class InstancePolicy:
     """Which instances a sidecar takes LMCache messages for. allowed: instance ids; empty = any.
 
-    claims: ``instance_id -> (claiming sidecar, its lease holds)`` or None
-    (``Store.claimed_by``) and ``me``, this sidecar's id: a message for an instance another
-    sidecar claims (its ``allowed_instance_ids`` names it) is refused while that sidecar's lease
-    holds, whatever this sidecar's own list says (issue 20 item 10: a sidecar with an empty list
-    let any peer wipe, retire or take over another's instance). Answers are kept CLAIM_CACHE_S.
+    claims: ``() -> {instance: claiming sidecar}`` of the live claims (``Store.live_claims``)
+    and ``me``, this sidecar's id: a message for an instance another sidecar claims (its
+    ``allowed_instance_ids`` names it) is refused while that sidecar's lease holds, whatever
+    this sidecar's own list says (issue 20 item 10: a sidecar with an empty list let any peer
+    wipe, retire or take over another's instance). The claims are read again every
+    CLAIM_CACHE_S; while Redis cannot answer, the last ones read stand.
     """
 
-    def __init__(self, allowed: Iterable[str] = (), claims: Callable[[str], tuple[str, bool] | None] | None = None,
+    def __init__(self, allowed: Iterable[str] = (), claims: Callable[[], dict[str, str]] | None = None,
                  me: str = "", clock: Callable[[], float] = time.monotonic):
         self.allowed = frozenset(allowed)
         self.claims, self.me, self.clock = claims, me, clock
-        self._seen: dict[str, tuple[float, str]] = {}  # instance -> (until, claiming sidecar or "")
+        self._claims: dict[str, str] = {}
+        self._read_at = float("-inf")
         self.quiet = QuietLog()
 
     def refuse(self, tag: str, msg: Any) -> str:
@@ -126,14 +128,11 @@ class InstancePolicy:
         if self.claims is None or instance_id in self.allowed:
             return ""
         now = self.clock()
-        until, who = self._seen.get(instance_id, (0.0, ""))
-        if until < now:
+        if now - self._read_at >= CLAIM_CACHE_S:
             try:
-                found = self.claims(instance_id)
-            except redis.RedisError:  # Redis down: the last answer stands (a write could not land anyway)
-                return who
-            who = found[0] if found and found[1] and found[0] != self.me else ""
-            if len(self._seen) >= 65536:
-                self._seen.clear()
-            self._seen[instance_id] = (now + CLAIM_CACHE_S, who)
-        return who
+                self._claims = self.claims()
+            except redis.RedisError:  # Redis down: the last claims stand (a write could not land anyway)
+                pass
+            self._read_at = now
+        who = self._claims.get(instance_id, "")
+        return who if who != self.me else ""

@@ -107,7 +107,7 @@ class Sidecar:
                                  retries=probe_retries, address_allowed=address_allowed)
         hb_url = advertise_reply or (_host_port(reply_url) if reply_url else "")
         self.lmcache = LMCacheIngest(store, self.sidecar_id, heartbeat_url=hb_url, observer=self.liveness,
-                                     policy=InstancePolicy(allowed_instance_ids, store.claimed_by, self.sidecar_id))
+                                     policy=InstancePolicy(allowed_instance_ids, store.live_claims, self.sidecar_id))
         self.claimed = tuple(allowed_instance_ids)
         self._stop = threading.Event()
         self.started_at = time.time()

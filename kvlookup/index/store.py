@@ -344,17 +344,16 @@ class Store:
         self.r.hset(keys.claims_key(), mapping=dict.fromkeys(ids, sidecar_id))
         return {i: p for i, p in zip(ids, prev, strict=True) if p and p != sidecar_id}
 
-    def claimed_by(self, instance_id: str) -> tuple[str, bool] | None:
-        """(claiming sidecar, whether its lease holds now, by Redis's clock) of an instance, or
-        None when no sidecar claims it."""
+    def live_claims(self) -> dict[str, str]:
+        """{instance: claiming sidecar} of the claims whose sidecar's lease holds now (Redis's
+        clock), in one round trip; the hash holds only instances some sidecar's
+        ``allowed_instance_ids`` names."""
         pipe = self.r.pipeline(transaction=False)
-        pipe.hget(keys.claims_key(), instance_id)
-        pipe.zrange(keys.sidecars_key(), 0, -1, withscores=True)
-        sid, leases = pipe.execute()
-        if not sid:
-            return None
-        expiry = dict(leases).get(sid)
-        return sid, expiry is not None and expiry >= self.clock.now_ms()
+        pipe.hgetall(keys.claims_key())
+        pipe.zrangebyscore(keys.sidecars_key(), self.clock.now_ms(), "+inf")
+        claims, live = pipe.execute()
+        alive = set(live)
+        return {inst: sid for inst, sid in claims.items() if sid in alive}
 
     def owned(self, sidecar_id: str) -> set[str]:
         """The instance ids ``sidecar_id`` owns."""
