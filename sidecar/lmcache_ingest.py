@@ -42,7 +42,7 @@ import redis
 from kvlookup import metrics
 from kvlookup.index import staleness
 from kvlookup.index.failover import MasterWatch
-from kvlookup.index.store import ADMIT, EVICT, HoldersLost, NotRegistered, Store, chunk_text
+from kvlookup.index.store import ADMIT, EVICT, HoldersLost, NotRegistered, Refused, Store, chunk_text
 from kvlookup.sidecar.admission import InstancePolicy
 from kvlookup.sidecar.opqueue import Batch, OpQueue, RegistryWrite
 from kvlookup.wire import lmcache as proto
@@ -141,6 +141,8 @@ class LMCacheIngest:
                 self._on_push(tag, msg)
             except (redis.ConnectionError, redis.TimeoutError):
                 raise  # the loop backs off; what is queued stays queued
+            except Refused as exc:
+                self._refused(tag, exc)
             except Exception:  # a bad message never stops the loop
                 metrics.REJECTED.labels("lmcache", "handler_error").inc()
                 log.exception("failed to handle %s", tag)
@@ -279,7 +281,12 @@ class LMCacheIngest:
             return True
         if b.implicit:
             log.info("0.3-era admits of unregistered worker %s/%s: registering it", *key)
-            self._register_worker(b.instance_id, b.worker_id)
+            try:
+                self._register_worker(b.instance_id, b.worker_id)
+            except Refused as exc:
+                self._refused("KVAdmitMsg", exc)
+                metrics.count_ops(b.ops, "unregistered")
+                return False
             return True
         metrics.count_ops(b.ops, "unregistered")
         log.info("dropped %d ops of unregistered worker %s/%s", len(b.ops), *key)
@@ -304,7 +311,11 @@ class LMCacheIngest:
         """Write again a registration of this process the registry lost (Store.reassert_worker);
         True when it was missing or older. A worker that left since is forgotten."""
         held = self._held[key]
-        epoch = self.store.reassert_worker(*key, held.epoch, held.at_ms, held.ip, held.port, held.url)
+        try:
+            epoch = self.store.reassert_worker(*key, held.epoch, held.at_ms, held.ip, held.port, held.url)
+        except Refused as exc:
+            self._refused("RegisterMsg", exc)
+            epoch = None
         if epoch is None:
             if not self.store.is_registered(*key):
                 self.forget(*key)
@@ -364,6 +375,8 @@ class LMCacheIngest:
             except (redis.ConnectionError, redis.TimeoutError):
                 self._down = True
                 raise
+            except Refused as exc:  # e.g. too many workers: as it would have been answered at once
+                self._refused("RegisterMsg", exc)
             except redis.RedisError as exc:
                 self._redis_failures += 1
                 if self._redis_failures < MAX_REDIS_FAILURES:
@@ -438,10 +451,19 @@ class LMCacheIngest:
             return proto.encode(self._on_request(tag, msg))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             return proto.encode(proto.ErrorMsg(error=f"index unavailable: {exc}"))
+        except Refused as exc:
+            self._refused(tag, exc)
+            return proto.encode(proto.ErrorMsg(error=str(exc)))
         except Exception as exc:
             metrics.REJECTED.labels("lmcache", "handler_error").inc()
             log.exception("failed to answer %s", tag)
             return proto.encode(proto.ErrorMsg(error=f"controller error: {exc}"))
+
+    def _refused(self, tag: str, exc: Refused) -> None:
+        """A message the index refused on purpose (kvlookup.index.store.Refused): counted and
+        logged (at most once a minute per reason), never a traceback."""
+        metrics.REJECTED.labels("lmcache", exc.reason).inc()
+        self.policy.quiet.warn(f"refused:{exc.reason}", f"refused {tag}: {exc}")
 
     def _on_request(self, tag: str, msg: Any) -> Any:
         if tag == "RegisterMsg":

@@ -96,6 +96,14 @@ def holder_chunks_key(holder_id: int | str, bucket: int) -> str:
     return f"{PREFIX}holder:{holder_id}:chunks:{bucket}"
 
 
+def holder_buckets_key(holder_id: int | str) -> str:
+    """Set of the reverse-index bucket numbers a holder ever wrote (``b`` added with or before
+    the first member of ``holder_chunks_key(holder_id, b)``; an intset of at most 2048 small
+    integers): purge reads only those buckets, so a holder of one record costs a few commands,
+    not 2048 (issue 20 item 9). Deleted when its holder is purged."""
+    return f"{PREFIX}holder:{holder_id}:buckets"
+
+
 #: Evictions each holder's log keeps (the newest), and how long a log lives after its last
 #: eviction (ms): explain tells "evicted at T" from "never stored" with them.
 EVICTED_MAX = 1024
@@ -283,6 +291,12 @@ def owners_key() -> str:
 def sidecar_instances_key(sidecar_id: str) -> str:
     """Set of the instance ids one sidecar owns (a restarted sidecar resumes from it)."""
     return f"{REGISTRY}sidecar:{key_name(sidecar_id)}:instances"
+
+
+def claims_key() -> str:
+    """Hash instance_id -> id of the sidecar whose ``allowed_instance_ids`` names it: while that
+    sidecar's lease holds, no other sidecar writes for the instance (issue 20 item 10)."""
+    return REGISTRY + "claims"
 
 
 def sidecars_key() -> str:

@@ -29,6 +29,7 @@ from kvlookup.index.keys import DEPARTURES_KEEP_MS, DEPARTURES_MAX, MP_BUCKET_HE
 NOT_REGISTERED = -1
 RETRY = -2
 LIVE = -3
+TOO_MANY_WORKERS = -4
 
 # Retire a worker's holders (all locations, or one field): marked dead at once (lookups skip
 # them, scored by retire time) and purged later in bounded steps. bump() moves the registry
@@ -111,16 +112,22 @@ return {now, tick, since}
 #: KEYS[10] vLLM block sizes, KEYS[11] suspects, KEYS[12] registry version
 #: ARGV[1] worker_id, ARGV[2] instance_id, ARGV[3] worker member, ARGV[4] ip the caller saw
 #: ('' when none), ARGV[5] new ip index member ("<port>:<instance_id>"), ARGV[6] kind,
-#: ARGV[7] worker_rule, ARGV[8] now (unix ms), ARGV[9..] worker hash field/value pairs.
-#: Returns the new epoch (1 for a first registration), or RETRY.
+#: ARGV[7] worker_rule, ARGV[8] now (unix ms), ARGV[9] most workers an instance may have (0 =
+#: no limit), ARGV[10..] worker hash field/value pairs.
+#: Returns the new epoch (1 for a first registration), RETRY, or TOO_MANY_WORKERS when a new
+#: worker would pass the limit (nothing written).
 REGISTER = _RETIRE + """
 local old = redis.call('HMGET', KEYS[1], 'ip', 'port', 'epoch')
 if (old[1] or '') ~= ARGV[4] then return -2 end
+local cap = tonumber(ARGV[9])
+if cap > 0 and redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 and redis.call('SCARD', KEYS[2]) >= cap then
+  return -4
+end
 retire(KEYS[1], KEYS[4], ARGV[8], nil)
 if old[1] then redis.call('SREM', KEYS[7], (old[2] or '') .. ':' .. ARGV[2]) end
 local epoch = tonumber(old[3] or '0') + 1
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'epoch', epoch, unpack(ARGV, 9))
+redis.call('HSET', KEYS[1], 'epoch', epoch, unpack(ARGV, 10))
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('HSET', KEYS[5], 'kind', ARGV[6], 'worker_rule', ARGV[7])
@@ -291,26 +298,37 @@ redis.call('ZADD', KEYS[4], server_ms() + tonumber(ARGV[4]), ARGV[1])
 return 1
 """
 
-#: Renew the leases of every instance a sidecar still owns, and the sidecar's own lease;
-#: instances another sidecar took over leave this sidecar's set.
-#: Leases run from Redis server time, and the renewal ticks the lease clock.
+#: Renew one slice of the leases of the instances a sidecar still owns (issue 20 item 9: one
+#: call over all of them blocked Redis 400-500 ms at 50k); the first slice (cursor '0') also
+#: renews the sidecar's own lease and ticks the lease clock. Instances another sidecar took
+#: over leave this sidecar's set. Leases run from Redis server time.
 #: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] alive, KEYS[4] sidecars,
 #: KEYS[5] lease clock; ARGV[1] sidecar id, ARGV[2] instance lease lifetime, ARGV[3] sidecar
-#: lease lifetime, ARGV[4] outage gap (ms). Returns the instances renewed.
+#: lease lifetime, ARGV[4] outage gap (ms), ARGV[5] SSCAN cursor ('0' to start), ARGV[6]
+#: instances per slice (SSCAN's COUNT). Returns {next cursor ('0' when done), instances renewed}.
 TOUCH = _CLOCK + """
-local now = clock_tick(KEYS[5], tonumber(ARGV[4]))
+local now
+if ARGV[5] == '0' then
+  now = clock_tick(KEYS[5], tonumber(ARGV[4]))
+  redis.call('ZADD', KEYS[4], string.format('%d', now + tonumber(ARGV[3])), ARGV[1])
+else
+  now = server_ms()
+end
 local expiry = string.format('%d', now + tonumber(ARGV[2]))
-local n = 0
-for _, inst in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-  if redis.call('HGET', KEYS[1], inst) == ARGV[1] then
-    redis.call('ZADD', KEYS[3], expiry, inst)
-    n = n + 1
+local page = redis.call('SSCAN', KEYS[2], ARGV[5], 'COUNT', ARGV[6])
+local owners = #page[2] > 0 and redis.call('HMGET', KEYS[1], unpack(page[2])) or {}
+local renew, gone = {}, {}
+for i, inst in ipairs(page[2]) do
+  if owners[i] == ARGV[1] then
+    renew[#renew + 1] = expiry
+    renew[#renew + 1] = inst
   else
-    redis.call('SREM', KEYS[2], inst)
+    gone[#gone + 1] = inst
   end
 end
-redis.call('ZADD', KEYS[4], string.format('%d', now + tonumber(ARGV[3])), ARGV[1])
-return n
+if #renew > 0 then redis.call('ZADD', KEYS[3], unpack(renew)) end
+if #gone > 0 then redis.call('SREM', KEYS[2], unpack(gone)) end
+return {page[1], #renew / 2}
 """
 
 #: Retire a holder id the registry does not describe: a write for it was refused because it is
@@ -435,7 +453,9 @@ return out
 #: each chunk's last op (sets and sorted sets only keep the final state), so the ops are
 #: admits then evicts, each a chunk key, its reverse-index bucket key and its hash text.
 #: KEYS[1] holders, KEYS[2] dead, KEYS[3] records, KEYS[4..3+n] chunk keys, KEYS[4+n..3+2n]
-#: the matching reverse-index bucket keys, KEYS[4+2n] the holder's eviction log
+#: the matching reverse-index bucket keys, KEYS[4+2n] the holder's eviction log, KEYS[5+2n] the set
+#: of its bucket numbers (keys.holder_buckets_key: each bucket an admit writes is added, its
+#: number read from the bucket key's tail)
 #: ARGV[1] holder id, ARGV[2] score (admit time, unix ms), ARGV[3] number of admits,
 #: ARGV[4..3+n] chunk hashes (reverse-index members), in KEYS order; ARGV[4+n] evictions the log
 #: keeps, ARGV[5+n] its lifetime (ms) after the last eviction.
@@ -445,12 +465,17 @@ return out
 APPLY_OPS = """
 local hid, score, na = ARGV[1], ARGV[2], tonumber(ARGV[3])
 if redis.call('HEXISTS', KEYS[1], hid) == 0 or redis.call('ZSCORE', KEYS[2], hid) then return -1 end
-local n = (#KEYS - 4) / 2
-local delta, logged = 0, 0
+local n = (#KEYS - 5) / 2
+local delta, logged, marked = 0, 0, {}
 for i = 1, n do
   if i <= na then
+    local bucket = KEYS[3 + n + i]
+    if not marked[bucket] then
+      marked[bucket] = true
+      redis.call('SADD', KEYS[5 + 2 * n], string.match(bucket, '(%d+)$'))
+    end
     redis.call('ZADD', KEYS[3 + i], score, hid)
-    delta = delta + redis.call('SADD', KEYS[3 + n + i], ARGV[3 + i])
+    delta = delta + redis.call('SADD', bucket, ARGV[3 + i])
   else
     if redis.call('ZREM', KEYS[3 + i], hid) == 1 then
       redis.call('ZADD', KEYS[4 + 2 * n], score, ARGV[3 + i])
