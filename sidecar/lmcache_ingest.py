@@ -249,25 +249,33 @@ class LMCacheIngest:
     def _write(self, taken: list[Batch]) -> None:
         writable = [b for b in taken if self._writable(b)]
         try:
-            try:
-                self.store.apply([(b.instance_id, b.worker_id, b.location, b.ops) for b in writable], lost_raises=True)
-            except HoldersLost as exc:  # a failover the watch has not told yet: heal the registry first
-                log.warning("%s: healing before writing them", exc)
-                self.after_failover()
-                self.store.apply([(b.instance_id, b.worker_id, b.location, b.ops) for b in writable])
+            self._apply(writable)
         except NotRegistered:  # a worker left the registry since we looked: sort them out one by one
             self._registered.clear()
             for b in writable:
                 if self._writable(b):
                     try:
-                        self.store.apply([(b.instance_id, b.worker_id, b.location, b.ops)])
+                        self._apply([b])
                     except NotRegistered:
                         metrics.count_ops(b.ops, "unregistered")
+                        log.info("dropped %d ops of unregistered worker %s/%s", len(b.ops), b.instance_id,
+                                 b.worker_id)
                         continue
                     metrics.count_ops(b.ops, "applied")
             return
         for b in writable:
             metrics.count_ops(b.ops, "applied")
+
+    def _apply(self, batches: list[Batch]) -> None:
+        """Write batches; one that meets a holder or a registration a failover lost heals the
+        registry first (:meth:`after_failover`: the watch may not have told yet), then writes."""
+        todo = [(b.instance_id, b.worker_id, b.location, b.ops) for b in batches]
+        try:
+            self.store.apply(todo, lost_raises=True)
+        except HoldersLost as exc:
+            log.warning("%s: healing before writing them", exc)
+            self.after_failover()
+            self.store.apply(todo)
 
     def _writable(self, b: Batch) -> bool:
         """Is the batch's worker registered? A 0.3-era admit registers it; else it is dropped."""
