@@ -102,6 +102,7 @@ class InstancePolicy:
         self.claims, self.me, self.clock = claims, me, clock
         self._claims: dict[str, str] = {}
         self._read_at = float("-inf")
+        self.offline = False  # set by the ingest while Redis does not answer: claims are not read then
         self.quiet = QuietLog()
 
     def refuse(self, tag: str, msg: Any) -> str:
@@ -128,11 +129,11 @@ class InstancePolicy:
         if self.claims is None or instance_id in self.allowed:
             return ""
         now = self.clock()
-        if now - self._read_at >= CLAIM_CACHE_S:
+        if now - self._read_at >= CLAIM_CACHE_S and not self.offline:  # offline: Redis known down, do not wait
             try:
                 self._claims = self.claims()
             except redis.RedisError:  # Redis down: the last claims stand (a write could not land anyway)
                 pass
-            self._read_at = now
+            self._read_at = self.clock()  # after a read that waited out a socket timeout too
         who = self._claims.get(instance_id, "")
         return who if who != self.me else ""

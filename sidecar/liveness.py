@@ -129,19 +129,22 @@ class Liveness:
 
     # -- what the sockets tell ---------------------------------------------------------------
 
-    def seen(self, conn: Conn | None, instance_id: str, worker_id: int | str) -> None:
-        """A message of this worker arrived (on ``conn``, when known)."""
+    def seen(self, conn: Conn | None, instance_id: str, worker_id: int | str, redis_ok: bool = True) -> bool:
+        """A message of this worker arrived (on ``conn``, when known). redis_ok False: Redis
+        is known not to answer; a suspicion is cleared at a later message instead of waiting.
+        Returns False when Redis could not answer (the suspicion stays), else True."""
         w = (instance_id, str(worker_id))
         if conn is not None:
             self.conns.setdefault(conn, set()).add(w)
             self.worker_conns.setdefault(w, set()).add(conn)
         self.timers.pop(w, None)
-        if w in self.suspected:
+        if w in self.suspected and redis_ok:
             try:
                 self.store.clear_suspect(*w)
             except (redis.ConnectionError, redis.TimeoutError):
-                return  # Redis cannot answer: cleared at its next message; the message itself is not lost
+                return False  # Redis cannot answer: cleared at its next message; the message itself is not lost
             self.suspected.discard(w)
+        return True
 
     def registered(self, instance_id: str, worker_id: int | str) -> None:
         """A worker (re)registered: ask it once, so its control port is known to work."""

@@ -61,7 +61,7 @@ class Observer(Protocol):
     """What the ingest tells about workers (sidecar.liveness.Liveness implements it): a message
     of a worker arrived on a connection; a worker registered; a worker left the registry."""
 
-    def seen(self, conn: Any, instance_id: str, worker_id: int) -> None: ...
+    def seen(self, conn: Any, instance_id: str, worker_id: int, redis_ok: bool = True) -> bool | None: ...
 
     def registered(self, instance_id: str, worker_id: int) -> None: ...
 
@@ -83,8 +83,8 @@ class Held:
 class Unobserved:
     """The :class:`Observer` of an ingest given none: it ignores everything."""
 
-    def seen(self, conn: Any, instance_id: str, worker_id: int) -> None:
-        pass
+    def seen(self, conn: Any, instance_id: str, worker_id: int, redis_ok: bool = True) -> bool | None:
+        return True
 
     def registered(self, instance_id: str, worker_id: int) -> None:
         pass
@@ -133,11 +133,11 @@ class LMCacheIngest:
                 metrics.REJECTED.labels("lmcache", exc.reason).inc()
                 log.warning("rejected frame (%d bytes): %s", len(frame), exc)
                 continue
-            if self.policy.refuse(tag, msg):
+            if self._refuse(tag, msg):
                 continue
             metrics.MESSAGES.labels(tag).inc()
             try:
-                self.observer.seen(conn, msg.instance_id, msg.worker_id)
+                self._seen(conn, msg)
                 self._on_push(tag, msg)
             except (redis.ConnectionError, redis.TimeoutError):
                 raise  # the loop backs off; what is queued stays queued
@@ -146,6 +146,14 @@ class LMCacheIngest:
             except Exception:  # a bad message never stops the loop
                 metrics.REJECTED.labels("lmcache", "handler_error").inc()
                 log.exception("failed to handle %s", tag)
+
+    def _refuse(self, tag: str, msg: Any) -> str:
+        self.policy.offline = self._down  # Redis known down: the claims read would only wait
+        return self.policy.refuse(tag, msg)
+
+    def _seen(self, conn: Any, msg: Any) -> None:
+        if self.observer.seen(conn, msg.instance_id, msg.worker_id, redis_ok=not self._down) is False:
+            self._down = True  # Redis did not answer: registry writes queue, later messages do not wait
 
     def _on_push(self, tag: str, msg: Any) -> None:
         if tag == "KVAdmitMsg" or tag == "KVEvictMsg":
@@ -451,11 +459,11 @@ class LMCacheIngest:
             metrics.REJECTED.labels("lmcache", exc.reason).inc()
             log.warning("rejected request (%d bytes): %s", len(payload), exc)
             return proto.encode(proto.ErrorMsg(error=f"{exc.reason}: {exc}"))
-        if refused := self.policy.refuse(tag, msg):
+        if refused := self._refuse(tag, msg):
             return proto.encode(proto.ErrorMsg(error=refused))
         metrics.MESSAGES.labels(tag).inc()
         try:
-            self.observer.seen(conn, msg.instance_id, msg.worker_id)
+            self._seen(conn, msg)
             return proto.encode(self._on_request(tag, msg))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             return proto.encode(proto.ErrorMsg(error=f"index unavailable: {exc}"))
