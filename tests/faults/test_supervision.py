@@ -21,9 +21,9 @@ from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.proc.redis_server import free_port, port_free
 from kvlookup.proc.supervise import Child, StartError, Supervisor
 from tests.conftest import SEED_HASH, SEED_TOKENS
-from tests.support.helpers import wait_for
+from tests.support.helpers import until, wait_for
 from tests.support.procs import ControllerProc
-from tests.support.procs_embedded import alive, keepers_of, servers_of, until
+from tests.support.procs_embedded import alive, keepers_of, servers_of
 
 pytestmark = pytest.mark.slow
 SEED_ANSWER = {"inst": ["LocalCPUBackend", 12]}
