@@ -13,9 +13,8 @@ from kvlookup.client import Client, VllmChains
 from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.sidecar.test_vllm_hybrid import FULL, MAMBA, SW, WORKED_HELD, A, P
-from tests.sidecar.test_vllm_sidecar import Running
-from tests.support.helpers import wait_for
-from tests.support.vllm_helpers import RealPublisher, real_vllm
+from tests.support.helpers import vllm_sidecar, wait_for
+from tests.support.vllm_helpers import RealPublisher, detail, real_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     real_vllm() is None, reason="KVLOOKUP_VLLM_PYTHON / KVLOOKUP_VLLM_SRC not set")]
@@ -34,12 +33,6 @@ def layout(client, tokens):
     return {m.instance_id: (m.location, m.matched_prefix_length, m.locations) for m in client.matches(tokens)}
 
 
-def detail(client, tokens):
-    matches = client.matches(tokens)
-    matches = client.add_reusable(tokens, matches)
-    return {m.instance_id: m.detail() for m in matches}
-
-
 class Pod:
     """One real 0.33.0 publisher and a sidecar subscribed to it."""
 
@@ -48,7 +41,7 @@ class Pod:
         self.pub = RealPublisher(V, self.port, self.rport)
         self.source = VllmSource("pod-a", f"tcp://127.0.0.1:{self.port}", f"tcp://127.0.0.1:{self.rport}",
                                  replay_timeout_s=1.0)
-        self.sc = Running(r, self.source)
+        self.sc = vllm_sidecar(r, self.source)
 
     def ingest(self):
         return self.sc.ingest("pod-a")
@@ -161,7 +154,7 @@ def test_sidecar_restarted_while_engine_published(r, client):
         pod.sc.close()
         pod.pub.send({"stored": {"token_ids": B, "block_size": 16}})  # no sidecar listens
         start = time.monotonic()
-        pod.sc = Running(r, pod.source)  # the engine stays quiet
+        pod.sc = vllm_sidecar(r, pod.source)  # the engine stays quiet
         want = {"pod-a": ("GPU", 16, {"GPU": 16})}
         assert wait_for(lambda: layout(client, B), want, timeout=3.0) == want
         assert time.monotonic() - start < 3.0

@@ -34,7 +34,7 @@ class FakeVllmServer:
         self.sources, self.model, self.old = sources, model, old
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class SourcesHandler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
                 if self.path == "/kv_event_sources" and not outer.old:
                     body = outer.sources
@@ -53,7 +53,7 @@ class FakeVllmServer:
             def log_message(self, *args):
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), SourcesHandler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 

@@ -12,8 +12,7 @@ from kvlookup.hashing import vllm as vh
 from kvlookup.index import keys
 from kvlookup.index.vllm_groups import GroupSpec, held_from, reusable_length
 from kvlookup.sidecar.vllm_ingest import VllmIngest
-from tests.sidecar.test_vllm_ingest import Stream
-from tests.support.vllm_helpers import removed, stored
+from tests.support.vllm_helpers import Stream, detail, removed, stored
 
 A = list(range(1000, 1032))  # 2 blocks of 16
 P = list(range(5000, 5512))  # 512 tokens: 2 LMCache chunks of 256, 32 blocks of 16
@@ -29,12 +28,6 @@ def client(r):
 
 def layout(client, tokens, **ns):
     return {m.instance_id: (m.location, m.matched_prefix_length, m.locations) for m in client.matches(tokens, **ns)}
-
-
-def detail(client, tokens):
-    matches = client.matches(tokens)
-    matches = client.add_reusable(tokens, matches)
-    return {m.instance_id: m.detail() for m in matches}
 
 
 def test_group0_sliding_window_group1_full_attention(store, r, client):

@@ -11,35 +11,11 @@ from kvlookup.hashing.namespace import Namespace
 from kvlookup.index import keys
 from kvlookup.index.store import Store
 from kvlookup.sidecar.vllm_ingest import VllmIngest
-from tests.support.vllm_helpers import cleared, payload, removed, stored
+from tests.support.vllm_helpers import Stream, cleared, removed, stored
 
 A = list(range(1000, 1032))  # 2 blocks of 16
 B = list(range(2000, 2016))
 H1, H2, H3 = 16823396573910764246, 9852303496387231819, 9705754376319679393
-
-
-class Stream:
-    """One rank's publisher: seqs, a replay buffer, delivery straight into an ingest."""
-
-    def __init__(self, rank: int = 0, buffer: int = 10_000):
-        self.rank, self.seq, self.buffer, self.size = rank, 0, [], buffer
-        self.replays: list[int] = []
-
-    def send(self, ingest: VllmIngest | None, *events, deliver: bool = True, form: str = "map") -> int:
-        seq, data = self.seq, payload(*events, rank=self.rank, form=form)
-        self.seq += 1
-        self.buffer = (self.buffer + [(seq, data)])[-self.size:]
-        if deliver and ingest is not None:
-            ingest.handle_live(self.rank, [b"kv@pod-a", seq.to_bytes(8, "big"), data])
-        return seq
-
-    def replay(self, rank: int, start: int):
-        assert rank == self.rank
-        self.replays.append(start)
-        return [(s, p) for s, p in self.buffer if s >= start]
-
-    def restart(self) -> None:
-        self.seq, self.buffer = 0, []
 
 
 @pytest.fixture()
