@@ -87,22 +87,26 @@ class ControllerProc:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=out, cwd=ROOT,
                                          start_new_session=True)
 
-    def wait_ready(self, timeout: float = 30.0) -> ControllerProc:
+    def wait_ready(self, timeout: float = 30.0, path: str = "/health") -> ControllerProc:
+        """Wait until ``GET path`` answers 200 (``/healthz``: the process serves, whatever its Redis)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"controller exited with {self.proc.returncode}"
                                    + (f"; see {self.log}" if self.log else ""))
-            if self.health(timeout=1)[0] == 200:
-                return self
+            try:
+                if self.session.get(self.http + path, timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
             time.sleep(0.05)
-        raise TimeoutError("controller did not answer /health")
+        raise TimeoutError(f"controller did not answer {path}")
 
-    def start(self, timeout: float = 30.0) -> float:
-        """Start it; returns the seconds until ``GET /health`` answered 200."""
+    def start(self, timeout: float = 30.0, path: str = "/health") -> float:
+        """Start it; returns the seconds until ``GET path`` answered 200."""
         t0 = time.monotonic()
         self.spawn()
-        self.wait_ready(timeout)
+        self.wait_ready(timeout, path)
         return time.monotonic() - t0
 
     def health(self, timeout: float = 3.0) -> tuple[int, dict]:
