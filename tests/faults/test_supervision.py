@@ -219,11 +219,8 @@ def test_children_run_the_installed_package_whatever_the_working_directory(tmp_p
         (fake / name).write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit(3)\n")
     pull, port = free_port(), free_port()
     script = Path(sys.executable).with_name("kvlookup")  # the console script, as an operator runs it
-    proc = subprocess.Popen([str(script), "controller", "--port", str(port), "--monitor-port", str(pull),
-                             "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING"],
-                            cwd=tmp_path, start_new_session=True)
-    ctrl = ControllerProc.__new__(ControllerProc)
-    ctrl.proc, ctrl.port, ctrl.http, ctrl.session = proc, port, f"http://127.0.0.1:{port}", requests.Session()
+    ctrl = ControllerProc("--monitor-port", str(pull), "--data-dir", str(tmp_path / "data"), port=port,
+                          program=(str(script),), cwd=tmp_path)
     try:
         ctrl.wait_ready()
         assert _health(ctrl)[1]["components"]["embedded_sidecar"]["state"] == "up"

@@ -63,15 +63,18 @@ class ControllerProc:
     after a stop or a kill: the same command line, so the same controller). ``log``: a file its
     output is appended to (else it inherits the test's). ``sigterm_master``: :meth:`stop` sends
     SIGTERM to the master only (``kill PID``, as docker and Kubernetes send it) instead of to
-    the whole process group."""
+    the whole process group. ``program``: what runs ``controller`` (the console script, say),
+    from ``cwd``."""
 
     def __init__(self, *args: str, env: dict | None = None, port: int | None = None, log: Path | None = None,
-                 start: bool = True, sigterm_master: bool = False):
+                 start: bool = True, sigterm_master: bool = False,
+                 program: tuple[str, ...] = (sys.executable, "-m", "kvlookup"), cwd: Path = ROOT):
         self.port = port or free_port()
         self.http = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "kvlookup", "controller", "--host", "127.0.0.1", "--port", str(self.port),
+        self.cmd = [*program, "controller", "--host", "127.0.0.1", "--port", str(self.port),
                     "--log-level", "WARNING", *args]
         self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
         self.log, self.sigterm_master = log, sigterm_master
         self.session = requests.Session()
         self.proc: subprocess.Popen | None = None
@@ -81,10 +84,10 @@ class ControllerProc:
     def spawn(self) -> None:
         """Start the process (not waiting for it)."""
         if self.log is None:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=ROOT, start_new_session=True)
+            self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=self.cwd, start_new_session=True)
             return
         with open(self.log, "a") as out:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=out, cwd=ROOT,
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=out, cwd=self.cwd,
                                          start_new_session=True)
 
     def wait_ready(self, timeout: float = 30.0, path: str = "/health") -> ControllerProc:
