@@ -12,13 +12,12 @@ import pytest
 import kvlookup.app as app
 from kvlookup.client import Client, VllmChains
 from kvlookup.devtools.workersim import WorkerSim
-from kvlookup.hashing.namespace import Namespace
 from kvlookup.index import keys
 from kvlookup.proc.redis_server import free_port, port_free
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.sidecar.test_sidecar_lmcache import S600, S600_HASHES
 from tests.support.helpers import vllm_sidecar, wait_for
-from tests.support.vllm_helpers import FIXTURES, PUBLISHER, RealPublisher, Relay, real_vllm
+from tests.support.vllm_helpers import FIXTURES, PUBLISHER, RealPublisher, Relay, layout, real_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     real_vllm() is None, reason="KVLOOKUP_VLLM_PYTHON / KVLOOKUP_VLLM_SRC not set")]
@@ -37,11 +36,6 @@ def free_pair() -> int:
 
 def u64(h) -> int:
     return int.from_bytes(bytes.fromhex(h[4:])[-8:], "big") if isinstance(h, str) else h
-
-
-def layout(client, tokens, **ns):
-    found = client.matches(tokens, namespace=Namespace(**ns))
-    return {m.instance_id: (m.location, m.matched_prefix_length) for m in found}
 
 
 @pytest.fixture()

@@ -13,7 +13,7 @@ from kvlookup import metrics
 from kvlookup.client import Client, VllmChains
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.support.helpers import vllm_sidecar, wait_for
-from tests.support.vllm_helpers import LoopbackPublisher, payload, stored
+from tests.support.vllm_helpers import LoopbackPublisher, layout, payload, stored
 
 A = list(range(1000, 1032))
 B = list(range(2000, 2016))
@@ -22,10 +22,6 @@ B = list(range(2000, 2016))
 @pytest.fixture()
 def client(r):
     return Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
-
-
-def layout(client, tokens):
-    return {m.instance_id: (m.location, m.matched_prefix_length) for m in client.matches(tokens)}
 
 
 def catchups(outcome: str) -> float:

@@ -19,7 +19,7 @@ from kvlookup.client import Client, VllmChains
 from kvlookup.sidecar.vllm_discovery import DiscoveryError, discover
 from tests.support.helpers import wait_for
 from tests.support.procs import ROOT, SidecarProc
-from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, payload, stored
+from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, layout, payload, stored
 
 A = list(range(1000, 1032))
 B = list(range(2000, 2016))
@@ -69,10 +69,6 @@ def events_config(pub: LoopbackPublisher, topic: str = "kv@pod") -> dict:
             "max_queue_size": 100000, "topic": topic}
 
 
-def layout(client, tokens, **kw):
-    return {m.instance_id: (m.location, m.matched_prefix_length, m.ranks) for m in client.matches(tokens, **kw)}
-
-
 def test_discover_reads_every_rank_and_the_model():
     pubs = dp_publishers(topic=b"kv@pod")
     server = FakeVllmServer({str(r): events_config(p) for r, p in enumerate(pubs)})
@@ -115,9 +111,9 @@ def test_vllm_url_alone_subscribes_every_rank_scopes_by_model_and_follows_a_rest
         pubs[0].publish(payload(stored([1], A[:16])), send=False)  # before the sidecar listened: caught up
         pubs[1].publish(payload(stored([1, 2], A, rank=1), rank=1))
         want = {inst: ("GPU", 32, {"0": 16, "1": 32})}
-        assert wait_for(lambda: layout(client, A, model_name=MODEL), want) == want
-        assert layout(client, A, model_name="another-model") == {}
-        assert layout(client, A) == want  # no model named: every instance
+        assert wait_for(lambda: layout(client, A, "ranks", model_name=MODEL), want) == want
+        assert layout(client, A, "ranks", model_name="another-model") == {}
+        assert layout(client, A, "ranks") == want  # no model named: every instance
         # the engine restarts on other ports: the sidecar reads /kv_event_sources again
         for p in pubs:
             p.close()
@@ -125,8 +121,8 @@ def test_vllm_url_alone_subscribes_every_rank_scopes_by_model_and_follows_a_rest
         server.sources = {str(rank): events_config(p) for rank, p in enumerate(pubs)}
         pubs[1].publish(payload(stored([7], B, rank=1), rank=1), send=False)
         want = {inst: ("GPU", 16, {"1": 16})}
-        assert wait_for(lambda: layout(client, B, model_name=MODEL), want, timeout=8.0) == want
-        assert layout(client, A) == {}  # the restarted engine's cache is empty
+        assert wait_for(lambda: layout(client, B, "ranks", model_name=MODEL), want, timeout=8.0) == want
+        assert layout(client, A, "ranks") == {}  # the restarted engine's cache is empty
     finally:
         sc.stop()
         server.close()

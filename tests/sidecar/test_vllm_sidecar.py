@@ -8,13 +8,12 @@ import pytest
 import kvlookup.app as app
 from kvlookup.client import Client, VllmChains
 from kvlookup.devtools.workersim import WorkerSim
-from kvlookup.hashing.namespace import Namespace
 from kvlookup.index import keys
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.sidecar.test_sidecar_lmcache import S600, S600_HASHES
 from tests.support.helpers import vllm_sidecar, wait_for
-from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, payload, removed, stored
+from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, layout, payload, removed, stored
 
 A = list(range(1000, 1032))
 B = list(range(2000, 2016))
@@ -23,11 +22,6 @@ B = list(range(2000, 2016))
 @pytest.fixture()
 def client(r):
     return Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
-
-
-def layout(client, tokens, **ns):
-    found = client.matches(tokens, namespace=Namespace(**ns))
-    return {m.instance_id: (m.location, m.matched_prefix_length) for m in found}
 
 
 @pytest.mark.parametrize("replay_topic", [False, True], ids=["replay-0.25", "replay-0.26"])

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from kvlookup.hashing.namespace import Namespace
 from kvlookup.proc.redis_server import free_port
 
 if TYPE_CHECKING:
@@ -83,6 +84,14 @@ class Stream:
 
     def restart(self) -> None:
         self.seq, self.buffer = 0, []
+
+
+def layout(client, tokens, *fields: str, model_name: str | None = None, **namespace) -> dict:
+    """Instance -> (location, matched prefix length, then each of ``fields`` of the match:
+    ``locations``, ``ranks`` ...) of ``client.matches(tokens)``; ``namespace``: its lora_name,
+    cache_salt."""
+    found = client.matches(tokens, namespace=Namespace(**namespace), model_name=model_name)
+    return {m.instance_id: (m.location, m.matched_prefix_length, *(getattr(m, f) for f in fields)) for m in found}
 
 
 def detail(client, tokens) -> dict:
