@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 from flask import Blueprint, Flask, current_app, jsonify
 
-from kvlookup.index import keys
+from kvlookup.index.control import probe_write
 from kvlookup.index.fleet import sidecar_leases
 from kvlookup.proc.supervise import STATUS_ENV
 
@@ -49,7 +49,7 @@ def _writes(client) -> list[Component]:
     ``noeviction``: ingest stops; MISCONF: the disk under the AOF/RDB is full, ``disk_full``).
     Lookups go on answering from what is there either way."""
     try:
-        client.set(keys.health_probe_key(), "1", px=10_000)
+        probe_write(client)
     except redis.ResponseError as exc:  # redis-py strips the OOM prefix (OutOfMemoryError)
         text = ("OOM " if isinstance(exc, redis.exceptions.OutOfMemoryError) else "") + str(exc)
         return [("redis writes", {"state": "down", "error": text, "disk_full": text.startswith("MISCONF")}, False)]
