@@ -13,6 +13,9 @@ Two kinds (docs/redis-schema.md):
   which spread over every slot; only the single-node backend runs them. The cluster backend
   writes and reads records with plain single-key commands (kvlookup.index.cluster).
 
+The LMCache MP directory's scripts live in kvlookup.index.mp_scripts (hash tag ``{mp}``); its
+docstring names the three key families whose ids only the script knows.
+
 Where a registry script needs a key that depends on stored state (the index set of a worker's
 previous IP, the set of an instance's previous owner), the caller reads that state first and
 passes the key and the value it saw; the script returns ``RETRY`` (-2) when the value changed
