@@ -213,7 +213,7 @@ class VllmIngest:
             log.info("%s rank %d: records of an earlier layout (one holder per medium); rebuilding",
                      self.instance_id, rank)
             return None
-        st.last = saved.seq
+        st.last = int(saved.seq)
         st.chains = set(saved.chains)
         st.legacy_space = prefix_space(saved.chains[0][0]) if len(saved.chains) == 1 else ""
         for g, value in saved.groups.items():

@@ -43,12 +43,12 @@ def chains_text(chains: Iterable[tuple[int, int]]) -> str:
 
 @dataclass
 class PersistedRank:
-    """What a rank persisted (:meth:`VllmRanks.persisted`): ``seq`` the last applied (None:
-    nothing), ``digest`` of that batch, its prefix ``chains`` (block size, lookahead), its KV
+    """What a rank persisted (:meth:`VllmRanks.persisted`): ``seq`` the last applied, as stored
+    (None: nothing), ``digest`` of that batch, its prefix ``chains`` (block size, lookahead), its KV
     cache ``groups`` (group -> spec text), and ``old_layout``: its worker hash names a holder per
     medium only (a layout before hash spaces per medium), so its records must be rebuilt."""
 
-    seq: int | None = None
+    seq: str | None = None
     digest: str | None = None
     chains: list[tuple[int, int]] = field(default_factory=list)
     groups: dict[int, str] = field(default_factory=dict)
@@ -80,7 +80,7 @@ class VllmRanks:
         groups = {int(name[len(prefix):]): value for name, value in fields.items()
                   if name.startswith(prefix) and name[len(prefix):].isdigit()}
         return PersistedRank(
-            seq=None if seq is None else int(seq), digest=fields.get(keys.rank_field("digest", rank)),
+            seq=seq, digest=fields.get(keys.rank_field("digest", rank)),
             chains=keys.parse_vllm_chains(fields.get(keys.rank_field("block_size", rank)) or ""), groups=groups,
             old_layout=any(f.startswith(keys.LOCATION_FIELD_PREFIX) and "@" not in f for f in worker))
 
