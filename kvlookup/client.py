@@ -195,7 +195,7 @@ class VllmChains:
             self._refreshing.clear()
 
     def _read_sizes(self) -> list[tuple[int, int]]:
-        sizes = instances.vllm_chains(self.r, self.clock.now_ms if self.check_alive else None)
+        sizes = instances.vllm_chains(self.r, self.clock.lease_now_ms if self.check_alive else None)
         if len(sizes) > MAX_BLOCK_SIZES:
             log.warning("%d vLLM block sizes in use; lookups walk the first %d", len(sizes), MAX_BLOCK_SIZES)
         return sizes[:MAX_BLOCK_SIZES]

@@ -1,7 +1,5 @@
-"""The controller's own keys: the outcome of each control call (``keys.event_key``, read back
-by ``/check_finish``) and the write probe of ``/health`` (``keys.health_probe_key``).
-
-Errors: redis.RedisError (and its ResponseError refusals: OOM, MISCONF) pass through.
+"""The outcome of each control call the controller answers (``keys.event_key``), read back by
+``/check_finish``. Errors: redis.RedisError passes through.
 """
 
 from __future__ import annotations
@@ -9,9 +7,6 @@ from __future__ import annotations
 import json
 
 from kvlookup.index import keys
-
-#: How long the write probe lives (ms): each /health writes it again.
-PROBE_TTL_MS = 10_000
 
 
 def record_event(r, event_id: str, status: str, ttl_s: int) -> None:
@@ -24,8 +19,3 @@ def event_status(r, event_id: str) -> str | None:
     raw = r.get(keys.event_key(event_id))
     return None if raw is None else json.loads(raw)["status"]
 
-
-def probe_write(r) -> None:
-    """Write the health probe key (TTL :data:`PROBE_TTL_MS`): raises what Redis answers to a
-    refused write (OOM under ``maxmemory``, MISCONF on a full disk)."""
-    r.set(keys.health_probe_key(), "1", px=PROBE_TTL_MS)

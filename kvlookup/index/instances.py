@@ -51,7 +51,7 @@ def models(r, instance_ids: Sequence[str]) -> list[str | None]:
 
 def vllm_chains(r, live_at_ms: Callable[[], int] | None = None) -> list[tuple[int, int]]:
     """The distinct (block size, lookahead) prefix chains of every registered vLLM rank, sorted;
-    with ``live_at_ms`` (a clock: Redis server time, unix ms), only those of instances whose
+    with ``live_at_ms`` (the lease clock, ``ServerClock.lease_now_ms``: unix ms), only those of instances whose
     liveness lease has not expired then (the clock is read only when some rank is registered)."""
     # "<rank>\t<instance>" -> "16,256,16+1"; str: redis-py's types cannot follow decode_responses=True
     per_rank = cast(dict[str, str], r.hgetall(keys.block_sizes_key()))
