@@ -15,6 +15,7 @@ from flask import Blueprint, current_app, jsonify
 
 from kvlookup import kinds
 from kvlookup.index import instances as index_instances
+from kvlookup.index import staleness
 from kvlookup.index.fleet import Fleet, WorkerInfo, sidecar_leases
 
 bp = Blueprint("overview", __name__)
@@ -38,12 +39,14 @@ def _worker_row(fleet: Fleet, w: WorkerInfo, counts: dict[str, int], instance_al
 def instances(fleet: Fleet, now: float) -> list[dict]:
     """Every registered instance, sorted by id: ``{"instance_id", "kind", "live", "lease_s"
     (seconds its liveness lease has left; None when liveness is off or it has none), "owner"
-    (sidecar id), "key_count", "locations": {location: records}, "workers": [...]}``.
+    (sidecar id), "possibly_stale" ({since_ms, reason} while its records may be missing ops:
+    kvlookup.index.staleness; else None), "key_count", "locations": {location: records}, "workers": [...]}``.
     ``key_count`` is what ``/controller/key-stats`` reports for the instance."""
     workers = fleet.workers()
     ids = sorted({w.instance_id for w in workers} | set(fleet.instance_ids()))
     counts = fleet.key_counts(workers)
     facts = index_instances.facts(fleet.r, ids)
+    stale = staleness.marks(fleet.r, ids)
     alive = fleet.alive(ids, now)
     rows: dict[str, dict[str, Any]] = {}
     for inst, f in zip(ids, facts, strict=True):
@@ -51,7 +54,8 @@ def instances(fleet: Fleet, now: float) -> list[dict]:
         rows[inst] = {"instance_id": inst, "kind": kinds.of(f.kind).name, "live": alive[inst],
                       "lease_s": None if lease is None or fleet.store.instance_ttl_ms <= 0
                       else round(lease / 1000 - now, 1),
-                      "owner": f.owner, "key_count": 0, "locations": {}, "workers": []}
+                      "owner": f.owner, "possibly_stale": stale.get(inst), "key_count": 0, "locations": {},
+                      "workers": []}
     for w, c in zip(workers, counts, strict=True):
         row = rows[w.instance_id]
         row["workers"].append(_worker_row(fleet, w, c, alive[w.instance_id], now))
