@@ -398,7 +398,8 @@ def event_key(event_id: str) -> str:
 #
 # Every MP key carries the hash tag ``{mp}``: the gate, the placements and the counters are
 # changed together by one Lua script per POST /events (never half-applied), which needs one
-# slot on Redis Cluster. kvlookup.index.mp documents the values.
+# slot on Redis Cluster. kvlookup.index.mp documents the values,
+# kvlookup.index.mp_scripts the three families whose names its scripts complete.
 
 MP = PREFIX + "{mp}:"
 #: Chunk buckets: the first 3 hex digits of a chunk hash pick one of 4,096 hashes, each small
@@ -416,19 +417,37 @@ def mp_bucket(chunk_hash_hex: str) -> str:
     return chunk_hash_hex[:MP_BUCKET_HEX].ljust(MP_BUCKET_HEX, "0")
 
 
+def mp_chunks_prefix() -> str:
+    """Prefix of :func:`mp_chunks_key`: ``mp_chunks_key(b) == mp_chunks_prefix() + b`` (the MP
+    scripts append the bucket of a record a fence reaches; kvlookup.index.mp_scripts)."""
+    return f"{MP}c:"
+
+
 def mp_chunks_key(bucket: str) -> str:
     """Hash ``<chunk b64>.<space id>`` -> ``<key id>,<access count>|<tb>,<epoch>,<size>|...``:
     the placements of every MP object key whose chunk hash starts with ``bucket``; and
     ``<chunk b64>`` -> ``<token_offset>\t<base64 little-endian uint32 token ids>``, the chunk's
     token binding (deleted with the chunk's last key; beside the keys, so a lookup reads both
     with one HMGET)."""
-    return f"{MP}c:{bucket}"
+    return f"{mp_chunks_prefix()}{bucket}"
+
+
+def mp_page_prefix() -> str:
+    """Prefix of :func:`mp_page_key`: ``mp_page_key(n) == mp_page_prefix() + str(n)`` (the MP
+    scripts append the page of a key id they allocate or read)."""
+    return f"{MP}k:"
 
 
 def mp_page_key(page: int) -> str:
     """Hash ``<key id % MP_PAGE>`` -> ``<chunk b64>.<space id>``: key ids in insertion order
     (GET /directory/keys walks the pages 0 .. seq / MP_PAGE)."""
-    return f"{MP}k:{page}"
+    return f"{mp_page_prefix()}{page}"
+
+
+def mp_l1_prefix() -> str:
+    """Prefix of :func:`mp_l1_key`: ``mp_l1_key(i, b) == mp_l1_prefix() + f"{i}:{b}"`` (the MP
+    scripts append the instance number they intern and the bucket of a key id)."""
+    return f"{MP}l1:"
 
 
 def mp_l1_key(instance_num: int | str, bucket: int) -> str:
@@ -493,6 +512,14 @@ def mp_capacity_key() -> str:
 def mp_config_key() -> str:
     """Hash of fleet settings: ``chunk_size`` once bound (registration or PUT /config/chunk-size)."""
     return MP + "config"
+
+
+def mp_script_keys() -> list[str]:
+    """KEYS[1..10] of the MP ingest and departure scripts (kvlookup.index.mp_scripts): names,
+    stats, cursors, departed, capacity, instances, heartbeats, then the prefixes of the chunk
+    buckets, key pages and L1 sets (families whose ids the scripts allocate or discover)."""
+    return [mp_names_key(), mp_stats_key(), mp_cursors_key(), mp_departed_key(), mp_capacity_key(),
+            mp_instances_key(), mp_heartbeats_key(), mp_chunks_prefix(), mp_page_prefix(), mp_l1_prefix()]
 
 
 def mp_all_keys() -> list[str]:

@@ -19,7 +19,8 @@ import requests
 from kvlookup.app import tokenizer
 from kvlookup.devtools.workersim import SimEngine, WorkerSim
 from kvlookup.hashing.lmcache import HashProfile
-from kvlookup.proc.redis_server import free_port
+from kvlookup.index import staleness
+from kvlookup.proc.redis_server import connect, free_port, running_url
 from tests.support import browser as chromium
 from tests.support.helpers import wait_for
 from tests.support.procs import ControllerProc
@@ -120,6 +121,12 @@ def test_the_dashboard_shows_the_fleet_and_answers_lookups(tmp_path):
         if tokenizer.available():
             assert _look_up(driver, TEXT_B, mode="text") == {"pod-b": len(tokens_b)}
         assert "not an integer" in _look_up_error(driver, "1, 2, x")
+
+        # an instance whose sidecar was killed is flagged (kvlookup.index.staleness), with why on hover
+        staleness.mark(connect(running_url(tmp_path / "data")), ["pod-b"], 1_700_000_000_000, "sidecar killed")
+        flagged = "return [...document.querySelectorAll('#instances tr.instance')].filter(r => " \
+                  "r.querySelector('.stale')).map(r => [r.dataset.instance, r.querySelector('.stale').title])"
+        assert _until(lambda: driver.execute_script(flagged)) == [["pod-b", "sidecar killed"]]
 
         for n in (256, 512, 800):  # traffic between two scrapes draws the lookup chart
             ctrl.lookup(PROMPT_A[:n])

@@ -12,8 +12,23 @@ from tests.index.test_mp_index import C0, C1, INC, MODEL, batch, entry, key
 
 
 @pytest.fixture()
-def http(redis_settings):
-    return create_app({**redis_settings, "instance_ttl_s": 0}).test_client()
+def make_http(redis_settings):
+    """Test clients of in-process apps; their MP reapers (a real-time daemon thread each, started
+    by the first MP request) stop with the test, so none departs a later test's instances."""
+    apps = []
+
+    def make():
+        apps.append(create_app({**redis_settings, "instance_ttl_s": 0}))
+        return apps[-1].test_client()
+
+    yield make
+    for app in apps:
+        app.extensions["kvlookup"]["mp_reaper"].stop()
+
+
+@pytest.fixture()
+def http(make_http):
+    return make_http()
 
 
 def send(http, method, path, body=None, raw=None):
@@ -176,7 +191,7 @@ def test_lookup_world_size_bad(http):
     assert status == 400 and "world_size" in body["error"]
 
 
-def test_two_model_fleet_never_mixes_models(redis_settings, r):
+def test_two_model_fleet_never_mixes_models(make_http, r):
     """Same prompts, two models; MP, classic LMCache and vLLM instances of each (classic ones
     declare their model through the owning sidecar's ``model`` setting, Store.model; vLLM ones
     through the model their sidecar discovered, VllmIngest.set_model)."""
@@ -186,7 +201,7 @@ def test_two_model_fleet_never_mixes_models(redis_settings, r):
     from kvlookup.sidecar.vllm_ingest import VllmIngest
     from tests.support.vllm_helpers import payload, stored
 
-    http = create_app({**redis_settings, "instance_ttl_s": 0}).test_client()
+    http = make_http()
     tokens = list(range(1000, 1512))  # 512 tokens: 2 chunks for both hash chains
     classic = [(ADMIT, h) for h in HashProfile().chunk_hashes(tokens)]
     for model, inst in (("model-a", "classic-a"), ("model-b", "classic-b"), (None, "classic-undeclared")):

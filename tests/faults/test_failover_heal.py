@@ -26,10 +26,13 @@ from kvlookup.devtools.local_cluster import LocalCluster
 from kvlookup.devtools.local_sentinel import LocalSentinel
 from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.index import keys
-from kvlookup.proc.redis_server import EmbeddedRedis, connect
+from kvlookup.proc.redis_server import EmbeddedRedis, connect, free_port
 from tests.conftest import BACKENDS
-from tests.support.ha_fleet import PROFILE, Fleet, HttpClient, Lookups, SidecarProc, report, wait_until
-from tests.support.procs import ControllerProc
+from tests.support.figures import report
+from tests.support.ha_fleet import PROFILE, Fleet
+from tests.support.helpers import wait_until
+from tests.support.lookups import HttpClient, Lookups
+from tests.support.procs import ControllerProc, SidecarProc
 
 
 def _no_unregistered_drops(f: Fleet) -> None:
@@ -106,7 +109,9 @@ def test_registrations_while_valkey_is_sigstopped_are_queued_and_applied(tmp_pat
     server = EmbeddedRedis(tmp_path / "redis", appendonly=False)
     url = server.start()
     assert server.proc is not None
-    sidecar = SidecarProc(["--redis-url", url], tmp_path / "sidecar.log")
+    sidecar = SidecarProc("--redis-url", url, "--instance-ttl", "30", "--log-level", "INFO",
+                          pull_url=f"127.0.0.1:{free_port()}", reply_url=f"127.0.0.1:{free_port()}",
+                          log=tmp_path / "sidecar.log").start()
     client = Client(url)
     ctx = zmq.Context.instance()
     sims: list[WorkerSim] = []
