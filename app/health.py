@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 from flask import Blueprint, Flask, current_app, jsonify
 
-from kvlookup.index import keys
+from kvlookup.index.clock import write_refusal
 from kvlookup.index.fleet import sidecar_leases
 from kvlookup.proc.supervise import STATUS_ENV
 
@@ -34,11 +34,16 @@ STALE_S = 5.0
 
 def redis_check(app: Flask) -> list[Component]:
     """This worker's PING: ``("redis", {"state": "up", "ms": <round trip>}, True)`` or down with
-    the error."""
+    the error. A ``MISCONF`` refusal is an answer: Redis refuses PING with the writes when it
+    cannot persist (a full disk), and reads still work, so Redis is up and ``redis writes`` says
+    why it is down."""
     client = app.extensions["kvlookup"]["redis"]
     start = time.perf_counter()
     try:
         client.ping()
+    except redis.ResponseError as exc:
+        if not str(exc).startswith("MISCONF"):
+            return [("redis", {"state": "down", "error": str(exc)}, False)]
     except redis.RedisError as exc:
         return [("redis", {"state": "down", "error": str(exc)}, False)]
     return [("redis", {"state": "up", "ms": round((time.perf_counter() - start) * 1000, 3)}, True), *_writes(client)]
@@ -49,12 +54,11 @@ def _writes(client) -> list[Component]:
     ``noeviction``: ingest stops; MISCONF: the disk under the AOF/RDB is full, ``disk_full``).
     Lookups go on answering from what is there either way."""
     try:
-        client.set(keys.health_probe_key(), "1", px=10_000)
-    except redis.ResponseError as exc:  # redis-py strips the OOM prefix (OutOfMemoryError)
-        text = ("OOM " if isinstance(exc, redis.exceptions.OutOfMemoryError) else "") + str(exc)
-        return [("redis writes", {"state": "down", "error": text, "disk_full": text.startswith("MISCONF")}, False)]
+        text = write_refusal(client)
     except redis.RedisError:
         return []  # not a refusal: the redis component reports the connection
+    if text is not None:
+        return [("redis writes", {"state": "down", "error": text, "disk_full": text.startswith("MISCONF")}, False)]
     return [("redis writes", {"state": "up"}, True)]
 
 

@@ -199,7 +199,7 @@ class VllmChains:
         per_rank = cast(dict[str, str], self.r.hgetall(keys.block_sizes_key()))
         if self.check_alive and per_rank:
             insts = sorted({m.split(keys.SEP, 1)[1] for m in per_rank})
-            now_ms = self.clock.now_ms()
+            now_ms = self.clock.lease_now_ms()
             live = {i for i, s in zip(insts, self.r.zmscore(keys.alive_key(), insts), strict=True)
                     if s is not None and s >= now_ms}
             per_rank = {m: bs for m, bs in per_rank.items() if m.split(keys.SEP, 1)[1] in live}

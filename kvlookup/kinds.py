@@ -19,18 +19,22 @@ RULE_ALL, RULE_ANY = "all", "any"
 class Kind:
     """name: the registry's ``kind`` value. probed: a sidecar asks its workers' control ports
     for evidence of life when their connections close. control: it takes LMCache control calls
-    (``/clear``, ``/pin``, ``POST /health``, ...). worker_rule: RULE_ALL or RULE_ANY."""
+    (``/clear``, ``/pin``, ``POST /health``, ...). worker_rule: RULE_ALL or RULE_ANY.
+    replays: what a killed sidecar missed comes back by the engine's replay (vLLM's replay
+    endpoint, or a clear when it has none); otherwise its instances are marked possibly stale
+    (kvlookup.index.staleness)."""
 
     name: str
     probed: bool
     control: bool
     worker_rule: str
+    replays: bool
 
 
-LMCACHE = Kind("lmcache", probed=True, control=True, worker_rule=RULE_ALL)
-VLLM = Kind("vllm", probed=False, control=False, worker_rule=RULE_ANY)
+LMCACHE = Kind("lmcache", probed=True, control=True, worker_rule=RULE_ALL, replays=False)
+VLLM = Kind("vllm", probed=False, control=False, worker_rule=RULE_ANY, replays=True)
 #: a kind this build does not know (written by a newer kvlookup): nothing is assumed
-UNKNOWN = Kind("unknown", probed=False, control=False, worker_rule=RULE_ALL)
+UNKNOWN = Kind("unknown", probed=False, control=False, worker_rule=RULE_ALL, replays=False)
 KINDS = {k.name: k for k in (LMCACHE, VLLM)}
 
 

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import redis
 
 from kvlookup import metrics
+from kvlookup.index import staleness
 from kvlookup.index.failover import MasterWatch
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, PendingApply, Store, chunk_text
 from kvlookup.sidecar.admission import InstancePolicy
@@ -314,6 +315,7 @@ class LMCacheIngest:
         self.drop_queued(instance_id, worker_id)  # a new epoch: queued ops of the old one are moot
         epoch = self.store.register_worker(instance_id, worker_id, ip, port, url)
         self.store.own(self.sidecar_id, instance_id)
+        staleness.clear(self.store.r, instance_id)  # a new epoch: nothing old counts
         key = (instance_id, worker_id)
         self._registered.add(key)
         self._synced.add(key)
@@ -406,6 +408,7 @@ class LMCacheIngest:
                                              error_msg="worker is not registered; register first")
         self.drop_queued(msg.instance_id, msg.worker_id, msg.location)
         self.store.retire_location(msg.instance_id, msg.worker_id, msg.location)
+        staleness.clear(self.store.r, msg.instance_id)
         self._next_seq.pop((msg.instance_id, msg.worker_id, msg.location), None)
         self._synced.add(key)
         log.info("full sync %s of %s/%s/%s: %d keys in %d batches", msg.sync_id, msg.instance_id,

@@ -23,6 +23,7 @@ import redis
 import zmq
 
 from kvlookup import metrics
+from kvlookup.index import staleness
 from kvlookup.index.fleet import reap
 from kvlookup.index.store import Store
 from kvlookup.netpolicy import LOOPBACK_NETWORKS, Networks
@@ -189,10 +190,25 @@ class Sidecar:
     def _start(self) -> None:
         for instance_id in self.pinned:
             self.store.own(self.sidecar_id, instance_id)
+        killed = staleness.unclean_stop(self.store.r, self.sidecar_id)
         owned = self.store.renew(self.sidecar_id, SIDECAR_LEASE_S)
         log.info("sidecar %s: resuming %d owned instance(s)", self.sidecar_id, owned)
+        if killed is not None:
+            self._mark_possibly_stale(killed)
         if self.vllm is not None:
             self.vllm.start()
+
+    def _mark_possibly_stale(self, last: dict) -> None:
+        """The previous run was killed (it never signed off): ops it had received and not
+        written are lost. Instances whose engine will not replay them are marked (issue 20 item 5)."""
+        pid, when = last.get("pid", "?"), last.get("updated_at", "?")
+        reason = (f"sidecar {self.sidecar_id} (pid {pid}) stopped without draining (killed?) after its last "
+                  f"status at {when}: ops it had received but not written are lost; a re-registration or full "
+                  "sync of a worker clears this")
+        marked = staleness.mark_unhealed(self.store.r, self.store.owned(self.sidecar_id), self.store.clock.now_ms(),
+                                         reason)
+        log.warning("sidecar %s: the previous run did not sign off; %d instance(s) marked possibly stale: %s",
+                    self.sidecar_id, len(marked), ", ".join(marked[:10]))
 
     def _tick(self) -> None:
         self.store.renew(self.sidecar_id, SIDECAR_LEASE_S)

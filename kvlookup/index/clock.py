@@ -9,6 +9,13 @@ plus the offset to Redis, measured with ``TIME`` every ``refresh_s``; error: hal
 
 On Redis Cluster the time is the registry's master's (``TIME`` inside a script given a registry
 key, so it is routed to that slot).
+
+Leases and heartbeats are writes, so while Redis refuses writes (a full disk under the AOF:
+``MISCONF``; ``maxmemory`` with ``noeviction``: ``OOM``) nobody can renew, and a lease that
+lapses then is no evidence that its instance is gone (issue 20 item 11). Each measurement also
+reads the lease clock's last renewal (keys.lease_clock_key); when renewals have stopped and a
+write probe is refused, :meth:`ServerClock.lease_now_ms` judges liveness as of the last renewal
+until writes work again: lookups keep answering from what is there.
 """
 
 from __future__ import annotations
@@ -24,8 +31,32 @@ from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
 
 log = logging.getLogger(__name__)
 
-#: ``{seconds, microseconds}`` of the server that holds the registry slot.
-SERVER_TIME = "return redis.call('TIME')"
+#: ``{seconds, microseconds, last renewal}`` of the server that holds the registry slot (KEYS[1]
+#: registry version, KEYS[2] lease clock; the renewal '' when none ran). ``no-writes``: it runs
+#: while Redis refuses writes.
+SERVER_TIME = """#!lua flags=no-writes
+local t = redis.call('TIME')
+return {t[1], t[2], redis.call('HGET', KEYS[2], 'tick') or ''}
+"""
+#: Renewals run every second at most (sidecars renew every min(1, TTL/3) s): a last renewal
+#: older than this is a stop worth a write probe.
+RENEWALS_STOPPED_MS = 1_500
+#: Once writes work again, judging stays frozen this long (s): every sidecar renews within it
+#: (they renew every second at most and retry a failed write within 1 s); a sidecar that died
+#: while writes were refused then lapses as usual.
+THAW_S = 3.0
+
+
+def write_refusal(client) -> str | None:
+    """Why Redis refuses a write now (one probe write, keys.health_probe_key): ``"OOM ..."``
+    (``maxmemory`` with ``noeviction``), ``"MISCONF ..."`` (it cannot persist: a full disk),
+    ``"READONLY ..."`` (a replica); None when the write is taken. Other errors (no connection)
+    raise redis.RedisError."""
+    try:
+        client.set(keys.health_probe_key(), "1", px=10_000)
+    except redis.ResponseError as exc:  # redis-py strips the OOM prefix (OutOfMemoryError)
+        return ("OOM " if isinstance(exc, redis.exceptions.OutOfMemoryError) else "") + str(exc)
+    return None
 
 
 class ServerClock:
@@ -38,21 +69,57 @@ class ServerClock:
     ``LOCAL_ONLY`` it is measured in a background thread (the caller never waits on Redis).
     """
 
-    def __init__(self, client, refresh_s: float = 5.0):
+    def __init__(self, client, refresh_s: float = 1.0):
+        self._client = client
         self._time = client.register_script(SERVER_TIME)
         self.refresh_s = refresh_s
         self.offset_s: float | None = None
+        #: the last renewal (server ms) while renewals are stopped and writes refused, else None
+        self.frozen_at_ms: int | None = None
+        self._writes_back_at: float | None = None  # monotonic, while frozen after writes came back
         self._synced_at = float("-inf")
         self._refreshing = threading.Lock()
 
     def sync(self) -> float:
-        """Measure the offset now (server minus local, seconds); raises redis.RedisError."""
+        """Measure the offset now (server minus local, seconds) and whether liveness is frozen
+        (see the module docstring); raises redis.RedisError."""
         before = time.time()
-        sec, usec = self._time(keys=[keys.registry_version_key()])
+        sec, usec, tick = self._time(keys=[keys.registry_version_key(), keys.lease_clock_key()])
         after = time.time()
-        self.offset_s = int(sec) + int(usec) / 1e6 - (before + after) / 2
+        server_ms = int(sec) * 1000 + int(usec) // 1000
+        self.offset_s = server_ms / 1000 - (before + after) / 2
         self._synced_at = time.monotonic()
+        self._judge(int(tick) if tick and server_ms - int(tick) > RENEWALS_STOPPED_MS else None)
         return self.offset_s
+
+    def _judge(self, stopped_at: int | None) -> None:
+        """Freeze at the last renewal when renewals have stopped and a write is refused; thaw
+        THAW_S after writes work again (a probe each measurement while frozen)."""
+        if self.frozen_at_ms is None:
+            if stopped_at is not None and self._writes_refused():
+                self.frozen_at_ms = stopped_at
+        elif self._writes_refused():
+            self._writes_back_at = None
+        elif self._writes_back_at is None:
+            self._writes_back_at = time.monotonic()
+        elif time.monotonic() - self._writes_back_at > THAW_S:
+            self.frozen_at_ms = self._writes_back_at = None
+
+    def _writes_refused(self) -> bool:
+        try:
+            refusal = write_refusal(self._client)
+        except redis.RedisError:
+            return False
+        if refusal:
+            log.warning("Redis refuses writes (%s): liveness is judged as of the last lease renewal until it "
+                        "writes again", refusal)
+        return refusal is not None
+
+    def lease_now_ms(self) -> int:
+        """The time leases and heartbeats are judged at (unix ms): :meth:`now_ms`, or the last
+        renewal while renewals are stopped because Redis refuses writes."""
+        now = self.now_ms()
+        return now if self.frozen_at_ms is None else min(now, self.frozen_at_ms)
 
     def now(self) -> float:
         """Server time, unix seconds."""

@@ -25,7 +25,7 @@ from kvlookup import metrics
 from kvlookup.hashing import vllm as vh
 from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, seeded_str_hash
 from kvlookup.hashing.namespace import DEFAULT, Namespace
-from kvlookup.index import keys, scripts
+from kvlookup.index import keys, scripts, staleness
 from kvlookup.index.io import raise_errors
 from kvlookup.index.records import Chain, walk_registry_keys
 from kvlookup.index.walk import ChainWalk, Holder
@@ -152,6 +152,7 @@ class Explainer:
         st.read()
         entries = st.entries()
         self._add_sessions(entries)
+        self._add_staleness(entries)
         out = {"answer": answer, "profile": asdict(prof), "tokens": len(tokens),
                "chunks": len(prof.chunk_bounds(len(tokens))), "hashed_tokens": prof.hashed_length(len(tokens)),
                "instances": entries,
@@ -174,6 +175,14 @@ class Explainer:
         for e, session in zip(wanted, pipe.execute(), strict=True):
             if session:
                 e["session_id"] = session
+
+    def _add_staleness(self, entries: list[dict]) -> None:
+        """``possibly_stale: {since_ms, reason}`` on the entries of instances whose records may be
+        missing ops (kvlookup.index.staleness: their sidecar was killed)."""
+        marked = staleness.marks(self.client.store.r, sorted({e["instance_id"] for e in entries}))
+        for e in entries:
+            if e["instance_id"] in marked:
+                e["possibly_stale"] = marked[e["instance_id"]]
 
     def _block_sizes(self) -> list[int]:
         from kvlookup.client import VllmChains
@@ -490,6 +499,9 @@ class _State:
             who = f"instance {e['instance_id']}" + (f" rank {e['worker_id']}" if e["worker_id"] else "")
             if e["space"]:
                 who += f" (vLLM blocks of {e['space'][1:]})"
+            if "possibly_stale" in e:
+                st = e["possibly_stale"]
+                lines.append(f"{who} may be stale since {iso(st['since_ms'])}: {st['reason']}")
             if e["stop"] is None:
                 lines.append(f"{who} matched all {len(self.tokens)} tokens")
             elif e["stop"]["reason"] not in ("hash_profile", "other_namespace"):

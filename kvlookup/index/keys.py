@@ -209,6 +209,11 @@ def instance_key(instance_id: str) -> str:
     return f"{REGISTRY}instance:{key_name(instance_id)}"
 
 
+#: Fields of :func:`instance_key` set while the instance may be missing ops (kvlookup.index.staleness):
+#: when (server ms) and why; cleared by a re-registration or a full sync of one of its workers.
+STALE_SINCE_FIELD, STALE_REASON_FIELD = "stale_since", "stale_reason"
+
+
 def instance_workers_key(instance_id: str) -> str:
     """Set of the registered worker ids (TP ranks, or DP ranks for vLLM) of one instance."""
     return f"{REGISTRY}instance:{key_name(instance_id)}:workers"

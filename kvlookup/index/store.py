@@ -497,7 +497,7 @@ class Store:
 
     def liveness(self, now_ms: int | None = None) -> Liveness:
         """What a lookup at ``now_ms`` checks (this store's TTL settings)."""
-        now_ms = self.clock.now_ms() if now_ms is None else now_ms
+        now_ms = self.clock.lease_now_ms() if now_ms is None else now_ms
         return Liveness(now_ms, self.worker_ttl_ms, self.instance_ttl_ms > 0)
 
     def reads_locally(self) -> bool:

@@ -177,11 +177,14 @@ def test_lookup_world_size_bad(http):
 
 
 def test_two_model_fleet_never_mixes_models(redis_settings, r):
-    """Same prompts, two models; MP and classic LMCache instances of each (classic ones declare
-    their model through the owning sidecar's ``model`` setting, Store.model)."""
+    """Same prompts, two models; MP, classic LMCache and vLLM instances of each (classic ones
+    declare their model through the owning sidecar's ``model`` setting, Store.model; vLLM ones
+    through the model their sidecar discovered, VllmIngest.set_model)."""
     from kvlookup.hashing import mp as mphash
     from kvlookup.hashing.lmcache import HashProfile
     from kvlookup.index.store import ADMIT, Store
+    from kvlookup.sidecar.vllm_ingest import VllmIngest
+    from tests.support.vllm_helpers import payload, stored
 
     http = create_app({**redis_settings, "instance_ttl_s": 0}).test_client()
     tokens = list(range(1000, 1512))  # 512 tokens: 2 chunks for both hash chains
@@ -191,6 +194,11 @@ def test_two_model_fleet_never_mixes_models(redis_settings, r):
         st.model = model
         st.register_worker(inst, 0, "127.0.0.1", 8001)
         st.apply([(inst, 0, "LocalCPUBackend", classic)])
+    for n, (model, inst) in enumerate((("model-a", "vllm-a"), ("model-b", "vllm-b"))):
+        ing = VllmIngest(Store(r, purge_grace_s=0), inst)
+        ing.set_model(model)
+        blocks = stored([(n + 1) * 1000 + b for b in range(32)], tokens)  # 32 blocks of 16
+        ing.handle_live(0, [b"kv@" + inst.encode(), (0).to_bytes(8, "big"), payload(blocks)])
 
     hashes = mphash.chunk_hashes_hex(tokens)
     for model, inst in (("model-a", "mp-a"), ("model-b", "mp-b")):
@@ -198,13 +206,14 @@ def test_two_model_fleet_never_mixes_models(redis_settings, r):
         entries = [entry(h, model=model) for h in hashes]
         send(http, "POST", "/events", {"batches": [batch(1, inst=inst, entries=entries)]})
     everyone = send(http, "POST", "/lookup", {"tokens": tokens})[1]
-    assert set(everyone) - {"event_id"} == {"classic-a", "classic-b", "classic-undeclared"}
+    assert set(everyone) - {"event_id"} == {"classic-a", "classic-b", "classic-undeclared", "vllm-a", "vllm-b"}
     for model, other in (("model-a", "b"), ("model-b", "a")):
         body = send(http, "POST", "/lookup", {"tokens": tokens, "model_name": model})[1]
         mine = model[-1]
         assert body[f"mp-{mine}"] == ["l1/dram", 512]
         assert body[f"classic-{mine}"] == ["LocalCPUBackend", 512]
-        assert f"mp-{other}" not in body and f"classic-{other}" not in body
+        assert body[f"vllm-{mine}"] == ["GPU", 512]
+        assert not {f"mp-{other}", f"classic-{other}", f"vllm-{other}"} & set(body)
         assert "classic-undeclared" in body  # a model never declared is answered for every model
 
 

@@ -23,15 +23,15 @@ def _admit(store: Store, inst: str, wid: int = 0, h: int = SEED_HASH) -> None:
 
 
 def test_silent_instance_is_excluded_at_once_then_reaped_and_purged(r):
-    store = Store(r, instance_ttl_s=1, purge_grace_s=0)
+    store = Store(r, instance_ttl_s=2, purge_grace_s=0)  # a's renewed lease outlives a slow turn
     client = Client(store=store)
     for inst in ("a", "b"):
         store.register_worker(inst, 0, "127.0.0.1", 8001 if inst == "a" else 8002)
         _admit(store, inst)
     assert client.lookup(SEED_TOKENS)[1] == {"a": HIT, "b": HIT}
-    time.sleep(0.6)
+    time.sleep(1.2)
     store.touch_instance("a")  # b's sidecar stopped renewing its lease
-    time.sleep(0.5)
+    time.sleep(1.0)
     assert client.lookup(SEED_TOKENS)[1] == {"a": HIT}  # excluded the moment its lease ran out
     assert reap(store) == [("b", 0)]
     assert store.purge() == 1
