@@ -10,7 +10,6 @@ health code -1004) within the timeout instead of hanging; workers that disagree 
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Annotated
 
@@ -21,7 +20,7 @@ from flask import Blueprint, current_app, jsonify, request
 from kvlookup.app.auth import require_token
 from kvlookup.app.errors import ApiError, decode_body
 from kvlookup.client import TokenId, new_event_id
-from kvlookup.index import keys
+from kvlookup.index import control as index_control
 from kvlookup.index.fleet import WorkerInfo
 from kvlookup.wire import lmcache_control as ctl
 
@@ -121,7 +120,7 @@ def fan_out(event_id: str, workers: list[WorkerInfo], make_msg, retries: int | N
 
 def _record(event_id: str, status: str) -> None:
     try:
-        _ext()["redis"].set(keys.event_key(event_id), json.dumps({"status": status}), ex=EVENT_TTL_S)
+        index_control.record_event(_ext()["redis"], event_id, status, EVENT_TTL_S)
     except redis.RedisError:
         pass  # /check_finish then answers 404; the call itself already happened
 
@@ -252,9 +251,9 @@ def check_finish():
     """``{"event_id"}`` -> ``{"status": "finished"|"failed"}`` for a control call of the last
     hour (calls here complete before they answer); 404 for an unknown event id."""
     req = parse(CheckFinishRequest)
-    raw = _ext()["redis"].get(keys.event_key(req.event_id))
-    if raw is None:
+    status = index_control.event_status(_ext()["redis"], req.event_id)
+    if status is None:
         raise ApiError(
             404, f"unknown event_id {req.event_id!r} (not issued here, or older than {EVENT_TTL_S}s)"
         )
-    return jsonify(status=json.loads(raw)["status"])
+    return jsonify(status=status)

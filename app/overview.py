@@ -2,7 +2,7 @@
 
 One JSON document, read from the registry in Redis in a few pipelined round trips (no SCAN):
 instances with their workers, liveness and records per location (kvlookup.index.fleet), the
-sidecars' leases (``keys.sidecars_key``) and the index's size and memory (``DBSIZE`` and
+sidecars' leases (kvlookup.index.fleet.sidecar_leases) and the index's size and memory (``DBSIZE`` and
 ``INFO memory``, summed over every master on a Redis Cluster). A Redis error answers 503
 ``{"error": "index unavailable: ..."}`` (app.errors).
 """
@@ -14,7 +14,7 @@ from typing import Any
 from flask import Blueprint, current_app, jsonify
 
 from kvlookup import kinds
-from kvlookup.index import keys
+from kvlookup.index import instances as index_instances
 from kvlookup.index.fleet import Fleet, WorkerInfo, sidecar_leases
 
 bp = Blueprint("overview", __name__)
@@ -43,20 +43,15 @@ def instances(fleet: Fleet, now: float) -> list[dict]:
     workers = fleet.workers()
     ids = sorted({w.instance_id for w in workers} | set(fleet.instance_ids()))
     counts = fleet.key_counts(workers)
-    pipe = fleet.r.pipeline(transaction=False)
-    for inst in ids:
-        pipe.hget(keys.instance_key(inst), "kind")
-        pipe.hget(keys.owners_key(), inst)
-    facts = pipe.execute() if ids else []
-    leases = fleet.r.zmscore(keys.alive_key(), ids) if ids else []
+    facts = index_instances.facts(fleet.r, ids)
     alive = fleet.alive(ids, now)
     rows: dict[str, dict[str, Any]] = {}
-    for i, inst in enumerate(ids):
-        lease = leases[i]
-        rows[inst] = {"instance_id": inst, "kind": kinds.of(facts[2 * i]).name, "live": alive[inst],
+    for inst, f in zip(ids, facts, strict=True):
+        lease = f.lease_ms
+        rows[inst] = {"instance_id": inst, "kind": kinds.of(f.kind).name, "live": alive[inst],
                       "lease_s": None if lease is None or fleet.store.instance_ttl_ms <= 0
                       else round(lease / 1000 - now, 1),
-                      "owner": facts[2 * i + 1], "key_count": 0, "locations": {}, "workers": []}
+                      "owner": f.owner, "key_count": 0, "locations": {}, "workers": []}
     for w, c in zip(workers, counts, strict=True):
         row = rows[w.instance_id]
         row["workers"].append(_worker_row(fleet, w, c, alive[w.instance_id], now))
@@ -126,7 +121,7 @@ def mp_instances(d, now: float) -> list[dict]:
     """LMCache MP instances for the dashboard: registration, liveness, gate cursor (incarnation,
     gap, dropped events), departure, declared capacity per (tier, backend) and L1 keys."""
     regs = {i["instance_id"]: i for i in d.instances()}
-    beats = dict(d.r.zrange(keys.mp_heartbeats_key(), 0, -1, withscores=True))
+    beats = d.heartbeats()
     cursors, departed, capacity = d.cursors(), d.departed(), d.capacity()
     l1 = d.stats()["l1_keys_by_instance"]
     rows = []

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, cast
+from typing import Annotated
 
 import msgspec
 import redis
@@ -17,9 +17,9 @@ import redis
 from kvlookup.hashing import vllm as vh
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.hashing.namespace import DEFAULT, Namespace
-from kvlookup.index import keys
+from kvlookup.index import instances
 from kvlookup.index.clock import ServerClock
-from kvlookup.index.records import Chain, Match
+from kvlookup.index.records import Chain, Match, lmcache_chain, vllm_chain
 from kvlookup.index.store import Store
 from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
 from kvlookup.index.vllm_reuse import fill_reusable
@@ -195,15 +195,7 @@ class VllmChains:
             self._refreshing.clear()
 
     def _read_sizes(self) -> list[tuple[int, int]]:
-        # "<rank>\t<instance>" -> "16,256,16+1"; str: redis-py's types cannot follow decode_responses=True
-        per_rank = cast(dict[str, str], self.r.hgetall(keys.block_sizes_key()))
-        if self.check_alive and per_rank:
-            insts = sorted({m.split(keys.SEP, 1)[1] for m in per_rank})
-            now_ms = self.clock.lease_now_ms()
-            live = {i for i, s in zip(insts, self.r.zmscore(keys.alive_key(), insts), strict=True)
-                    if s is not None and s >= now_ms}
-            per_rank = {m: bs for m, bs in per_rank.items() if m.split(keys.SEP, 1)[1] in live}
-        sizes = sorted({c for text in per_rank.values() for c in keys.parse_vllm_chains(str(text))})
+        sizes = instances.vllm_chains(self.r, self.clock.lease_now_ms if self.check_alive else None)
         if len(sizes) > MAX_BLOCK_SIZES:
             log.warning("%d vLLM block sizes in use; lookups walk the first %d", len(sizes), MAX_BLOCK_SIZES)
         return sizes[:MAX_BLOCK_SIZES]
@@ -213,8 +205,7 @@ class VllmChains:
         for bs, lookahead in self.chains_in_use():
             hashes = vh.chain(vh.request_root(bs, namespace.lora_name, namespace.cache_salt), tokens, bs,
                               lookahead=lookahead)
-            space = keys.vllm_space(bs)
-            chains.append(Chain(keys.chunk_prefix(space), hashes, bs, bs * len(hashes)))
+            chains.append(vllm_chain(bs, hashes))
         return chains
 
 
@@ -249,8 +240,7 @@ class Client:
     def chains(self, tokens: Sequence[int], namespace: Namespace = DEFAULT) -> list[Chain]:
         """Every hash chain a lookup of ``tokens`` in ``namespace`` walks (see :data:`ChainSource`)."""
         hashes = self.profile.chunk_hashes(tokens)
-        chains = [Chain(keys.chunk_prefix(), hashes, self.profile.chunk_size,
-                        self.profile.hashed_length(len(tokens)))]
+        chains = [lmcache_chain(hashes, self.profile.chunk_size, self.profile.hashed_length(len(tokens)))]
         for source in self.extra_chains:
             chains.extend(source(tokens, namespace))
         return chains
@@ -289,10 +279,7 @@ class Client:
         vLLM sources given by endpoint): a discovered vLLM server's ``model`` must equal it."""
         if LOCAL_ONLY.get():
             raise NeedsRedis()
-        pipe = self.store.r.pipeline(transaction=False)
-        for m in matches:
-            pipe.hget(keys.instance_key(m.instance_id), "model")
-        models = pipe.execute()
+        models = instances.models(self.store.r, [m.instance_id for m in matches])
         return [m for m, model in zip(matches, models, strict=True) if not model or model == model_name]
 
     def add_reusable(self, tokens: Sequence[int], matches: list[InstanceMatch],

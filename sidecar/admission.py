@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import redis
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
@@ -80,20 +81,58 @@ class PeerGate(ThreadAuthenticator):
         await super().handle_zap_message(msg)
 
 
-class InstancePolicy:
-    """Which instances a sidecar takes LMCache messages for. allowed: instance ids; empty = any."""
+#: How long a sidecar trusts what it read of an instance's claim (keys.claims_key).
+CLAIM_CACHE_S = 1.0
 
-    def __init__(self, allowed: Iterable[str] = ()):
+
+class InstancePolicy:
+    """Which instances a sidecar takes LMCache messages for. allowed: instance ids; empty = any.
+
+    claims: ``() -> {instance: claiming sidecar}`` of the live claims (``Store.live_claims``)
+    and ``me``, this sidecar's id: a message for an instance another sidecar claims (its
+    ``allowed_instance_ids`` names it) is refused while that sidecar's lease holds, whatever
+    this sidecar's own list says (issue 20 item 10: a sidecar with an empty list let any peer
+    wipe, retire or take over another's instance). The claims are read again every
+    CLAIM_CACHE_S; while Redis cannot answer, the last ones read stand.
+    """
+
+    def __init__(self, allowed: Iterable[str] = (), claims: Callable[[], dict[str, str]] | None = None,
+                 me: str = "", clock: Callable[[], float] = time.monotonic):
         self.allowed = frozenset(allowed)
+        self.claims, self.me, self.clock = claims, me, clock
+        self._claims: dict[str, str] = {}
+        self._read_at = float("-inf")
         self.quiet = QuietLog()
 
     def refuse(self, tag: str, msg: Any) -> str:
         """"" when ``msg`` (a decoded message with ``instance_id``) may be applied; otherwise
-        counts it (``reason="instance_not_allowed"``) and returns the reason, for an ErrorMsg."""
+        counts it (``reason="instance_not_allowed"`` or ``"instance_claimed"``) and returns the
+        reason, for an ErrorMsg. While Redis cannot answer, the last claim read stands."""
         instance_id = getattr(msg, "instance_id", None)
-        if not self.allowed or instance_id in self.allowed:
+        if self.allowed and instance_id not in self.allowed:
+            metrics.REJECTED.labels("lmcache", "instance_not_allowed").inc()
+            reason = f"instance {instance_id!r} is not in this sidecar's allowed_instance_ids"
+            self.quiet.warn(f"instance:{instance_id}", f"dropped {tag}: {reason}")
+            return reason
+        other = self._claimer(instance_id) if isinstance(instance_id, str) else ""
+        if not other:
             return ""
-        metrics.REJECTED.labels("lmcache", "instance_not_allowed").inc()
-        reason = f"instance {instance_id!r} is not in this sidecar's allowed_instance_ids"
-        self.quiet.warn(f"instance:{instance_id}", f"dropped {tag}: {reason}")
+        metrics.REJECTED.labels("lmcache", "instance_claimed").inc()
+        reason = (f"instance {instance_id!r} belongs to sidecar {other!r} (its allowed_instance_ids names it); "
+                  f"this sidecar takes no writes for it while that sidecar runs")
+        self.quiet.warn(f"claimed:{instance_id}", f"dropped {tag}: {reason}")
         return reason
+
+    def _claimer(self, instance_id: str) -> str:
+        """The other live sidecar that claims the instance, or ""."""
+        if self.claims is None or instance_id in self.allowed:
+            return ""
+        now = self.clock()
+        if now - self._read_at >= CLAIM_CACHE_S:
+            try:
+                self._claims = self.claims()
+            except redis.RedisError:  # Redis down: the last claims stand (a write could not land anyway)
+                pass
+            self._read_at = now
+        who = self._claims.get(instance_id, "")
+        return who if who != self.me else ""

@@ -47,6 +47,9 @@ Worker = tuple[str, str]
 #: Health calls a sidecar makes at once (issue 20: one at a time, 30 silent ports kept a dead
 #: worker counted for 121 s instead of 8 s).
 PROBE_CONCURRENCY = 16
+#: Owned instances whose workers one tick's sweep for quiet workers reads (issue 20 item 9: a
+#: sweep over 50,000 at once stalled a sidecar's loop for seconds on a Redis Cluster).
+SWEEP_SLICE = 1000
 
 
 class Prober:
@@ -121,6 +124,7 @@ class Liveness:
         self.asking: dict[Worker, bool] = {}  # being asked -> whether its connections closed
         self.suspected: set[Worker] = set()  # recorded gone by this process (cleared if it speaks)
         self.sweep_at: float | None = clock() + grace_s  # ask quiet workers once after start
+        self.sweep_left: list[str] = []  # owned instances the sweep still has to look at
 
     # -- what the sockets tell ---------------------------------------------------------------
 
@@ -178,8 +182,10 @@ class Liveness:
         quiet: set[Worker] = set()
         if self.sweep_at is not None and self.sweep_at <= now:
             self.sweep_at = None
-            owned = sorted(self.store.owned(self.sidecar_id))
-            quiet = {(w.instance_id, str(w.worker_id)) for w in self.fleet.workers(owned)
+            self.sweep_left = sorted(self.store.owned(self.sidecar_id))
+        if self.sweep_left:  # SWEEP_SLICE instances a tick: 50k owned ones stalled the loop on a cluster
+            part, self.sweep_left = self.sweep_left[:SWEEP_SLICE], self.sweep_left[SWEEP_SLICE:]
+            quiet = {(w.instance_id, str(w.worker_id)) for w in self.fleet.workers(part)
                      if not self.worker_conns.get((w.instance_id, str(w.worker_id)))}
         if closed or quiet:
             self._ask(closed | quiet, closed)

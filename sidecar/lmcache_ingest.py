@@ -32,7 +32,7 @@ import redis
 from kvlookup import metrics
 from kvlookup.index import staleness
 from kvlookup.index.failover import MasterWatch
-from kvlookup.index.store import ADMIT, EVICT, NotRegistered, PendingApply, Store, chunk_text
+from kvlookup.index.store import ADMIT, EVICT, NotRegistered, PendingApply, Refused, Store, chunk_text
 from kvlookup.sidecar.admission import InstancePolicy
 from kvlookup.sidecar.opqueue import Batch, OpQueue
 from kvlookup.wire import lmcache as proto
@@ -122,6 +122,8 @@ class LMCacheIngest:
                 self._on_push(tag, msg)
             except (redis.ConnectionError, redis.TimeoutError):
                 raise  # the loop backs off; what is queued stays queued
+            except Refused as exc:
+                self._refused(tag, exc)
             except Exception:  # a bad message never stops the loop
                 metrics.REJECTED.labels("lmcache", "handler_error").inc()
                 log.exception("failed to handle %s", tag)
@@ -286,7 +288,12 @@ class LMCacheIngest:
             return True
         if b.implicit:
             log.info("0.3-era admits of unregistered worker %s/%s: registering it", *key)
-            self._register_worker(b.instance_id, b.worker_id)
+            try:
+                self._register_worker(b.instance_id, b.worker_id)
+            except Refused as exc:
+                self._refused("KVAdmitMsg", exc)
+                metrics.count_ops(b.ops, "unregistered")
+                return False
             return True
         metrics.count_ops(b.ops, "unregistered")
         log.info("dropped %d ops of unregistered worker %s/%s", len(b.ops), *key)
@@ -378,10 +385,19 @@ class LMCacheIngest:
             return proto.encode(self._on_request(tag, msg))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             return proto.encode(proto.ErrorMsg(error=f"index unavailable: {exc}"))
+        except Refused as exc:
+            self._refused(tag, exc)
+            return proto.encode(proto.ErrorMsg(error=str(exc)))
         except Exception as exc:
             metrics.REJECTED.labels("lmcache", "handler_error").inc()
             log.exception("failed to answer %s", tag)
             return proto.encode(proto.ErrorMsg(error=f"controller error: {exc}"))
+
+    def _refused(self, tag: str, exc: Refused) -> None:
+        """A message the index refused on purpose (kvlookup.index.store.Refused): counted and
+        logged (at most once a minute per reason), never a traceback."""
+        metrics.REJECTED.labels("lmcache", exc.reason).inc()
+        self.policy.quiet.warn(f"refused:{exc.reason}", f"refused {tag}: {exc}")
 
     def _on_request(self, tag: str, msg: Any) -> Any:
         if tag == "RegisterMsg":

@@ -108,7 +108,8 @@ class Sidecar:
                                  retries=probe_retries, address_allowed=address_allowed)
         hb_url = advertise_reply or (_host_port(reply_url) if reply_url else "")
         self.lmcache = LMCacheIngest(store, self.sidecar_id, heartbeat_url=hb_url, observer=self.liveness,
-                                     policy=InstancePolicy(allowed_instance_ids))
+                                     policy=InstancePolicy(allowed_instance_ids, store.live_claims, self.sidecar_id))
+        self.claimed = tuple(allowed_instance_ids)
         self._stop = threading.Event()
         self.started_at = time.time()
         self.last_turn = time.monotonic()  # when the loop last turned (sidecar /health)
@@ -188,6 +189,9 @@ class Sidecar:
     # -- periodic ----------------------------------------------------------------------------
 
     def _start(self) -> None:
+        for instance_id, prev in self.store.claim(self.sidecar_id, self.claimed).items():
+            log.warning("sidecar %s: instance %s was claimed by sidecar %s (allowed_instance_ids): it is this "
+                        "sidecar's now", self.sidecar_id, instance_id, prev)
         for instance_id in self.pinned:
             self.store.own(self.sidecar_id, instance_id)
         killed = staleness.unclean_stop(self.store.r, self.sidecar_id)

@@ -34,10 +34,17 @@ from dataclasses import dataclass, field
 
 from kvlookup import metrics
 from kvlookup.hashing import vllm as vh
-from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Store
 from kvlookup.index.vllm_groups import GroupSpec, is_prefix_group
-from kvlookup.index.vllm_ranks import VllmRanks
+from kvlookup.index.vllm_ranks import (
+    VllmRanks,
+    chains_text,
+    engine_field,
+    group_fields,
+    group_space,
+    prefix_space,
+    rank_fields,
+)
 from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored, Event, Malformed
 
@@ -239,8 +246,8 @@ class BatchApplier:
 
     def _space(self, group_idx: int | None, block_size: int, spec: GroupSpec | None) -> str:
         if is_prefix_group(group_idx, spec):
-            return keys.vllm_space(block_size)
-        return keys.vllm_group_space(block_size, group_idx or 0)
+            return prefix_space(block_size)
+        return group_space(block_size, group_idx or 0)
 
     def _stored(self, ev: BlockStored) -> None:
         spec = self._learn_group(ev)
@@ -260,13 +267,13 @@ class BatchApplier:
             lookahead = self._lookahead(ev)
             space = self._space(g, bs, spec)
             placed = [(own, space) for own in self._own_hashes(ev, bs, lookahead)]
-            if space == keys.vllm_space(bs) and (bs, lookahead) not in self.ctx.chains:
+            if space == prefix_space(bs) and (bs, lookahead) not in self.ctx.chains:
                 self.ctx.chains.add((bs, lookahead))
                 self.new_chains = True
         medium = ev.medium or DEFAULT_MEDIUM
         res = residency(medium, ev.ownership)
         for engine_hash, (own, space) in zip(ev.block_hashes, placed, strict=True):
-            f = keys.engine_field(engine_hash, g)
+            f = engine_field(engine_hash, g)
             old = self._get(f)
             entry = Entry(own, set(old.media) if old and old.own == own else set(), space)
             entry.media.add(res)
@@ -297,7 +304,7 @@ class BatchApplier:
             parent = vh.namespace_root(bs, lora, per_block[0])
             extras[0] = None  # the first block's extra keys are part of the root
         else:
-            entry = self._get(keys.engine_field(ev.parent_block_hash, ev.group_idx))
+            entry = self._get(engine_field(ev.parent_block_hash, ev.group_idx))
             if entry is None:
                 raise WireError("unknown_parent", f"parent {ev.parent_block_hash} is not known")
             parent = entry.own
@@ -306,7 +313,7 @@ class BatchApplier:
         return vh.chain(parent, ev.token_ids, bs, extras)
 
     def _resolve_tokenless(self, ev: BlockStored) -> list[Entry]:
-        entries = [self._get(keys.engine_field(h, ev.group_idx)) for h in ev.block_hashes]
+        entries = [self._get(engine_field(h, ev.group_idx)) for h in ev.block_hashes]
         missing = [h for h, e in zip(ev.block_hashes, entries, strict=True) if e is None]
         if missing:
             raise WireError("unknown_hashes", f"{len(missing)} of {len(entries)} hashes never stored "
@@ -320,7 +327,7 @@ class BatchApplier:
         medium = ev.medium or DEFAULT_MEDIUM
         res = residency(medium, ev.ownership)
         for engine_hash in ev.block_hashes:
-            f = keys.engine_field(engine_hash, ev.group_idx)
+            f = engine_field(engine_hash, ev.group_idx)
             old = self._get(f)
             if old is None or res not in old.media:
                 self.ctx.skipped["remove_unknown"] += 1
@@ -337,7 +344,7 @@ class BatchApplier:
         if any(medium_of(r) == medium for r in entry.media):
             return True
         for g in self._groups_sharing(group_idx, space):
-            other = self._get(keys.engine_field(engine_hash, g))
+            other = self._get(engine_field(engine_hash, g))
             if other and other.own == entry.own and self._entry_space(other) == space and any(
                     medium_of(r) == medium for r in other.media):
                 return True
@@ -364,15 +371,15 @@ class BatchApplier:
             if isinstance(ev, BlockStored):
                 if ev.group_idx is not None and ev.group_idx not in self.ctx.groups:
                     groups.add(ev.group_idx)
-                wanted.update(keys.engine_field(h, ev.group_idx) for h in ev.block_hashes)
+                wanted.update(engine_field(h, ev.group_idx) for h in ev.block_hashes)
                 if ev.parent_block_hash is not None:
-                    wanted.add(keys.engine_field(ev.parent_block_hash, ev.group_idx))
+                    wanted.add(engine_field(ev.parent_block_hash, ev.group_idx))
             elif isinstance(ev, BlockRemoved):
                 if ev.group_idx is not None:
                     groups.add(ev.group_idx)
         for ev in events:
             if isinstance(ev, BlockRemoved):
-                wanted.update(keys.engine_field(h, g) for h in ev.block_hashes for g in groups)
+                wanted.update(engine_field(h, g) for h in ev.block_hashes for g in groups)
         mirror = self.ctx.mirror
         raw: dict[str, str | None] = {}
         if mirror is not None and wanted:
@@ -405,13 +412,12 @@ class BatchApplier:
         block_sizes = None
         if self.new_chains and ctx.chains:
             block_sizes = chains_text(ctx.chains)
-            persist[keys.rank_field("block_size", ctx.rank)] = block_sizes
+            persist.update(rank_fields(ctx.rank, block_size=block_sizes))
             self.new_chains = False
-        for g, spec in self.new_groups.items():
-            persist[keys.group_field(ctx.rank, g)] = spec.format()
+        persist.update(group_fields(ctx.rank, {g: spec.format() for g, spec in self.new_groups.items()}))
         self.new_groups = {}
         if self.session:
-            persist[keys.rank_field("session", ctx.rank)] = self.session
+            persist.update(rank_fields(ctx.rank, session=self.session))
             self.session = None
         then = self.ranks.write_commands(ctx.rank, sets, dels, block_sizes=block_sizes, persist=persist,
                                          min_block_size=min(bs for bs, _ in ctx.chains) if block_sizes else None)
@@ -436,7 +442,3 @@ class BatchApplier:
         for batch in batches:
             metrics.count_ops(batch[3], "applied")
 
-
-def chains_text(chains: set[tuple[int, int]]) -> str:
-    """The :func:`keys.block_sizes_key` value of a rank's prefix chains."""
-    return ",".join(keys.vllm_chain(bs, la) for bs, la in sorted(chains))

@@ -34,10 +34,9 @@ from dataclasses import dataclass, field
 import redis
 
 from kvlookup import kinds, metrics
-from kvlookup.index import keys
 from kvlookup.index.store import Store
 from kvlookup.index.vllm_groups import GroupSpec
-from kvlookup.index.vllm_ranks import VllmRanks
+from kvlookup.index.vllm_ranks import VllmRanks, prefix_space, rank_fields
 from kvlookup.sidecar.vllm_apply import BatchApplier, Mirror, RankContext
 from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import decode_batch, parse_live
@@ -238,25 +237,21 @@ class VllmIngest:
     def _load(self, rank: int, st: RankState) -> str | None:
         """Load the rank's persisted state (seq, chains, groups) when it is still registered;
         returns the persisted digest. st.last stays None when there is nothing to resume."""
-        fields, worker = self.ranks_state.persisted(rank)
-        p_seq = fields.get(keys.rank_field("seq", rank))
-        if p_seq is None or not self.store.is_registered(self.instance_id, rank):
+        saved = self.ranks_state.persisted(rank)
+        if saved.seq is None or not self.store.is_registered(self.instance_id, rank):
             return None
-        if any(f.startswith(keys.LOCATION_FIELD_PREFIX) and "@" not in f for f in worker):
+        if saved.old_layout:
             log.info("%s rank %d: records of an earlier layout (one holder per medium); rebuilding",
                      self.instance_id, rank)
             return None
-        st.last = int(p_seq)
-        chains = keys.parse_vllm_chains(fields.get(keys.rank_field("block_size", rank)) or "")
-        st.chains = set(chains)
-        st.legacy_space = keys.vllm_space(chains[0][0]) if len(chains) == 1 else ""
-        prefix = keys.group_field(rank, 0)[:-1]
-        for name, value in fields.items():
-            if name.startswith(prefix) and name[len(prefix):].isdigit():
-                spec = GroupSpec.parse(value)
-                if spec is not None:
-                    st.groups[int(name[len(prefix):])] = spec
-        st.last_digest = fields.get(keys.rank_field("digest", rank))
+        st.last = int(saved.seq)
+        st.chains = set(saved.chains)
+        st.legacy_space = prefix_space(saved.chains[0][0]) if len(saved.chains) == 1 else ""
+        for g, value in saved.groups.items():
+            spec = GroupSpec.parse(value)
+            if spec is not None:
+                st.groups[g] = spec
+        st.last_digest = saved.digest
         return st.last_digest
 
     def _resume(self, rank: int, st: RankState, seq: int, p_digest: str | None) -> bool:
@@ -305,7 +300,7 @@ class VllmIngest:
         """Apply consecutive batches as one (their events in order, one write)."""
         seq, payload = run[-1]
         d = digest(payload)
-        persist: dict[str, str | int] = {keys.rank_field("seq", rank): seq, keys.rank_field("digest", rank): d}
+        persist = rank_fields(rank, seq=seq, digest=d)
         ctx = RankContext(self.store, self.instance_id, rank, lambda: self._wipe(rank, st),
                           lambda: self._register_rank(rank), self.rejected, self.skipped,
                           chains=st.chains, groups=st.groups, legacy_space=st.legacy_space,

@@ -291,7 +291,8 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     if server is None:
         preflight.say_redis(settings, log)
     store = Store(connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10),
-                  instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s)
+                  instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s,
+                  max_workers_per_instance=settings.max_workers_per_instance)
     store.model = settings.model
     if why := _refused_redis(settings, store.r):
         print(f"kvlookup sidecar: error: {why}", file=sys.stderr)
@@ -397,13 +398,15 @@ def cmd_redis_cli(args: argparse.Namespace) -> int:
 
 
 def cmd_redis(args: argparse.Namespace) -> int:
-    from kvlookup.proc.embedded import AlreadyServed, serve
+    from kvlookup.proc.embedded import PASSWORD_ENV, AlreadyServed, serve
     from kvlookup.proc.redis_server import default_data_dir
+    from kvlookup.proc.redis_urls import redacted
 
     setup_logging("INFO")
+    password = os.environ.get(PASSWORD_ENV) or None  # never a flag: ps shows command lines
     try:
         return serve(args.data_dir or default_data_dir(), args.port, exit_when_unused=args.exit_when_unused,
-                     on_url=lambda url: print(url, flush=True))
+                     on_url=lambda url: print(redacted(url), flush=True), password=password)
     except AlreadyServed as exc:
         print(f"kvlookup redis: error: {exc}", file=sys.stderr)
         return 2

@@ -60,6 +60,20 @@ class Settings:
         False, readers=COMMON, help="the index lives on a Redis Cluster (redis_cluster: true)",
         doc="the index lives on a Redis Cluster (`KVLOOKUP_REDIS_CLUSTER=1`); needs `redis_url`, excludes a "
             "Sentinel URL")
+    embedded_redis_password: str | None = setting(
+        None, readers=COMMON, flag="",
+        help="`requirepass` of the embedded Redis this process starts (no flag: a secret on a command line shows "
+             "in `ps`; `KVLOOKUP_EMBEDDED_REDIS_PASSWORD` or the config file)",
+        doc="`requirepass` of the embedded Redis (no `redis_url`): the keeper gets it in its environment and "
+            "valkey-server on its standard input, never on a command line; the URL the processes share "
+            "(`redis.url`, `server.lock`, mode 0600) carries it, logs show `redis://:***@`. No flag (a secret on a "
+            "command line shows in `ps`): `KVLOOKUP_EMBEDDED_REDIS_PASSWORD`, the config file, or "
+            "`embedded_redis_password_file`. A server already running keeps the password it started with")
+    embedded_redis_password_file: str | None = setting(
+        None, readers=COMMON, flag="--embedded-redis-password-file",
+        help="file whose first line is the embedded Redis's password (instead of embedded_redis_password)",
+        doc="a file whose first line is `embedded_redis_password` (a Kubernetes secret mount); unreadable or empty "
+            "refuses to start, naming the setting")
     data_dir: str | None = setting(
         None, readers=COMMON, default_text="`$KVLOOKUP_DATA_DIR`, else `~/.local/share/kvlookup`",
         help="embedded Redis data dir (default ~/.local/share/kvlookup)",
@@ -205,6 +219,14 @@ class Settings:
              "until the queue drains",
         doc="chunk operations decoded but not yet written; past it the sidecar stops reading PUSH traffic until "
             "the queue drains (ZMQ then holds up to 1,000 messages per peer, and the senders wait)")
+    max_workers_per_instance: int = setting(
+        256, readers=(SIDECAR, EMBEDDED), flag="--max-workers-per-instance",
+        help="most workers (TP ranks) one instance may register; a registration past it is refused with an "
+             "error reply naming the setting and counted (0 = no limit)",
+        doc="most workers (TP ranks) one instance may register through a sidecar; a new worker past it is "
+            "refused (an `ErrorMsg` naming the setting to a 0.5-era worker, counted in "
+            "`kvlookup_rejected_frames_total{reason=\"too_many_workers\"}`), so no peer can make the control API "
+            "fan out to thousands of sockets (0 = no limit)")
     allowed_peers: list[str] = setting(
         factory=lambda: list(LOOPBACK), readers=(SIDECAR, EMBEDDED),
         help="IPs/CIDR networks that may connect to the sidecar's bound ZMQ sockets, comma list or JSON "
@@ -217,8 +239,10 @@ class Settings:
         factory=list, readers=(SIDECAR, EMBEDDED), default_text="empty (any)",
         help="instance ids whose LMCache messages the sidecar accepts, comma list or JSON (default: any)",
         doc="instance ids whose LMCache messages are applied; messages naming another id are dropped and "
-            "counted, requests (registration, heartbeat, full sync) answered with `ErrorMsg`. When "
-            "`instance_id` is set too it must be in the list")
+            "counted, requests (registration, heartbeat, full sync) answered with `ErrorMsg`. The sidecar also "
+            "claims the listed instances (`kvl:v2:{r}:claims`): while its lease holds, every other sidecar "
+            "(the controller's embedded one included, whatever its own list) refuses messages for them the same "
+            "way. When `instance_id` is set too it must be in the list")
     # -- vLLM (sidecar) ---------------------------------------------------------------------------
     vllm_endpoint: str | None = setting(
         None, readers=(SIDECAR,),
@@ -266,6 +290,7 @@ class Settings:
         for f in dataclasses.fields(self):
             setattr(self, f.name, typed(f.name, getattr(self, f.name)))
         self._validate_ranges()
+        self._read_password_file()
         if self.sidecar_id is not None and not (0 < len(self.sidecar_id) <= 256 and self.sidecar_id.isprintable()):
             raise ValueError(f"sidecar_id: {self.sidecar_id!r} is not 1..256 printable characters")
         if self.redis_cluster and not self.redis_url:
@@ -294,6 +319,18 @@ class Settings:
         self.profile()
         self._validate_access()
         return self
+
+    def _read_password_file(self) -> None:
+        if not self.embedded_redis_password_file:
+            return
+        try:
+            lines = Path(self.embedded_redis_password_file).read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"embedded_redis_password_file: cannot read {self.embedded_redis_password_file!r}: "
+                             f"{exc.strerror}") from None
+        if not lines or not lines[0].strip():
+            raise ValueError(f"embedded_redis_password_file: {self.embedded_redis_password_file!r} is empty")
+        self.embedded_redis_password = lines[0].strip()
 
     def _validate_ranges(self) -> None:
         """Ranges and choices of the typed values (see the RANGES table)."""
@@ -406,7 +443,7 @@ RANGES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("max_tokens", "max_body_bytes", "redis_max_connections", "lookup_cache_keys",
       "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size", "mp_chunk_size"), lambda v: v >= 1,
      "a positive integer"),
-    (("control_retries", "mp_replica_acks"), lambda v: v >= 0, "an integer >= 0"),
+    (("control_retries", "mp_replica_acks", "max_workers_per_instance"), lambda v: v >= 0, "an integer >= 0"),
     (("body_timeout_s", "control_timeout_s", "vllm_replay_timeout_s", "mp_instance_timeout_s"), lambda v: v > 0,
      "a positive number of seconds"),
     (("instance_ttl_s", "worker_ttl_s", "disconnect_grace_s"), lambda v: v >= 0, "a number of seconds >= 0"),

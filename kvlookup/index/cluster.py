@@ -22,6 +22,9 @@ from kvlookup.index.io import purge_step, raise_errors
 from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches, Pending
 from kvlookup.index.staged import HolderCache, StagedLookup
 
+#: (holder, bucket) pairs a ClusterRecords remembers as named in their holder's bucket set.
+MARKS_KEPT = 1_000_000
+
 
 class ClusterRecords:
     """Records on a Redis Cluster (see the module docstring)."""
@@ -31,6 +34,7 @@ class ClusterRecords:
         self.io = io or ClusterIO(rc)
         self.resolve_sha = self.io.register(scripts.RESOLVE)
         self.cache = HolderCache()
+        self.marked: set[tuple[str, int]] = set()  # (holder id, bucket) its bucket set names
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -44,14 +48,20 @@ class ClusterRecords:
                                                               ("ZSCORE", keys.dead_holders_key(), w.holder_id))]
         admit_adds: list[tuple[int, int]] = []  # (write index, command index) of bucket SADDs
         evict_at: list[int] = []  # per write, the command index of its first ZREM
+        marks: list[tuple[int, tuple[str, int]]] = []  # (command index, (holder, bucket)) of bucket-set SADDs
         for wi, w in enumerate(writes):
             prefix = keys.chunk_prefix(w.space)
             for bucket_key, members in _by_bucket(w.holder_id, w.admits).items():
                 admit_adds.append((wi, len(first)))
                 first.append(("SADD", bucket_key, *members))
+            new = sorted({b for h in w.admits if (w.holder_id, b := keys.chunk_bucket(h)) not in self.marked})
+            if new:  # the holder's bucket set names a bucket before any record in it exists (round two)
+                marks += [(len(first), (w.holder_id, b)) for b in new]
+                first.append(("SADD", keys.holder_buckets_key(w.holder_id), *new))
             evict_at.append(len(first))
             first += [("ZREM", prefix + h, w.holder_id) for h in w.evicts]
         res = self.io.execute(first)
+        self._remember_marks(res, marks)
         live = [res[2 * i] == 1 and res[2 * i + 1] is None for i in range(len(writes))]
         second: list[tuple] = []
         evict_rems: list[tuple[int, int]] = []
@@ -74,6 +84,13 @@ class ClusterRecords:
         if counts or then:
             raise_errors(self.io.execute([*counts, *then]))
         return live
+
+    def _remember_marks(self, res: list, marks: list[tuple[int, tuple[str, int]]]) -> None:
+        """Remember the (holder, bucket) pairs the holder's bucket set now names, so later
+        admits do not add them again (bounded: forgotten all at once past MARKS_KEPT)."""
+        if len(self.marked) > MARKS_KEPT:
+            self.marked.clear()
+        self.marked.update(pair for ci, pair in marks if not isinstance(res[ci], Exception))
 
     # -- lookup ------------------------------------------------------------------------------
 

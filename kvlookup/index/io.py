@@ -131,34 +131,58 @@ def raise_errors(results: list) -> list:
 def purge_step(run, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
     """One purge step over plain commands; ``run(commands) -> results`` executes one batch.
 
-    Reads the next PURGE_BUCKETS_PER_STEP buckets, removes their records from the chunk sorted
-    sets and only then from the buckets (so a bucket always lists at least the records that
-    remain: a step cut short by a crash is redone, never leaks), and lowers the holder's record
-    count by what left the buckets. Returns (records removed, next bucket to read).
+    ``bucket`` is the progress: ``b >= 0`` walks the buckets the holder's bucket set
+    (keys.holder_buckets_key) names, from bucket ``b``; once they are done and the holder's
+    record count says nothing is left, the holder is done, otherwise (records written without
+    naming their bucket: by an older kvlookup) every bucket is swept, progress ``-1 - b`` at bucket ``b``.
+    So a purge costs what the holder holds (a few commands for one record), not 2048 reads.
+
+    Reads at most PURGE_BUCKETS_PER_STEP buckets per round trip, removes their records from the
+    chunk sorted sets and only then from the buckets (so a bucket always lists at least the
+    records that remain: a step cut short by a crash is redone, never leaks), and lowers the
+    holder's record count by what left the buckets. Returns (records removed, next progress);
+    ``keys.HOLDER_CHUNK_BUCKETS`` once every bucket is empty.
     """
     nb = keys.HOLDER_CHUNK_BUCKETS
-    prefix = keys.chunk_prefix(space)
     removed = 0
-    while bucket < nb and removed < budget:
-        want = budget - removed
-        span = range(bucket, min(bucket + PURGE_BUCKETS_PER_STEP, nb))
-        found = run([("SRANDMEMBER", keys.holder_chunks_key(holder_id, b), want) for b in span])
-        take, total = [], 0
-        bucket = span[-1] + 1
-        for b, members in zip(span, found, strict=True):
-            if total >= want:
-                bucket = b
-                break
-            if members:
-                take.append((b, members))
-                total += len(members)
-            if len(members) >= want:  # maybe more left there
-                bucket = b
-                break
-        run([("ZREM", prefix + h, holder_id) for _b, members in take for h in members])
-        gone = sum(int(n) for n in run([("SREM", keys.holder_chunks_key(holder_id, b), *members)
-                                         for b, members in take]))
-        if gone:
-            run([("HINCRBY", keys.records_key(), holder_id, -gone)])
-        removed += gone
-    return removed, bucket
+    if bucket >= 0:
+        marked = raise_errors(run([("SMEMBERS", keys.holder_buckets_key(holder_id))]))[0]
+        todo = sorted(b for b in map(int, marked) if b >= bucket)
+        while todo and removed < budget:
+            n, todo = _purge_buckets(run, holder_id, space, todo, budget - removed)
+            removed += n
+        if todo:
+            return removed, todo[0]
+        left = raise_errors(run([("HGET", keys.records_key(), holder_id)]))[0]
+        if int(left or 0) <= 0:
+            return removed, nb
+        bucket = -1  # records in buckets the set does not name: sweep every bucket
+    todo = list(range(-1 - bucket, nb))
+    while todo and removed < budget:
+        n, todo = _purge_buckets(run, holder_id, space, todo, budget - removed)
+        removed += n
+    return removed, (-1 - todo[0]) if todo else nb
+
+
+def _purge_buckets(run, holder_id: str, space: str, todo: list[int], want: int) -> tuple[int, list[int]]:
+    """Purge up to ``want`` records from the first PURGE_BUCKETS_PER_STEP buckets of ``todo``;
+    returns (records removed, the buckets still to read, a partly read one first)."""
+    prefix = keys.chunk_prefix(space)
+    span = todo[:PURGE_BUCKETS_PER_STEP]
+    found = run([("SRANDMEMBER", keys.holder_chunks_key(holder_id, b), want) for b in span])
+    take, total, rest = [], 0, len(span)
+    for i, members in enumerate(found):
+        if total >= want:
+            rest = i
+            break
+        if members:
+            take.append((span[i], members))
+            total += len(members)
+        if len(members) >= want:  # maybe more left there
+            rest = i
+            break
+    run([("ZREM", prefix + h, holder_id) for _b, members in take for h in members])
+    gone = sum(int(n) for n in run([("SREM", keys.holder_chunks_key(holder_id, b), *members) for b, members in take]))
+    if gone:
+        run([("HINCRBY", keys.records_key(), holder_id, -gone)])
+    return gone, todo[rest:]

@@ -96,6 +96,14 @@ def holder_chunks_key(holder_id: int | str, bucket: int) -> str:
     return f"{PREFIX}holder:{holder_id}:chunks:{bucket}"
 
 
+def holder_buckets_key(holder_id: int | str) -> str:
+    """Set of the reverse-index bucket numbers a holder ever wrote (``b`` added with or before
+    the first member of ``holder_chunks_key(holder_id, b)``; an intset of at most 2048 small
+    integers): purge reads only those buckets, so a holder of one record costs a few commands,
+    not 2048 (issue 20 item 9). Deleted when its holder is purged."""
+    return f"{PREFIX}holder:{holder_id}:buckets"
+
+
 #: Evictions each holder's log keeps (the newest), and how long a log lives after its last
 #: eviction (ms): explain tells "evicted at T" from "never stored" with them.
 EVICTED_MAX = 1024
@@ -285,6 +293,12 @@ def sidecar_instances_key(sidecar_id: str) -> str:
     return f"{REGISTRY}sidecar:{key_name(sidecar_id)}:instances"
 
 
+def claims_key() -> str:
+    """Hash instance_id -> id of the sidecar whose ``allowed_instance_ids`` names it: while that
+    sidecar's lease holds, no other sidecar writes for the instance (issue 20 item 10)."""
+    return REGISTRY + "claims"
+
+
 def sidecars_key() -> str:
     """Sorted set sidecar id -> lease expiry (unix ms) of every sidecar that owns instances."""
     return REGISTRY + "sidecars"
@@ -384,7 +398,8 @@ def event_key(event_id: str) -> str:
 #
 # Every MP key carries the hash tag ``{mp}``: the gate, the placements and the counters are
 # changed together by one Lua script per POST /events (never half-applied), which needs one
-# slot on Redis Cluster. kvlookup.index.mp documents the values.
+# slot on Redis Cluster. kvlookup.index.mp documents the values,
+# kvlookup.index.mp_scripts the three families whose names its scripts complete.
 
 MP = PREFIX + "{mp}:"
 #: Chunk buckets: the first 3 hex digits of a chunk hash pick one of 4,096 hashes, each small
@@ -402,19 +417,37 @@ def mp_bucket(chunk_hash_hex: str) -> str:
     return chunk_hash_hex[:MP_BUCKET_HEX].ljust(MP_BUCKET_HEX, "0")
 
 
+def mp_chunks_prefix() -> str:
+    """Prefix of :func:`mp_chunks_key`: ``mp_chunks_key(b) == mp_chunks_prefix() + b`` (the MP
+    scripts append the bucket of a record a fence reaches; kvlookup.index.mp_scripts)."""
+    return f"{MP}c:"
+
+
 def mp_chunks_key(bucket: str) -> str:
     """Hash ``<chunk b64>.<space id>`` -> ``<key id>,<access count>|<tb>,<epoch>,<size>|...``:
     the placements of every MP object key whose chunk hash starts with ``bucket``; and
     ``<chunk b64>`` -> ``<token_offset>\t<base64 little-endian uint32 token ids>``, the chunk's
     token binding (deleted with the chunk's last key; beside the keys, so a lookup reads both
     with one HMGET)."""
-    return f"{MP}c:{bucket}"
+    return f"{mp_chunks_prefix()}{bucket}"
+
+
+def mp_page_prefix() -> str:
+    """Prefix of :func:`mp_page_key`: ``mp_page_key(n) == mp_page_prefix() + str(n)`` (the MP
+    scripts append the page of a key id they allocate or read)."""
+    return f"{MP}k:"
 
 
 def mp_page_key(page: int) -> str:
     """Hash ``<key id % MP_PAGE>`` -> ``<chunk b64>.<space id>``: key ids in insertion order
     (GET /directory/keys walks the pages 0 .. seq / MP_PAGE)."""
-    return f"{MP}k:{page}"
+    return f"{mp_page_prefix()}{page}"
+
+
+def mp_l1_prefix() -> str:
+    """Prefix of :func:`mp_l1_key`: ``mp_l1_key(i, b) == mp_l1_prefix() + f"{i}:{b}"`` (the MP
+    scripts append the instance number they intern and the bucket of a key id)."""
+    return f"{MP}l1:"
 
 
 def mp_l1_key(instance_num: int | str, bucket: int) -> str:
@@ -479,6 +512,14 @@ def mp_capacity_key() -> str:
 def mp_config_key() -> str:
     """Hash of fleet settings: ``chunk_size`` once bound (registration or PUT /config/chunk-size)."""
     return MP + "config"
+
+
+def mp_script_keys() -> list[str]:
+    """KEYS[1..10] of the MP ingest and departure scripts (kvlookup.index.mp_scripts): names,
+    stats, cursors, departed, capacity, instances, heartbeats, then the prefixes of the chunk
+    buckets, key pages and L1 sets (families whose ids the scripts allocate or discover)."""
+    return [mp_names_key(), mp_stats_key(), mp_cursors_key(), mp_departed_key(), mp_capacity_key(),
+            mp_instances_key(), mp_heartbeats_key(), mp_chunks_prefix(), mp_page_prefix(), mp_l1_prefix()]
 
 
 def mp_all_keys() -> list[str]:

@@ -77,6 +77,17 @@ class Chain:
         return [f"{p}{h}" for h in self.hashes[start:stop]]
 
 
+def lmcache_chain(hashes: Sequence[int | str], chunk_size: int, n_tokens: int) -> Chain:
+    """The chain of LMCache chunk hashes (hash space "": the engines' own keys)."""
+    return Chain(keys.chunk_prefix(), hashes, chunk_size, n_tokens)
+
+
+def vllm_chain(block_size: int, hashes: Sequence[int | str]) -> Chain:
+    """The chain of kvlookup's own hashes over vLLM blocks of ``block_size`` tokens (hash space
+    ``keys.vllm_space(block_size)``), ending at the last full block."""
+    return Chain(keys.chunk_prefix(keys.vllm_space(block_size)), hashes, block_size, block_size * len(hashes))
+
+
 @dataclass(frozen=True)
 class HolderWrite:
     """One holder's folded ops: chunk hashes (text) to admit and to evict, disjoint."""

@@ -13,6 +13,9 @@ Two kinds (docs/redis-schema.md):
   which spread over every slot; only the single-node backend runs them. The cluster backend
   writes and reads records with plain single-key commands (kvlookup.index.cluster).
 
+The LMCache MP directory's scripts live in kvlookup.index.mp_scripts (hash tag ``{mp}``); its
+docstring names the three key families whose ids only the script knows.
+
 Where a registry script needs a key that depends on stored state (the index set of a worker's
 previous IP, the set of an instance's previous owner), the caller reads that state first and
 passes the key and the value it saw; the script returns ``RETRY`` (-2) when the value changed
@@ -23,12 +26,13 @@ Scripts are registered once per client (redis-py ``register_script``, EVALSHA).
 
 from __future__ import annotations
 
-from kvlookup.index.keys import DEPARTURES_KEEP_MS, DEPARTURES_MAX, MP_BUCKET_HEX, MP_L1_BUCKETS, MP_PAGE
+from kvlookup.index.keys import DEPARTURES_KEEP_MS, DEPARTURES_MAX
 
 #: Codes shared by the registry scripts.
 NOT_REGISTERED = -1
 RETRY = -2
 LIVE = -3
+TOO_MANY_WORKERS = -4
 
 # Retire a worker's holders (all locations, or one field): marked dead at once (lookups skip
 # them, scored by retire time) and purged later in bounded steps. bump() moves the registry
@@ -111,16 +115,22 @@ return {now, tick, since}
 #: KEYS[10] vLLM block sizes, KEYS[11] suspects, KEYS[12] registry version
 #: ARGV[1] worker_id, ARGV[2] instance_id, ARGV[3] worker member, ARGV[4] ip the caller saw
 #: ('' when none), ARGV[5] new ip index member ("<port>:<instance_id>"), ARGV[6] kind,
-#: ARGV[7] worker_rule, ARGV[8] now (unix ms), ARGV[9..] worker hash field/value pairs.
-#: Returns the new epoch (1 for a first registration), or RETRY.
+#: ARGV[7] worker_rule, ARGV[8] now (unix ms), ARGV[9] most workers an instance may have (0 =
+#: no limit), ARGV[10..] worker hash field/value pairs.
+#: Returns the new epoch (1 for a first registration), RETRY, or TOO_MANY_WORKERS when a new
+#: worker would pass the limit (nothing written).
 REGISTER = _RETIRE + """
 local old = redis.call('HMGET', KEYS[1], 'ip', 'port', 'epoch')
 if (old[1] or '') ~= ARGV[4] then return -2 end
+local cap = tonumber(ARGV[9])
+if cap > 0 and redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 and redis.call('SCARD', KEYS[2]) >= cap then
+  return -4
+end
 retire(KEYS[1], KEYS[4], ARGV[8], nil)
 if old[1] then redis.call('SREM', KEYS[7], (old[2] or '') .. ':' .. ARGV[2]) end
 local epoch = tonumber(old[3] or '0') + 1
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'epoch', epoch, unpack(ARGV, 9))
+redis.call('HSET', KEYS[1], 'epoch', epoch, unpack(ARGV, 10))
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('HSET', KEYS[5], 'kind', ARGV[6], 'worker_rule', ARGV[7])
@@ -291,26 +301,37 @@ redis.call('ZADD', KEYS[4], server_ms() + tonumber(ARGV[4]), ARGV[1])
 return 1
 """
 
-#: Renew the leases of every instance a sidecar still owns, and the sidecar's own lease;
-#: instances another sidecar took over leave this sidecar's set.
-#: Leases run from Redis server time, and the renewal ticks the lease clock.
+#: Renew one slice of the leases of the instances a sidecar still owns (issue 20 item 9: one
+#: call over all of them blocked Redis 400-500 ms at 50k); the first slice (cursor '0') also
+#: renews the sidecar's own lease and ticks the lease clock. Instances another sidecar took
+#: over leave this sidecar's set. Leases run from Redis server time.
 #: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] alive, KEYS[4] sidecars,
 #: KEYS[5] lease clock; ARGV[1] sidecar id, ARGV[2] instance lease lifetime, ARGV[3] sidecar
-#: lease lifetime, ARGV[4] outage gap (ms). Returns the instances renewed.
+#: lease lifetime, ARGV[4] outage gap (ms), ARGV[5] SSCAN cursor ('0' to start), ARGV[6]
+#: instances per slice (SSCAN's COUNT). Returns {next cursor ('0' when done), instances renewed}.
 TOUCH = _CLOCK + """
-local now = clock_tick(KEYS[5], tonumber(ARGV[4]))
+local now
+if ARGV[5] == '0' then
+  now = clock_tick(KEYS[5], tonumber(ARGV[4]))
+  redis.call('ZADD', KEYS[4], string.format('%d', now + tonumber(ARGV[3])), ARGV[1])
+else
+  now = server_ms()
+end
 local expiry = string.format('%d', now + tonumber(ARGV[2]))
-local n = 0
-for _, inst in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-  if redis.call('HGET', KEYS[1], inst) == ARGV[1] then
-    redis.call('ZADD', KEYS[3], expiry, inst)
-    n = n + 1
+local page = redis.call('SSCAN', KEYS[2], ARGV[5], 'COUNT', ARGV[6])
+local owners = #page[2] > 0 and redis.call('HMGET', KEYS[1], unpack(page[2])) or {}
+local renew, gone = {}, {}
+for i, inst in ipairs(page[2]) do
+  if owners[i] == ARGV[1] then
+    renew[#renew + 1] = expiry
+    renew[#renew + 1] = inst
   else
-    redis.call('SREM', KEYS[2], inst)
+    gone[#gone + 1] = inst
   end
 end
-redis.call('ZADD', KEYS[4], string.format('%d', now + tonumber(ARGV[3])), ARGV[1])
-return n
+if #renew > 0 then redis.call('ZADD', KEYS[3], unpack(renew)) end
+if #gone > 0 then redis.call('SREM', KEYS[2], unpack(gone)) end
+return {page[1], #renew / 2}
 """
 
 #: Retire a holder id the registry does not describe: a write for it was refused because it is
@@ -435,7 +456,9 @@ return out
 #: each chunk's last op (sets and sorted sets only keep the final state), so the ops are
 #: admits then evicts, each a chunk key, its reverse-index bucket key and its hash text.
 #: KEYS[1] holders, KEYS[2] dead, KEYS[3] records, KEYS[4..3+n] chunk keys, KEYS[4+n..3+2n]
-#: the matching reverse-index bucket keys, KEYS[4+2n] the holder's eviction log
+#: the matching reverse-index bucket keys, KEYS[4+2n] the holder's eviction log, KEYS[5+2n] the set
+#: of its bucket numbers (keys.holder_buckets_key: each bucket an admit writes is added, its
+#: number read from the bucket key's tail)
 #: ARGV[1] holder id, ARGV[2] score (admit time, unix ms), ARGV[3] number of admits,
 #: ARGV[4..3+n] chunk hashes (reverse-index members), in KEYS order; ARGV[4+n] evictions the log
 #: keeps, ARGV[5+n] its lifetime (ms) after the last eviction.
@@ -445,12 +468,17 @@ return out
 APPLY_OPS = """
 local hid, score, na = ARGV[1], ARGV[2], tonumber(ARGV[3])
 if redis.call('HEXISTS', KEYS[1], hid) == 0 or redis.call('ZSCORE', KEYS[2], hid) then return -1 end
-local n = (#KEYS - 4) / 2
-local delta, logged = 0, 0
+local n = (#KEYS - 5) / 2
+local delta, logged, marked = 0, 0, {}
 for i = 1, n do
   if i <= na then
+    local bucket = KEYS[3 + n + i]
+    if not marked[bucket] then
+      marked[bucket] = true
+      redis.call('SADD', KEYS[5 + 2 * n], string.match(bucket, '(%d+)$'))
+    end
     redis.call('ZADD', KEYS[3 + i], score, hid)
-    delta = delta + redis.call('SADD', KEYS[3 + n + i], ARGV[3 + i])
+    delta = delta + redis.call('SADD', bucket, ARGV[3 + i])
   else
     if redis.call('ZREM', KEYS[3 + i], hid) == 1 then
       redis.call('ZADD', KEYS[4 + 2 * n], score, ARGV[3 + i])
@@ -580,380 +608,4 @@ for _ = 1, tonumber(ARGV[4]) do
   end
 end
 return out
-"""
-
-
-# -- LMCache multiprocess (MP) directory (kvlookup.index.mp) ---------------------------------
-#
-# Every MP key carries the hash tag ``{mp}`` (keys.MP), so these scripts touch one slot. They
-# are the one exception to "no script builds a key name": which chunk buckets a fence touches
-# is only known inside the script (the key ids an instance's L1 index holds), so KEYS[1] is the
-# ``{mp}`` prefix and the scripts add the suffixes keys.py documents (c:<bucket>,
-# k:<page>, l1:<instance number>:<bucket>, names, stats, cursors, departed, capacity). All of
-# them hash to the slot of ``{mp}``, so the scripts run unchanged on one Redis and on a cluster.
-
-_MP_LIB = """
-local P = KEYS[1]
-local NAMES, STATS, CUR, DEP, CAP = P .. 'names', P .. 'stats', P .. 'cursors', P .. 'departed', P .. 'capacity'
-local PAGE, L1B, BH = 128, 256, 3
-local delta = {}
-local function add(f, n) if n ~= 0 then delta[f] = (delta[f] or 0) + n end end
-local function fmt(n) return string.format('%d', n) end
-local function intern(kind, text)
-  local id = redis.call('HGET', NAMES, 'n:' .. kind .. text)
-  if id then return id end
-  id = fmt(redis.call('HINCRBY', NAMES, 'seq:' .. kind, 1))
-  redis.call('HSET', NAMES, 'n:' .. kind .. text, id, 'r:' .. kind .. id, text)
-  if kind == 's' then
-    local s = redis.call('HGET', NAMES, 'sps')
-    redis.call('HSET', NAMES, 'sps', s and (s .. ',' .. id) or id)
-  end
-  return id
-end
-local tbinfo, epinfo, inames = {}, {}, {}
-local function tb_of(tb)  -- {is_l1, shared}
-  local t = tbinfo[tb]
-  if not t then
-    local text = redis.call('HGET', NAMES, 'r:t' .. tb) or 'l2\\t\\t0'
-    t = {string.sub(text, 1, 2) == 'l1', string.sub(text, -1) == '1'}
-    tbinfo[tb] = t
-  end
-  return t
-end
-local function iid_of(ep)
-  local i = epinfo[ep]
-  if not i then
-    i = string.match(redis.call('HGET', NAMES, 'r:e' .. ep) or '0', '^(%d+)')
-    epinfo[ep] = i
-  end
-  return i
-end
-local function iname(iid)
-  local n = inames[iid]
-  if not n then n = redis.call('HGET', NAMES, 'r:i' .. iid) or ''; inames[iid] = n end
-  return n
-end
-local function parse(v)
-  local kid, acc, pl = nil, 0, {}
-  for part in string.gmatch(v, '[^|]+') do
-    if not kid then
-      local k, a = string.match(part, '^(%d+),(%d+)$')
-      kid, acc = k, tonumber(a)
-    else
-      local tb, ep, sz = string.match(part, '^(%d+),(%d+),(%d+)$')
-      pl[#pl + 1] = {tb, ep, tonumber(sz)}
-    end
-  end
-  return kid, acc, pl
-end
-local function encode(kid, acc, pl)
-  local out = {kid .. ',' .. fmt(acc)}
-  for i = 1, #pl do out[#out + 1] = pl[i][1] .. ',' .. pl[i][2] .. ',' .. fmt(pl[i][3]) end
-  return table.concat(out, '|')
-end
-local function l1_iids(pl)
-  local s = {}
-  for i = 1, #pl do if tb_of(pl[i][1])[1] then s[iid_of(pl[i][2])] = true end end
-  return s
-end
-local function count(p, sign)
-  local t = tb_of(p[1])
-  local tier = t[1] and 'l1' or 'l2'
-  add('placements', sign); add(tier .. '_count', sign); add(tier .. '_bytes', sign * p[3])
-end
--- the L1 reverse index and per-instance key counts follow a record's change from before to after
-local function reindex(kid, before, after)
-  local b = fmt(tonumber(kid) % L1B)
-  for iid in pairs(before) do
-    if not after[iid] then
-      redis.call('SREM', P .. 'l1:' .. iid .. ':' .. b, kid); add('l1k:' .. iname(iid), -1)
-    end
-  end
-  for iid in pairs(after) do
-    if not before[iid] then
-      redis.call('SADD', P .. 'l1:' .. iid .. ':' .. b, kid); add('l1k:' .. iname(iid), 1)
-    end
-  end
-end
-local function sps_list()
-  local s = redis.call('HGET', NAMES, 'sps') or ''
-  local out = {}
-  for id in string.gmatch(s, '[^,]+') do out[#out + 1] = id end
-  return out
-end
--- a key with no placement left goes, and its chunk's token binding with the chunk's last key
-local function drop_key(bucket, field, kid)
-  redis.call('HDEL', P .. 'c:' .. bucket, field)
-  local n = tonumber(kid)
-  redis.call('HDEL', P .. 'k:' .. fmt(math.floor(n / PAGE)), fmt(n % PAGE))
-  add('keys', -1)
-  local chunk = string.match(field, '^(.*)%.%d+$')
-  local tkey = P .. 'c:' .. bucket
-  if redis.call('HEXISTS', tkey, chunk) == 1 then
-    for _, sp in ipairs(sps_list()) do
-      if redis.call('HEXISTS', P .. 'c:' .. bucket, chunk .. '.' .. sp) == 1 then return end
-    end
-    redis.call('HDEL', tkey, chunk)
-  end
-end
--- every L1 placement instance number ``iid`` reported goes (restart, departure, timeout)
-local function fence(iid)
-  for b = 0, L1B - 1 do
-    local set = P .. 'l1:' .. iid .. ':' .. fmt(b)
-    local kids = redis.call('SMEMBERS', set)
-    for _, kid in ipairs(kids) do
-      local n = tonumber(kid)
-      local ref = redis.call('HGET', P .. 'k:' .. fmt(math.floor(n / PAGE)), fmt(n % PAGE))
-      if ref then
-        local bucket, field = string.sub(ref, 1, BH), string.sub(ref, BH + 1)
-        local v = redis.call('HGET', P .. 'c:' .. bucket, field)
-        if v then
-          local k, acc, pl = parse(v)
-          local keep = {}
-          for i = 1, #pl do
-            if tb_of(pl[i][1])[1] and iid_of(pl[i][2]) == iid then count(pl[i], -1) else keep[#keep + 1] = pl[i] end
-          end
-          local after = l1_iids(keep)
-          after[iid] = nil
-          local before = l1_iids(pl)
-          before[iid] = nil
-          reindex(kid, before, after)
-          if #keep == 0 then drop_key(bucket, field, k)
-          else redis.call('HSET', P .. 'c:' .. bucket, field, encode(k, acc, keep)) end
-        end
-      end
-    end
-    if #kids > 0 then redis.call('DEL', set) end
-  end
-  local name = iname(iid)
-  if name ~= '' then
-    local n = tonumber(redis.call('HGET', STATS, 'l1k:' .. name) or '0') + (delta['l1k:' .. name] or 0)
-    delta['l1k:' .. name] = (delta['l1k:' .. name] or 0) - n
-  end
-end
-local function fence_name(inst)
-  local iid = redis.call('HGET', NAMES, 'n:i' .. inst)
-  if iid then fence(iid) end
-end
-local function flush()
-  for f, n in pairs(delta) do
-    local v = redis.call('HINCRBY', STATS, f, n)
-    if v == 0 and string.sub(f, 1, 4) == 'l1k:' then redis.call('HDEL', STATS, f) end
-  end
-  delta = {}
-end
-"""
-
-_MP_LIB = _MP_LIB.replace("local PAGE, L1B, BH = 128, 256, 3",
-                          f"local PAGE, L1B, BH = {MP_PAGE}, {MP_L1_BUCKETS}, {MP_BUCKET_HEX}")
-
-#: Apply one POST /events body: the gate, then each admitted batch, all or nothing.
-#: KEYS[1] the ``{mp}`` prefix. ARGV[1] now (unix ms), ARGV[2] number of batches, then per batch
-#: 13 fields (instance_id, incarnation, seq, event_type, tier, backend, shared 0|1,
-#: dropped_events, ts ms, capacity_bytes, capacity_revision, number of entries, the entries
-#: packed: one record per entry joined by byte 30, its 5 fields joined by byte 31: bucket, chunk
-#: b64, space text ``model\\tsalt\\tkv_rank\\tgroup`` or the bare space id (no tab) when the caller
-#: knows it, size_bytes, token binding ``offset\\tb64`` or ''). Returns {applied, duplicates, stale}.
-MP_APPLY = _MP_LIB + """
-local now = tonumber(ARGV[1])
-local nb = tonumber(ARGV[2])
-local i = 3
-local applied, dup, stale = 0, 0, 0
-local kseq = nil  -- key ids: read once, written back once
-local function gate(inst, inc, seq, tier, dropped, ts)
-  local dep = redis.call('HGET', DEP, inst)
-  if dep then
-    if inc > tonumber(string.match(dep, '^(%d+)')) then redis.call('HDEL', DEP, inst)
-    elseif tier == 'l1' then return 'stale' end
-  end
-  local cur = redis.call('HGET', CUR, inst)
-  local tracked = cur ~= false and cur ~= nil
-  local c
-  if tracked then
-    local f = {}
-    for x in string.gmatch(cur .. '\\t', '([^\\t]*)\\t') do f[#f + 1] = x end
-    c = {tonumber(f[1]), tonumber(f[2]), f[3], f[4], tonumber(f[5]), tonumber(f[6])}
-    if inc < c[1] then return 'stale' end
-    if inc > c[1] then fence_name(inst); c = nil elseif seq <= c[2] then return 'dup' end
-  end
-  if not c then c = {inc, 0, '0', (tracked or seq == 1) and '0' or '', 0, 0} end
-  local skipped = seq - c[2] - 1
-  if skipped > 0 then
-    c[3] = '1'
-    if tracked then c[6] = c[6] + skipped; add('batches_missing', skipped) end
-  end
-  if c[4] ~= '' then
-    local d = dropped - tonumber(c[4])
-    if d > 0 then c[3] = '1'; c[5] = c[5] + d; add('events_dropped', d) end
-  end
-  c[4] = fmt(dropped)
-  c[2] = seq
-  local delay = (ts > 0) and fmt(now - ts) or ''
-  redis.call('HSET', CUR, inst, table.concat({fmt(c[1]), fmt(c[2]), c[3], c[4], fmt(c[5]), fmt(c[6]), delay}, '\\t'))
-  return 'ok'
-end
-local function config(inst, inc, tier, backend, shared, cap, rev)
-  local old = redis.call('HGET', CAP, inst)
-  local mod = tier .. ',' .. backend .. ',' .. shared .. ',' .. cap
-  if old then
-    local oinc, orev, mods = string.match(old, '^(%d+)\\t(%d+)\\t(.*)$')
-    oinc, orev = tonumber(oinc), tonumber(orev)
-    if inc < oinc or (inc == oinc and rev < orev) then return end
-    if inc == oinc and rev == orev then
-      local out, prefix = {}, tier .. ',' .. backend .. ','
-      for m in string.gmatch(mods, '[^;]+') do
-        if string.sub(m, 1, #prefix) ~= prefix then out[#out + 1] = m end
-      end
-      out[#out + 1] = mod
-      redis.call('HSET', CAP, inst, fmt(inc) .. '\\t' .. fmt(rev) .. '\\t' .. table.concat(out, ';'))
-      return
-    end
-  end
-  redis.call('HSET', CAP, inst, fmt(inc) .. '\\t' .. fmt(rev) .. '\\t' .. mod)
-end
-for _ = 1, nb do
-  local inst, inc, seq, etype, tier, backend, shared = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]),
-    ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
-  local dropped, ts, cap, rev, ne = tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8]), ARGV[i + 9],
-    tonumber(ARGV[i + 10]), tonumber(ARGV[i + 11])
-  local packed = ARGV[i + 12]
-  i = i + 13
-  local verdict = gate(inst, inc, seq, tier, dropped, ts)
-  if verdict == 'stale' then stale = stale + 1 elseif verdict == 'dup' then dup = dup + 1 else
-    applied = applied + 1
-    if etype == 'config' then config(inst, inc, tier, backend, shared, cap, rev) elseif ne > 0 then
-      local tb, ep, iid
-      if etype ~= 'access' then
-        tb = intern('t', tier .. '\\t' .. backend .. '\\t' .. shared)
-        iid = intern('i', inst)
-        ep = intern('e', iid .. '\\t' .. fmt(inc))
-      end
-      local is_shared = shared == '1'
-      local is_l1 = tier == 'l1'
-      local new_keys, new_bytes, new_l1 = 0, 0, 0
-      if tb then epinfo[ep] = iid end
-      for rec in string.gmatch(packed, '[^\\30]+') do
-        local bucket, chunk, space, size, tokens =
-          string.match(rec, '^([^\\31]*)\\31([^\\31]*)\\31([^\\31]*)\\31([^\\31]*)\\31(.*)$')
-        size = tonumber(size)
-        local ckey = P .. 'c:' .. bucket
-        if etype == 'store' then
-          local sid = string.find(space, '\t', 1, true) and intern('s', space) or space
-          local field = chunk .. '.' .. sid
-          local v = redis.call('HGET', ckey, field)
-          if not v then  -- a new key (the common case): no record to read back
-            if not kseq then kseq = tonumber(redis.call('HGET', STATS, 'kseq') or '0') end
-            kseq = kseq + 1
-            local kid = fmt(kseq)
-            redis.call('HSET', P .. 'k:' .. fmt(math.floor(kseq / PAGE)), fmt(kseq % PAGE), bucket .. field)
-            redis.call('HSET', ckey, field, kid .. ',0|' .. tb .. ',' .. ep .. ',' .. fmt(size))
-            if is_l1 then
-              redis.call('SADD', P .. 'l1:' .. iid .. ':' .. fmt(kseq % L1B), kid)
-              new_l1 = new_l1 + 1
-            end
-            new_keys, new_bytes = new_keys + 1, new_bytes + size
-          else
-            local kid, acc, pl = parse(v)
-            local before = l1_iids(pl)
-            local found = false
-            for j = 1, #pl do
-              local p = pl[j]
-              if p[1] == tb and (is_shared or iid_of(p[2]) == iid) then
-                count(p, -1); p[2] = ep; p[3] = size; count(p, 1); found = true
-                break
-              end
-            end
-            if not found then pl[#pl + 1] = {tb, ep, size}; count(pl[#pl], 1) end
-            epinfo[ep] = iid
-            reindex(kid, before, l1_iids(pl))
-            redis.call('HSET', ckey, field, encode(kid, acc, pl))
-          end
-          if tokens ~= '' then redis.call('HSET', P .. 'c:' .. bucket, chunk, tokens) end
-        else
-          local sp = string.find(space, '\t', 1, true) and redis.call('HGET', NAMES, 'n:s' .. space) or space
-          local field = sp and (chunk .. '.' .. sp)
-          local v = field and redis.call('HGET', ckey, field)
-          if v then
-            local kid, acc, pl = parse(v)
-            if etype == 'access' then
-              redis.call('HSET', ckey, field, encode(kid, acc + 1, pl))
-            else
-              local before = l1_iids(pl)
-              for j = 1, #pl do
-                local p = pl[j]
-                if p[1] == tb and (is_shared or iid_of(p[2]) == iid) then
-                  count(p, -1); table.remove(pl, j)
-                  break
-                end
-              end
-              reindex(kid, before, l1_iids(pl))
-              if #pl == 0 then drop_key(bucket, field, kid)
-              else redis.call('HSET', ckey, field, encode(kid, acc, pl)) end
-            end
-          end
-        end
-      end
-      if new_keys > 0 then
-        add('keys', new_keys); add('placements', new_keys)
-        add(tier .. '_count', new_keys); add(tier .. '_bytes', new_bytes)
-        if new_l1 > 0 then add('l1k:' .. inst, new_l1) end
-      end
-    end
-  end
-end
-add('batches_applied', applied); add('batches_duplicate', dup); add('batches_stale', stale)
-if kseq then redis.call('HSET', STATS, 'kseq', fmt(kseq)) end
-flush()
-return {applied, dup, stale}
-"""
-
-#: An instance departs: DELETE /instances/{id} (ARGV[3] '1': registration and capacity go too)
-#: or a heartbeat timeout (ARGV[3] '0': registration goes, capacity stays). Its L1 placements
-#: go, its cursor is forgotten and its L1 batches of that incarnation are stale until it
-#: registers again. KEYS[1] the ``{mp}`` prefix; ARGV[1] instance_id, ARGV[2] now (unix ms),
-#: ARGV[3] forget capacity, ARGV[4] only when its heartbeat is older than this (unix ms; '' = always).
-#: Returns 1 when it departed, 0 when a fresh heartbeat kept it.
-MP_DEPART = _MP_LIB + """
-local inst = ARGV[1]
-if ARGV[4] ~= '' then
-  local hb = redis.call('ZSCORE', P .. 'heartbeats', inst)
-  if hb and tonumber(hb) >= tonumber(ARGV[4]) then return 0 end
-end
-fence_name(inst)
-local cur = redis.call('HGET', CUR, inst)
-redis.call('HDEL', CUR, inst)
-if cur then
-  local why = (ARGV[3] == '1') and 'deregistered' or 'timed_out'
-  redis.call('HSET', DEP, inst, string.match(cur, '^(%d+)') .. '\t' .. why .. '\t' .. ARGV[2])
-end
-redis.call('HDEL', P .. 'instances', inst)
-redis.call('ZREM', P .. 'heartbeats', inst)
-if ARGV[3] == '1' then redis.call('HDEL', CAP, inst) end
-flush()
-return 1
-"""
-
-#: Register an MP instance. KEYS[1] the ``{mp}`` prefix; ARGV[1] instance_id, ARGV[2] JSON
-#: registration, ARGV[3] now (unix ms). Returns 1 when it was registered already (re_registered).
-MP_REGISTER = """
-local P = KEYS[1]
-local existed = redis.call('HEXISTS', P .. 'instances', ARGV[1])
-redis.call('HSET', P .. 'instances', ARGV[1], ARGV[2])
-redis.call('ZADD', P .. 'heartbeats', ARGV[3], ARGV[1])
-redis.call('HDEL', P .. 'departed', ARGV[1])
-return existed
-"""
-
-#: Heartbeat. KEYS[1] heartbeats, KEYS[2] instances; ARGV[1] instance_id, ARGV[2] now (unix ms).
-#: Returns 1, or 0 for an unknown instance (404: re-register).
-MP_HEARTBEAT = """
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-return 1
-"""
-
-#: Bind the fleet's chunk size once. KEYS[1] config hash; ARGV[1] chunk size. Returns the bound size.
-MP_BIND_CHUNK = """
-redis.call('HSETNX', KEYS[1], 'chunk_size', ARGV[1])
-return tonumber(redis.call('HGET', KEYS[1], 'chunk_size'))
 """

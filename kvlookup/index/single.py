@@ -68,9 +68,10 @@ class SingleNodeRecords:
             for i in range(0, max(len(ops), 1), MAX_OPS_PER_CALL):
                 part = ops[i:i + MAX_OPS_PER_CALL]
                 n_admits = max(0, min(len(w.admits) - i, len(part)))
-                cmds.append(("EVALSHA", self._apply, 4 + 2 * len(part), *head, *[prefix + h for h in part],
+                cmds.append(("EVALSHA", self._apply, 5 + 2 * len(part), *head, *[prefix + h for h in part],
                              *[buckets[b if (b := tails.get(h[-4:])) is not None else bucket(h)] for h in part],
-                             keys.holder_evicted_key(w.holder_id), w.holder_id, score, n_admits, *part,
+                             keys.holder_evicted_key(w.holder_id), keys.holder_buckets_key(w.holder_id),
+                             w.holder_id, score, n_admits, *part,
                              keys.EVICTED_MAX, keys.EVICTED_TTL_MS))
                 n += 1
             calls.append(n)

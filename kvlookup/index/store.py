@@ -39,9 +39,31 @@ EVICT = "e"
 
 #: How many times a registry script is retried when the state it was given changed meanwhile.
 MAX_RETRIES = 8
+#: Instances one lease-renewal script renews (an SSCAN page): a slice costs a few ms of Redis
+#: time, so renewal never blocks Redis long however many instances a sidecar owns (one call
+#: over 50k blocked it 0.2-0.6 s, and PINGs waited up to 2.3 s, on the 2-core test machine).
+RENEW_SLICE = 1000
 #: Holder ids a new Redis master skips before its first allocation (scripts.HOLDER): more
 #: than could have been handed out within any replication lag.
 HOLDER_ID_GAP = 1 << 16
+
+
+class Refused(ValueError):
+    """A write the index refuses on purpose; ``reason`` is the metric label
+    (``kvlookup_rejected_frames_total``), the message says why."""
+
+    reason = "refused"
+
+
+class TooManyWorkers(Refused):
+    """A new worker would give its instance more than ``max_workers_per_instance`` workers."""
+
+    reason = "too_many_workers"
+
+
+#: Default most workers (TP ranks) one instance may register (issue 20 item 10: any peer could
+#: register ~1,000 and make every control call of the instance fail with "Too many open files").
+MAX_WORKERS_PER_INSTANCE = 256
 
 
 class NotRegistered(LookupError):
@@ -73,6 +95,8 @@ class Store:
     one Redis, whose writes check retirement atomically; 5 s on a cluster, where a write racing
     a retirement lands within one round trip). cache_reads: lookups read through copies Redis
     keeps coherent (kvlookup.index.tracking; one Redis only; for a controller, not for writers).
+    max_workers_per_instance: registering a new worker beyond this many for one instance raises
+    :class:`TooManyWorkers` (0 = no limit).
     """
 
     #: the model the instances registered through this store serve (a sidecar's ``model`` setting);
@@ -81,8 +105,9 @@ class Store:
 
     def __init__(self, client, *, instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0,
                  purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool | str = False,
-                 cache_keys: int = 200_000):
+                 cache_keys: int = 200_000, max_workers_per_instance: int = MAX_WORKERS_PER_INSTANCE):
         self.r = client
+        self.max_workers_per_instance = max_workers_per_instance
         self.cluster = isinstance(client, RedisCluster)
         self.instance_ttl_ms = int(instance_ttl_s * 1000)
         self.worker_ttl_ms = int(worker_ttl_s * 1000)
@@ -116,6 +141,7 @@ class Store:
 
         Re-registration of a known (instance, worker) starts a new epoch: its earlier records
         stop counting at once (the engine restarted with a cold cache) and are purged later.
+        Raises :class:`TooManyWorkers` for a new worker past ``max_workers_per_instance``.
         """
         now = self.clock.now() if now is None else now
         wid = str(worker_id)
@@ -131,8 +157,12 @@ class Store:
                       keys.ip_index_key(ip if old_ip is None else old_ip), keys.rules_key(), keys.heartbeats_key(),
                       keys.block_sizes_key(), keys.suspects_key(), keys.registry_version_key()],
                 args=[wid, instance_id, keys.worker_member(instance_id, wid), old_ip or "",
-                      f"{int(port)}:{instance_id}", kind.name, kind.worker_rule, int(now * 1000), *fields],
+                      f"{int(port)}:{instance_id}", kind.name, kind.worker_rule, int(now * 1000),
+                      int(self.max_workers_per_instance), *fields],
             )
+            if int(epoch) == scripts.TOO_MANY_WORKERS:
+                raise TooManyWorkers(f"instance {instance_id!r} already has {self.max_workers_per_instance} workers "
+                                     f"(max_workers_per_instance): worker {wid} refused")
             if int(epoch) != scripts.RETRY:
                 self.touch_instances([instance_id])
                 if self.model:  # the owning sidecar's model: model-scoped lookups (app.coordinator.Scoper)
@@ -271,12 +301,20 @@ class Store:
 
     def renew(self, sidecar_id: str, sidecar_lease_s: float = 5.0) -> int:
         """Renew the leases of every instance ``sidecar_id`` owns, and its own (for
-        ``sidecar_lease_s``); returns how many instances it owns. A restarted sidecar calls this
-        first and resumes where it stopped."""
-        return int(self._scripts["TOUCH"](
-            keys=[keys.owners_key(), keys.sidecar_instances_key(sidecar_id), keys.alive_key(), keys.sidecars_key(),
-                  keys.lease_clock_key()],
-            args=[sidecar_id, self.instance_ttl_ms, int(sidecar_lease_s * 1000), self.outage_gap_ms]))
+        ``sidecar_lease_s``); returns how many instances it renewed. A restarted sidecar calls
+        this first and resumes where it stopped. Runs in slices of :data:`RENEW_SLICE`
+        instances, one short script each, so Redis serves everyone else in between."""
+        keys_ = [keys.owners_key(), keys.sidecar_instances_key(sidecar_id), keys.alive_key(), keys.sidecars_key(),
+                 keys.lease_clock_key()]
+        cursor, total = "0", 0
+        while True:
+            cursor, n = self._scripts["TOUCH"](
+                keys=keys_, args=[sidecar_id, self.instance_ttl_ms, int(sidecar_lease_s * 1000), self.outage_gap_ms,
+                                  cursor, RENEW_SLICE])
+            total += int(n)
+            cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+            if cursor == "0":
+                return total  # SSCAN may repeat a member: the count is at least every renewal
 
     def sign_off(self, sidecar_id: str) -> None:
         """A sidecar stopping on purpose: drop its own lease and status, so /health does not
@@ -294,6 +332,28 @@ class Store:
         pipe.hset(key, mapping={k: str(v) for k, v in status.items()})
         pipe.expire(key, 3600)
         pipe.execute()
+
+    def claim(self, sidecar_id: str, instance_ids: Sequence[str]) -> dict[str, str]:
+        """Record that ``sidecar_id`` alone takes writes for these instances (its
+        ``allowed_instance_ids``; keys.claims_key); returns {instance: previous claimer} of
+        those another sidecar had claimed."""
+        ids = list(instance_ids)
+        if not ids:
+            return {}
+        prev = self.r.hmget(keys.claims_key(), ids)
+        self.r.hset(keys.claims_key(), mapping=dict.fromkeys(ids, sidecar_id))
+        return {i: p for i, p in zip(ids, prev, strict=True) if p and p != sidecar_id}
+
+    def live_claims(self) -> dict[str, str]:
+        """{instance: claiming sidecar} of the claims whose sidecar's lease holds now (Redis's
+        clock), in one round trip; the hash holds only instances some sidecar's
+        ``allowed_instance_ids`` names."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(keys.claims_key())
+        pipe.zrangebyscore(keys.sidecars_key(), self.clock.now_ms(), "+inf")
+        claims, live = pipe.execute()
+        alive = set(live)
+        return {inst: sid for inst, sid in claims.items() if sid in alive}
 
     def owned(self, sidecar_id: str) -> set[str]:
         """The instance ids ``sidecar_id`` owns."""
@@ -485,6 +545,7 @@ class Store:
             n, bucket = self.records.purge_step(hid, space, int(progress or 0), budget - removed)
             removed += n
             if bucket >= keys.HOLDER_CHUNK_BUCKETS:
+                self.r.delete(keys.holder_buckets_key(hid))  # before forgetting: a crash here is redone
                 self._scripts["FORGET_HOLDER"](
                     keys=[keys.holders_key(), keys.dead_holders_key(), keys.records_key(), keys.purge_key()],
                     args=[hid])

@@ -7,6 +7,7 @@ the protocol's semantics; every key and command is here."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from kvlookup import kinds
 from kvlookup.index import keys
@@ -14,6 +15,44 @@ from kvlookup.index.store import Store
 
 #: rank fields a wipe removes (with the rank's group fields)
 RANK_FIELDS = ("seq", "digest", "block_size", "session")
+
+#: The engine map's field of one engine block hash in one KV cache group (``keys.engine_field``).
+engine_field = keys.engine_field
+#: The hash space of a rank's prefix chain of ``block_size`` blocks (``keys.vllm_space``) and of a
+#: hybrid model's other group (``keys.vllm_group_space``): what ``Store.apply(space=...)`` takes.
+prefix_space = keys.vllm_space
+group_space = keys.vllm_group_space
+
+
+def rank_fields(rank: int, **values: str | int) -> dict[str, str | int]:
+    """The instance hash fields of one rank (``keys.rank_field``: seq, digest, block_size,
+    session) with their values, for :meth:`VllmRanks.write`'s ``persist``."""
+    return {keys.rank_field(name, rank): v for name, v in values.items()}
+
+
+def group_fields(rank: int, specs: Mapping[int, str]) -> dict[str, str]:
+    """The instance hash fields (``keys.group_field``) of a rank's KV cache groups: group -> spec text."""
+    return {keys.group_field(rank, g): text for g, text in specs.items()}
+
+
+def chains_text(chains: Iterable[tuple[int, int]]) -> str:
+    """The ``keys.block_sizes_key`` (and ``block_size`` rank field) value of a rank's
+    (block size, lookahead) prefix chains."""
+    return ",".join(keys.vllm_chain(bs, la) for bs, la in sorted(chains))
+
+
+@dataclass
+class PersistedRank:
+    """What a rank persisted (:meth:`VllmRanks.persisted`): ``seq`` the last applied, as stored
+    (None: nothing), ``digest`` of that batch, its prefix ``chains`` (block size, lookahead), its KV
+    cache ``groups`` (group -> spec text), and ``old_layout``: its worker hash names a holder per
+    medium only (a layout before hash spaces per medium), so its records must be rebuilt."""
+
+    seq: str | None = None
+    digest: str | None = None
+    chains: list[tuple[int, int]] = field(default_factory=list)
+    groups: dict[int, str] = field(default_factory=dict)
+    old_layout: bool = False
 
 
 class VllmRanks:
@@ -31,10 +70,19 @@ class VllmRanks:
             return
         self.r.hset(self.instance_key, "model", model)
 
-    def persisted(self, rank: int) -> tuple[dict[str, str], list[str]]:
-        """(the instance hash's fields, the rank's worker hash field names): what a resumed rank
-        reads back, in two commands."""
-        return self.r.hgetall(self.instance_key), self.r.hkeys(keys.worker_key(self.instance_id, rank))
+    def persisted(self, rank: int) -> PersistedRank:
+        """What a resumed rank reads back (the instance hash and the rank's worker hash field
+        names), in two commands."""
+        fields = self.r.hgetall(self.instance_key)
+        worker = self.r.hkeys(keys.worker_key(self.instance_id, rank))
+        seq = fields.get(keys.rank_field("seq", rank))
+        prefix = keys.group_field(rank, 0)[:-1]
+        groups = {int(name[len(prefix):]): value for name, value in fields.items()
+                  if name.startswith(prefix) and name[len(prefix):].isdigit()}
+        return PersistedRank(
+            seq=seq, digest=fields.get(keys.rank_field("digest", rank)),
+            chains=keys.parse_vllm_chains(fields.get(keys.rank_field("block_size", rank)) or ""), groups=groups,
+            old_layout=any(f.startswith(keys.LOCATION_FIELD_PREFIX) and "@" not in f for f in worker))
 
     def engine_entries(self, rank: int, fields: Sequence[str]) -> list[str | None]:
         """The engine map's values of ``fields`` (``keys.engine_field``), None where absent."""

@@ -55,6 +55,9 @@ PORT_WAIT_S = 5.0
 START_TIMEOUT_S = 30.0
 #: Variables of the starting controller a keeper must not inherit (it outlives that controller).
 _NOT_INHERITED = ("PROMETHEUS_MULTIPROC_DIR", "KVLOOKUP_STATUS_FILE")
+#: How a keeper gets the embedded Redis's password (the ``embedded_redis_password`` setting's
+#: variable): its environment, never its command line.
+PASSWORD_ENV = "KVLOOKUP_EMBEDDED_REDIS_PASSWORD"
 
 
 class AlreadyServed(RuntimeError):
@@ -127,9 +130,11 @@ class Keeper:
     released), else a free one.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, port: int = 0, *, exit_when_unused: bool = False):
+    def __init__(self, data_dir: str | os.PathLike, port: int = 0, *, exit_when_unused: bool = False,
+                 password: str | None = None):
         self.data_dir = Path(data_dir)
         self.port = port
+        self.password = password or None
         self.exit_when_unused = exit_when_unused
         self.lock = FileLock(self.data_dir / SERVER_LOCK)
         self.server: EmbeddedRedis | None = None
@@ -148,7 +153,10 @@ class Keeper:
 
     def start(self) -> str:
         """Start the server (after :meth:`claim`); returns its URL."""
-        self.server = EmbeddedRedis(self.data_dir, self.port or self._previous_port(), die_with_parent=True)
+        if self.password:  # server.lock carries the URL, and so the password: the owner alone reads it
+            os.chmod(self.data_dir / SERVER_LOCK, 0o600)
+        self.server = EmbeddedRedis(self.data_dir, self.port or self._previous_port(), die_with_parent=True,
+                                    password=self.password)
         url = self.server.start()
         self._publish()
         return url
@@ -158,7 +166,7 @@ class Keeper:
             port = int((self.data_dir / PORT_FILE).read_text().strip())
         except (OSError, ValueError):
             return 0
-        _stop_orphan(self.data_dir, port)
+        _stop_orphan(self.data_dir, port, self.password)
         deadline = time.monotonic() + PORT_WAIT_S
         while not port_free(port):
             if time.monotonic() > deadline:
@@ -238,10 +246,10 @@ class Keeper:
             self.lock.release()
 
 
-def _stop_orphan(data_dir: Path, port: int) -> None:
+def _stop_orphan(data_dir: Path, port: int, password: str | None = None) -> None:
     """SHUTDOWN a server still answering on the dir's port for this very dir (its keeper died
     and it did not get the parent-death signal)."""
-    url = f"redis://127.0.0.1:{port}/0"
+    url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}/0"
     if not ping(url):
         return
     try:
@@ -254,15 +262,16 @@ def _stop_orphan(data_dir: Path, port: int) -> None:
 
 
 def serve(data_dir: str | os.PathLike, port: int = 0, *, exit_when_unused: bool = False,
-          on_url: Callable[[str], None] = print) -> int:
+          on_url: Callable[[str], None] = print, password: str | None = None) -> int:
     """Serve ``data_dir`` until SIGINT/SIGTERM (or, with exit_when_unused, until no user is
     left): ``kvlookup redis``. Calls ``on_url(url)`` once the server answers. Returns 0.
+    password: the server's ``requirepass`` (None: none).
     Raises AlreadyServed when another process serves the dir.
 
     Without exit_when_unused (a foreground server) it takes the start lock itself; a keeper is
     started by a process that holds it.
     """
-    keeper = Keeper(data_dir, port, exit_when_unused=exit_when_unused)
+    keeper = Keeper(data_dir, port, exit_when_unused=exit_when_unused, password=password)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: keeper.stopped.set())
     if exit_when_unused:
@@ -292,9 +301,10 @@ class Lease:
     and never release it themselves.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, port: int | None = None):
+    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, password: str | None = None):
         self.data_dir = Path(data_dir)
         self.port = port
+        self.password = password or None
         self.pid = os.getpid()
         self.url: str | None = None
         self.up = False
@@ -325,7 +335,9 @@ class Lease:
     def _start_keeper(self, timeout: float) -> dict:
         log_path = self.data_dir / KEEPER_LOG
         mode = "ab" if not log_path.exists() or log_path.stat().st_size < 1 << 20 else "wb"
-        env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+        env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED and k != PASSWORD_ENV}
+        if self.password:
+            env[PASSWORD_ENV] = self.password
         with open(log_path, mode) as out:
             keeper = subprocess.Popen(
                 [sys.executable, "-P", "-m", "kvlookup", "redis", "--data-dir", str(self.data_dir),
@@ -412,10 +424,11 @@ def _tail(path: Path, lines: int = 5) -> str:
         return "(no log)"
 
 
-def acquire(data_dir: str | os.PathLike, *, watch: bool = True, port: int | None = None) -> Lease:
-    """Open a :class:`Lease` on ``data_dir`` (watching it unless ``watch=False``); ``port``: the
-    server's port if this process starts it."""
-    lease = Lease(data_dir, port)
+def acquire(data_dir: str | os.PathLike, *, watch: bool = True, port: int | None = None,
+            password: str | None = None) -> Lease:
+    """Open a :class:`Lease` on ``data_dir`` (watching it unless ``watch=False``); ``port`` and
+    ``password`` (``requirepass``): the server's, if this process starts it."""
+    lease = Lease(data_dir, port, password)
     lease.open()
     if port and lease.joined and urlsplit(str(lease.url)).port != port:
         log.warning("the embedded Redis of %s already runs at %s: port %d is not used", data_dir, lease.url, port)

@@ -176,7 +176,7 @@ class EmbeddedRedis:
                 self.stop()
                 raise TimeoutError(f"redis server did not answer on port {self.port} within {timeout}s")
             time.sleep(0.05)
-        (self.data_dir / URL_FILE).write_text(self.url + "\n")
+        _write_private(self.data_dir / URL_FILE, self.url + "\n")  # it may carry the password
         (self.data_dir / PORT_FILE).write_text(f"{self.port}\n")
         atexit.register(self.stop)
         return self.url
@@ -195,6 +195,14 @@ class EmbeddedRedis:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace ``path``'s text, readable by its owner only (mode 0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
 
 
 def _previous_port(data_dir: Path) -> int | None:

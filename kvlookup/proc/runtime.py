@@ -39,7 +39,7 @@ def ensure_redis(settings: Settings, *, watch: bool = True, port: int | None = N
     if settings.redis_url:
         return None
     data_dir = settings.data_dir or str(redis_server.default_data_dir())
-    lease = embedded.acquire(data_dir, watch=watch, port=port)
+    lease = embedded.acquire(data_dir, watch=watch, port=port, password=settings.embedded_redis_password)
     settings.redis_url = lease.url
     if lease.joined:  # said at WARNING: a second demo on the same dir shares (and can reap) one index
         log.warning("joined the embedded Redis of data dir %s at %s, already used by %d other process(es): "

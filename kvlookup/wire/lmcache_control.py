@@ -20,6 +20,7 @@ never connected to: its result is ``refused`` (health code -1006).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -190,17 +191,29 @@ def _host(ip: str) -> str:
     return "127.0.0.1" if ip in ("", "localhost") else ip
 
 
+#: Sockets one ControlClient has open at once, all its callers together, and per call (issue
+#: 20 item 10: a fan-out to ~1,000 workers opened ~1,000 sockets and failed with "Too many open
+#: files"). A call to more workers runs in windows of WINDOW, each up to the timeout.
+MAX_SOCKETS = 256
+WINDOW = 128
+
+
 class ControlClient:
     """Bounded, concurrent REQ calls to LMCache workers' REP ports.
 
     timeout_s: wait per attempt (send and reply); retries: further attempts for workers that
     did not answer (0 for non-idempotent calls); ctx: a zmq Context (default: a private one);
-    networks: ``worker_networks``, the worker addresses it may connect to (default loopback).
+    networks: ``worker_networks``, the worker addresses it may connect to (default loopback);
+    max_sockets: sockets open at once over all concurrent calls (each call also uses at most
+    :data:`WINDOW` at once).
     """
 
     def __init__(self, timeout_s: float = 2.0, retries: int = 1, ctx: zmq.Context | None = None,
-                 networks: Networks = LOOPBACK_NETWORKS):
+                 networks: Networks = LOOPBACK_NETWORKS, max_sockets: int = MAX_SOCKETS):
         self.networks = networks
+        self.max_sockets = max(1, int(max_sockets))
+        self._free = self.max_sockets  # sockets this client may still open (all its callers together)
+        self._freed = threading.Condition()
         self.timeout_ms = max(1, int(timeout_s * 1000))
         self.retries = max(0, int(retries))
         self.zmq = zmq.green if patched() else zmq  # pyzmq's gevent-cooperative sockets under gevent
@@ -227,7 +240,17 @@ class ControlClient:
         for _ in range(tries):
             if not pending:
                 break
-            pending = self._attempt(targets, pending, results)
+            left: list[int] = []
+            for start in range(0, len(pending), WINDOW):  # at most WINDOW sockets at once per call
+                window = pending[start:start + WINDOW]
+                n = min(len(window), self.max_sockets)
+                for part in (window[i:i + n] for i in range(0, len(window), n)):
+                    self._take(len(part))
+                    try:
+                        left += self._attempt(targets, part, results)
+                    finally:
+                        self._give(len(part))
+            pending = left
         for i in pending:
             t = targets[i]
             results[i].error = (
@@ -238,6 +261,17 @@ class ControlClient:
             if results[i].error:
                 log.warning("%s to worker %s: %s", type(t.msg).__name__, t.worker_id, results[i].error)
         return [results[i] for i in range(len(targets))]
+
+    def _take(self, n: int) -> None:
+        """Wait until ``n`` sockets may be opened (concurrent calls share ``max_sockets``)."""
+        with self._freed:
+            self._freed.wait_for(lambda: self._free >= n)
+            self._free -= n
+
+    def _give(self, n: int) -> None:
+        with self._freed:
+            self._free += n
+            self._freed.notify_all()
 
     def _attempt(self, targets: list[Target], pending: list[int], results: dict[int, Result]) -> list[int]:
         poller = self.zmq.Poller()

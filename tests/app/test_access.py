@@ -190,7 +190,9 @@ def test_spoofed_messages_for_other_instances_leave_their_records_alone(r):
                                    proto.encode(proto.KVEvictMsg("victim", 0, SEED_HASH, "LocalCPUBackend"))])
         spoof.deregister()
         assert wait_for(lambda: rejected("instance_not_allowed", "lmcache") - before, 6) == 6
-        assert redis_state(r) == state
+        now = redis_state(r)
+        assert list(now.pop(keys.claims_key())[1]) == ["pod"]  # the sidecar claims what its list names
+        assert now == state
         pod = WorkerSim("pod", era="0.5", pull_url=sc.pull_url, reply_url=sc.reply_url)
         assert pod.register()["type"] == "RegisterRetMsg"
         pod.close()

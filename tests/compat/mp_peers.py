@@ -116,7 +116,7 @@ class FanOut:
         self.queue: queue.Queue = queue.Queue()
         proxy = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class FanOutHandler(http.server.BaseHTTPRequestHandler):
             def _any(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else b""
@@ -135,7 +135,7 @@ class FanOut:
             def log_message(self, *a):
                 pass
 
-        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)  # one request at a time: order kept
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), FanOutHandler)  # one request at a time: order kept
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         threading.Thread(target=self._mirror, daemon=True).start()

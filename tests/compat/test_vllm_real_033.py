@@ -13,9 +13,8 @@ from kvlookup.client import Client, VllmChains
 from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.sidecar.test_vllm_hybrid import FULL, MAMBA, SW, WORKED_HELD, A, P
-from tests.sidecar.test_vllm_sidecar import Running
-from tests.support.helpers import wait_for
-from tests.support.vllm_helpers import RealPublisher, real_vllm
+from tests.support.helpers import vllm_sidecar, wait_for
+from tests.support.vllm_helpers import RealPublisher, detail, layout, real_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     real_vllm() is None, reason="KVLOOKUP_VLLM_PYTHON / KVLOOKUP_VLLM_SRC not set")]
@@ -30,16 +29,6 @@ def client(r):
     return Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
 
 
-def layout(client, tokens):
-    return {m.instance_id: (m.location, m.matched_prefix_length, m.locations) for m in client.matches(tokens)}
-
-
-def detail(client, tokens):
-    matches = client.matches(tokens)
-    matches = client.add_reusable(tokens, matches)
-    return {m.instance_id: m.detail() for m in matches}
-
-
 class Pod:
     """One real 0.33.0 publisher and a sidecar subscribed to it."""
 
@@ -48,7 +37,7 @@ class Pod:
         self.pub = RealPublisher(V, self.port, self.rport)
         self.source = VllmSource("pod-a", f"tcp://127.0.0.1:{self.port}", f"tcp://127.0.0.1:{self.rport}",
                                  replay_timeout_s=1.0)
-        self.sc = Running(r, self.source)
+        self.sc = vllm_sidecar(r, self.source)
 
     def ingest(self):
         return self.sc.ingest("pod-a")
@@ -75,14 +64,14 @@ def test_hybrid_group0_sliding_window_group1_full_attention(pod, client):
         pod.pub.send({"stored": {"token_ids": A, "block_size": 16, "group_idx": kind_group[0],
                                  "extra_keys": [None, None], **kind_group[1]}})
     want = {"pod-a": ("GPU", 32, {"GPU": 32})}
-    assert wait_for(lambda: layout(client, A + [7]), want) == want
+    assert wait_for(lambda: layout(client, A + [7], "locations"), want) == want
     pod.pub.send({"removed": {"token_ids": A, "block_size": 16, "group_idx": 0}})
     ing = pod.ingest()
     assert wait_for(lambda: ing.ranks[0].last, 2) == 2
-    assert layout(client, A + [7]) == want  # the sliding-window group's remove leaves full attention's
+    assert layout(client, A + [7], "locations") == want  # the sliding-window group's remove leaves full attention's
     pod.pub.send({"removed": {"token_ids": A[16:], "prefix_token_ids": A[:16], "block_size": 16, "group_idx": 1}})
     want = {"pod-a": ("GPU", 16, {"GPU": 16})}
-    assert wait_for(lambda: layout(client, A + [7]), want) == want
+    assert wait_for(lambda: layout(client, A + [7], "locations"), want) == want
     assert (dict(ing.rejected), dict(ing.skipped)) == ({}, {})
 
 
@@ -110,12 +99,12 @@ def test_gpu_blocks_and_mp_connector_cpu_chunks_one_stream(pod, client):
                             {"stored": {"block_hashes": [c1], "parent_block_hash": c0, "token_ids": P[256:],
                                         "block_size": 256, "medium": "CPU"}}]})
     want = {"pod-a": ("CPU", 512, {"GPU": 48, "CPU": 512})}
-    assert wait_for(lambda: layout(client, P), want) == want
-    assert layout(client, P[:100]) == {"pod-a": ("GPU", 48, {"GPU": 48})}
+    assert wait_for(lambda: layout(client, P, "locations"), want) == want
+    assert layout(client, P[:100], "locations") == {"pod-a": ("GPU", 48, {"GPU": 48})}
     # an LMCache server restart: the connector withdraws everything it announced
     pod.pub.send({"removed": {"block_hashes": [c0, c1], "medium": "CPU"}})
     want = {"pod-a": ("GPU", 48, {"GPU": 48})}
-    assert wait_for(lambda: layout(client, P), want) == want
+    assert wait_for(lambda: layout(client, P, "locations"), want) == want
     assert dict(pod.ingest().rejected) == {}
 
 
@@ -125,11 +114,11 @@ def test_lookahead_and_remote_tier(pod, client):
     pod.pub.send({"stored": {"token_ids": [], "hash_token_ids": B, "block_size": 16, "medium": "STORAGE",
                              "locality": "REMOTE"}})
     want = {"pod-a": ("GPU", 16, {"GPU": 16})}
-    assert wait_for(lambda: layout(client, A), want) == want
-    assert layout(client, A[:16] + [1]) == {}
+    assert wait_for(lambda: layout(client, A, "locations"), want) == want
+    assert layout(client, A[:16] + [1], "locations") == {}
     ing = pod.ingest()
     assert wait_for(lambda: dict(ing.skipped), {"remote_tier": 1}) == {"remote_tier": 1}
-    assert layout(client, B + [1]) == {}
+    assert layout(client, B + [1], "locations") == {}
 
 
 def test_restarted_publisher_one_batch_then_quiet(r, client):
@@ -138,13 +127,14 @@ def test_restarted_publisher_one_batch_then_quiet(r, client):
         pod.pub.send({"stored": {"token_ids": A, "block_size": 16}})
         pod.pub.send({"stored": {"token_ids": B, "block_size": 16}})
         want = {"pod-a": ("GPU", 32, {"GPU": 32})}
-        assert wait_for(lambda: layout(client, A), want) == want
+        assert wait_for(lambda: layout(client, A, "locations"), want) == want
         assert pod.pub.close() == 0
         pod.pub = RealPublisher(V, pod.port, pod.rport)  # seq back to 0
         start = time.monotonic()
         pod.pub.send({"stored": {"token_ids": B, "block_size": 16}})  # right away, then quiet
         want = ({}, {"pod-a": ("GPU", 16, {"GPU": 16})})
-        assert wait_for(lambda: (layout(client, A), layout(client, B)), want, timeout=3.0) == want
+        both = lambda: (layout(client, A, "locations"), layout(client, B, "locations"))  # noqa: E731
+        assert wait_for(both, want, timeout=3.0) == want
         assert time.monotonic() - start < 3.0
         ing = pod.ingest()
         assert (ing.ranks[0].last, dict(ing.resyncs)) == (0, {"engine_restart": 1})
@@ -157,15 +147,16 @@ def test_sidecar_restarted_while_engine_published(r, client):
     try:
         pod.pub.send({"stored": {"token_ids": A, "block_size": 16}})
         want = {"pod-a": ("GPU", 32, {"GPU": 32})}
-        assert wait_for(lambda: layout(client, A), want) == want
+        assert wait_for(lambda: layout(client, A, "locations"), want) == want
         pod.sc.close()
         pod.pub.send({"stored": {"token_ids": B, "block_size": 16}})  # no sidecar listens
         start = time.monotonic()
-        pod.sc = Running(r, pod.source)  # the engine stays quiet
+        pod.sc = vllm_sidecar(r, pod.source)  # the engine stays quiet
         want = {"pod-a": ("GPU", 16, {"GPU": 16})}
-        assert wait_for(lambda: layout(client, B), want, timeout=3.0) == want
+        assert wait_for(lambda: layout(client, B, "locations"), want, timeout=3.0) == want
         assert time.monotonic() - start < 3.0
         ing = pod.ingest()
-        assert (ing.ranks[0].last, dict(ing.resyncs), layout(client, A)) == (1, {}, {"pod-a": ("GPU", 32, {"GPU": 32})})
+        assert (ing.ranks[0].last, dict(ing.resyncs), layout(client, A, "locations")) == (
+            1, {}, {"pod-a": ("GPU", 32, {"GPU": 32})})
     finally:
         pod.close()

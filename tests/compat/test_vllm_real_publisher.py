@@ -12,14 +12,12 @@ import pytest
 import kvlookup.app as app
 from kvlookup.client import Client, VllmChains
 from kvlookup.devtools.workersim import WorkerSim
-from kvlookup.hashing.namespace import Namespace
 from kvlookup.index import keys
 from kvlookup.proc.redis_server import free_port, port_free
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.sidecar.test_sidecar_lmcache import S600, S600_HASHES
-from tests.sidecar.test_vllm_sidecar import Running
-from tests.support.helpers import wait_for
-from tests.support.vllm_helpers import FIXTURES, PUBLISHER, RealPublisher, Relay, real_vllm
+from tests.support.helpers import vllm_sidecar, wait_for
+from tests.support.vllm_helpers import FIXTURES, PUBLISHER, RealPublisher, Relay, layout, real_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     real_vllm() is None, reason="KVLOOKUP_VLLM_PYTHON / KVLOOKUP_VLLM_SRC not set")]
@@ -40,11 +38,6 @@ def u64(h) -> int:
     return int.from_bytes(bytes.fromhex(h[4:])[-8:], "big") if isinstance(h, str) else h
 
 
-def layout(client, tokens, **ns):
-    found = client.matches(tokens, namespace=Namespace(**ns))
-    return {m.instance_id: (m.location, m.matched_prefix_length) for m in found}
-
-
 @pytest.fixture()
 def client(r):
     return Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
@@ -59,7 +52,7 @@ def test_late_join_live_offload_and_removal(r, client, version, int_hashes):
         first = pub.send({"stored": {"token_ids": A, "block_size": 16}})["batch"]["events"][0]
         # published before the sidecar listens: replayed from seq 0 at first contact
         second = pub.send({"stored": {"token_ids": B, "block_size": 16, "prefix_token_ids": A}})
-        sc = Running(r, VllmSource("pod-a", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
+        sc = vllm_sidecar(r, VllmSource("pod-a", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
         pub.send({"stored": {"token_ids": [], "hash_token_ids": A, "block_size": 16, "medium": "CPU"}})
         want = {"pod-a": ("GPU", 48)}
         assert wait_for(lambda: layout(client, A + B), want) == want
@@ -85,7 +78,7 @@ def test_lossy_gap_replay_then_engine_restart(r, client):
     port, rport = free_port(), free_port()
     pub = RealPublisher("0.33.0", port, rport)
     relay = Relay(f"tcp://127.0.0.1:{port}", drop={1})
-    sc = Running(r, VllmSource("pod-a", f"tcp://127.0.0.1:{relay.port}", f"tcp://127.0.0.1:{rport}"))
+    sc = vllm_sidecar(r, VllmSource("pod-a", f"tcp://127.0.0.1:{relay.port}", f"tcp://127.0.0.1:{rport}"))
     try:
         pub.send({"stored": {"token_ids": A, "block_size": 16}})
         pub.send({"stored": {"token_ids": B, "block_size": 16, "prefix_token_ids": A}})  # relay drops it
@@ -115,7 +108,7 @@ def test_lossy_gap_replay_then_engine_restart(r, client):
 def test_dp_rank_and_mixed_fleet_over_http(r, redis_settings):
     port, rport, pull = free_pair(), free_pair(), f"127.0.0.1:{free_port()}"
     pub = RealPublisher("0.26.0", port, rport, dp_rank=1, int_hashes=False)  # binds port+1, rport+1
-    sc = Running(r, VllmSource("vllm-pod", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", dp_size=2),
+    sc = vllm_sidecar(r, VllmSource("vllm-pod", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", dp_size=2),
                  pull_url=pull)
     worker = WorkerSim("lmcache-pod", era="0.3", pull_url=pull)
     try:

@@ -23,13 +23,17 @@ from tests.support.procs import ControllerProc
 ROOT = Path(__file__).resolve().parents[2]
 
 #: a value other than the default for every setting a sidecar reads
+#: A password file (its first line is the password; a mounted secret in production).
+PASSWORD_FILE = Path(__file__).with_name("embedded_redis_password.txt")
 SIDECAR_VALUES = {
     "redis_url": "redis://10.0.0.9:6380/2", "redis_cluster": False, "data_dir": "/tmp/kvl-x",
     "instance_ttl_s": 12.5, "worker_ttl_s": 7.0, "log_level": "DEBUG", "host": "127.0.0.2",
     "control_timeout_s": 0.7, "control_retries": 3, "worker_networks": ["10.0.0.0/8"],
     "instance_id": "pod-z", "advertise_reply": "pod-z.internal:9002", "sidecar_id": "box-1/embedded",
     "metrics_port": 9555, "disconnect_grace_s": 0.25, "max_frame_bytes": 1000, "max_message_bytes": 2000,
-    "max_queued_ops": 1234, "allowed_peers": ["10.1.0.0/16"], "allowed_instance_ids": ["pod-z"],
+    "max_queued_ops": 1234, "max_workers_per_instance": 12, "allowed_peers": ["10.1.0.0/16"],
+    "embedded_redis_password": "pw-z", "embedded_redis_password_file": str(PASSWORD_FILE),
+    "allowed_instance_ids": ["pod-z"],
     "vllm_endpoint": "tcp://pod-z:5557", "vllm_replay_endpoint": "tcp://pod-z:5558", "vllm_dp_size": 2,
     "vllm_bind": True, "vllm_topic": "kv@pod-z", "vllm_replay_timeout_s": 0.5, "vllm_url": "http://pod-z:8000",
     "model": "model-z", "mp_listen": "127.0.0.1:9333", "mp_chunk_size": 512, "mp_instance_timeout_s": 12.0,

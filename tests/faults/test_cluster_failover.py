@@ -16,17 +16,10 @@ from kvlookup.index.cluster_io import slot_of
 from kvlookup.index.store import ADMIT, Store
 from kvlookup.proc.redis_server import connect
 from tests.conftest import BACKENDS
-from tests.support.ha_fleet import (
-    CPU,
-    PROFILE,
-    Fleet,
-    HttpClient,
-    Lookups,
-    layouts_match,
-    make_prompts,
-    report,
-    true_records,
-)
+from tests.support.engines import CPU
+from tests.support.figures import report
+from tests.support.ha_fleet import PROFILE, Fleet, layouts_match, make_prompts, true_records
+from tests.support.lookups import HttpClient, Lookups
 from tests.support.procs import ControllerProc
 
 pytestmark = pytest.mark.skipif("cluster" not in BACKENDS, reason="KVLOOKUP_TEST_BACKENDS excludes the cluster")

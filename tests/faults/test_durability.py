@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -19,6 +17,7 @@ from kvlookup.index.store import Store
 from kvlookup.proc.redis_server import EmbeddedRedis, connect, free_port, ping
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.support.helpers import SidecarThread, wait_for
+from tests.support.procs import ControllerProc, SidecarProc
 
 CPU = "LocalCPUBackend"
 P2 = SEED_TOKENS[:11] + [99]
@@ -69,32 +68,10 @@ def _safe_hits(client: Client) -> dict | None:
         return None
 
 
-def _sidecar_proc(redis_args: list[str], pull: str, reply: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvlookup",
-            "sidecar",
-            *redis_args,
-            "--pull-url",
-            pull,
-            "--reply-url",
-            reply,
-            "--instance-ttl",
-            "30",
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
 def test_sidecar_kill9_restart_asks_for_full_sync_and_converges(redis_url, redis_args, cluster):
     pull, reply = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     client = Client(redis_url, redis_cluster=cluster)
-    proc = _sidecar_proc(redis_args, pull, reply)
+    sc = SidecarProc(*redis_args, "--instance-ttl", "30", pull_url=pull, reply_url=reply).start()
     w = WorkerSim("inst", era="0.5", pull_url=pull, reply_url=reply)
     try:
         assert w.register()["type"] == "RegisterRetMsg"
@@ -102,10 +79,9 @@ def test_sidecar_kill9_restart_asks_for_full_sync_and_converges(redis_url, redis
         assert w.heartbeat() == {"type": "HeartbeatRetMsg", "commands": []}
         before = {"seed": {"inst": (CPU, 12)}, "p2": {"inst": (CPU, 12)}, "p3": {}}
         assert wait_for(lambda: _hits(client), before) == before
-        proc.kill()
-        proc.wait(10)
+        sc.kill()
         # while the sidecar is down the engine evicts P2 and stores P3; those events are lost
-        proc = _sidecar_proc(redis_args, pull, reply)
+        sc.start()
         hb = w.heartbeat()
         assert hb == {
             "type": "HeartbeatRetMsg",
@@ -119,54 +95,17 @@ def test_sidecar_kill9_restart_asks_for_full_sync_and_converges(redis_url, redis
         assert w.heartbeat()["commands"] == []
     finally:
         w.close()
-        proc.terminate()
-        proc.wait(10)
-
-
-def _wait_http(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(url, timeout=1).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(url)
-
-
-def _controller(redis_args: list[str], port: int, pull: int, metrics_dir: str) -> subprocess.Popen:
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvlookup",
-            "controller",
-            *redis_args,
-            "--port",
-            str(port),
-            "--monitor-ports",
-            json.dumps({"pull": pull}),
-            "--workers",
-            "2",
-            "--threads",
-            "2",
-            "--log-level",
-            "WARNING",
-        ],
-        env=env,
-        start_new_session=True,
-    )
+        sc.stop()
 
 
 @pytest.mark.slow
 def test_controller_kill9_and_restart_loses_nothing(redis_url, redis_args, cluster, tmp_path):
-    port, pull = free_port(), free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = _controller(redis_args, port, pull, str(tmp_path))
+    pull = free_port()
+    ctrl = ControllerProc(*redis_args, "--monitor-ports", json.dumps({"pull": pull}), "--workers", "2",
+                          "--threads", "2", env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}, start=False)
+    base = ctrl.http
     try:
-        _wait_http(base + "/health")
+        ctrl.start()
         w = WorkerSim("inst", era="0.3", pull_url=f"127.0.0.1:{pull}")
         w.register()
         w.admit([SEED_HASH])
@@ -183,16 +122,11 @@ def test_controller_kill9_and_restart_loses_nothing(redis_url, redis_args, clust
         assert 'kvlookup_ingest_ops_total{kind="admit",outcome="applied"} 1.0' in metrics
         assert 'kvlookup_records{instance_id="inst",location="LocalCPUBackend"} 1.0' in metrics
         w.close()
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        os.killpg(ctrl.proc.pid, signal.SIGKILL)
+        ctrl.proc.wait(10)
         assert ping(redis_url, cluster=cluster)
-        proc = _controller(redis_args, port, pull, str(tmp_path))
-        _wait_http(base + "/health")
+        ctrl.start()
         assert lookup() == hit
         assert requests.get(base + "/controller/key-stats", timeout=5).json() == stats
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        proc.wait(15)
+        ctrl.stop()

@@ -1,6 +1,6 @@
 """Fault injection on the LMCache drop-in deployment, under steady ingest and lookups.
 
-One deployment for the whole module, as shipped by default: ``kvlookup controller
+One deployment for the whole module (tests.support.dropin.Deployment), as shipped by default: ``kvlookup controller
 --monitor-ports`` (embedded Redis in its own data dir, embedded sidecar, 2 gunicorn workers,
 ``--instance-ttl 5``) and one standalone ``kvlookup sidecar`` sharing that embedded Redis. Engines
 (simulated LMCache workers speaking the real protocol): 0.5-era engines heartbeating every 0.5 s
@@ -25,579 +25,22 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-import requests
-import zmq
 
-from kvlookup.devtools.workersim import SimEngine
-from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.index import keys
 from kvlookup.proc.embedded import served_by
-from kvlookup.proc.redis_server import connect, free_port, ping, port_free
+from kvlookup.proc.redis_server import ping, port_free
 from kvlookup.sidecar.sockets import Limits
 from kvlookup.wire import lmcache as proto
-from kvlookup.wire.zmqaddr import endpoint
-from tests.support.helpers import index_view
-from tests.support.procs import ROOT, SidecarProc
-from tests.support.procs_embedded import alive, servers_of, until
+from tests.support.dropin import CPU, FIGURES, PROFILE, Deployment, health_summary, max_sync_keys, record
+from tests.support.helpers import wait
+from tests.support.procs import ROOT, children, log_lines, memory_mb
+from tests.support.procs_embedded import alive, servers_of
+from tests.support.samplers import Sampler, lease_margin_s, lowest_and_renewed, outage_of_health, purge_time
 
 pytestmark = pytest.mark.slow
-
-CPU = "LocalCPUBackend"
-PROFILE = HashProfile(chunk_size=1)  # the controller runs --chunk-size 1: one token, one chunk
-TTL_S = 5
-HEARTBEAT_S = 0.5
-LOOKUP_EVERY_S = 0.02
-DEALER_TIMEOUT_MS = 3000
-FIGURES: dict[str, dict] = {}
-
-
-def record(scenario: str, **figures) -> None:
-    """Keep and print one scenario's measured figures."""
-    FIGURES.setdefault(scenario, {}).update(figures)
-    print(f"\n[faults] {scenario}: " + ", ".join(
-        f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items()), flush=True)
-
-
-# -- processes ---------------------------------------------------------------------------------
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (every thread's)."""
-    out: list[int] = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            out += [int(c) for c in (task / "children").read_text().split()]
-    except OSError:
-        pass
-    return sorted(out)
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def memory_mb(pid: int, field: str = "VmRSS") -> float:
-    """``VmRSS`` or ``VmHWM`` (peak) of a process, MB; 0.0 once it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-class Controller:
-    """``kvlookup controller`` in LMCache drop-in mode; output in ``log``."""
-
-    def __init__(self, data_dir: Path, pull: int, reply: int, log: Path):
-        self.port = free_port()
-        self.http = f"http://127.0.0.1:{self.port}"
-        self.ports = (self.port, pull, reply)
-        self.cmd = [sys.executable, "-m", "kvlookup", "controller", "--host", "127.0.0.1", "--port", str(self.port),
-                    "--log-level", "WARNING", "--monitor-ports", json.dumps({"pull": pull, "reply": reply}),
-                    "--workers", "2", "--data-dir", str(data_dir), "--instance-ttl", str(TTL_S), "--chunk-size", "1"]
-        self.log = log
-        self.proc: subprocess.Popen | None = None
-        self.session = requests.Session()
-
-    def start(self, timeout: float = 30.0) -> float:
-        """Start it; returns the seconds until ``GET /health`` answered 200."""
-        t0 = time.monotonic()
-        with open(self.log, "a") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=out, cwd=ROOT, start_new_session=True)
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"controller exited with {self.proc.returncode}; see {self.log}")
-            if self.health()[0] == 200:
-                return time.monotonic() - t0
-            time.sleep(0.05)
-        raise TimeoutError("controller did not answer /health")
-
-    def health(self) -> tuple[int, dict]:
-        try:
-            resp = self.session.get(self.http + "/health", timeout=3)
-            return resp.status_code, resp.json()
-        except (requests.RequestException, ValueError):
-            return 0, {}
-
-    def layout(self, tokens: list[int]) -> dict | None:
-        try:
-            resp = self.session.post(self.http + "/lookup", json={"tokens": tokens}, timeout=5)
-        except requests.RequestException:
-            return None
-        if resp.status_code != 200:
-            return None
-        return {k: v for k, v in resp.json().items() if k != "event_id"}
-
-    def workers(self) -> list[int]:
-        """The gunicorn workers: children of the master running the master's command line."""
-        me = cmdline(self.proc.pid)
-        return [c for c in children(self.proc.pid) if cmdline(c) == me and alive(c)]
-
-    def kill9(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(5)
-
-    def stop(self) -> float:
-        """SIGTERM to the master (``kill PID``, as docker and Kubernetes send it); returns the
-        seconds until it exited. (The whole process group would stop the embedded sidecar
-        first, not last: see docs/operations.md, "Fault injection: measured".)"""
-        t0 = time.monotonic()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.cleanup()
-        return time.monotonic() - t0
-
-    def cleanup(self) -> None:
-        """Whatever is left of its process group."""
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(5)
-
-
-class Sidecar(SidecarProc):
-    """The standalone ``kvlookup sidecar``, sharing the controller's embedded Redis (same data
-    dir); output in ``log``; the same arguments every start, so a restart is the same sidecar."""
-
-    def __init__(self, data_dir: Path, log: Path):
-        super().__init__("--data-dir", str(data_dir), "--instance-ttl", str(TTL_S),
-                         pull_url=f"127.0.0.1:{free_port()}", reply_url=f"127.0.0.1:{free_port()}")
-        self.log = log
-
-    def start(self, timeout: float = 30.0) -> float:  # type: ignore[override]
-        """Start it; returns the seconds until its ``/health`` answered 200."""
-        t0 = time.monotonic()
-        with open(self.log, "a") as out:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=ROOT, stdout=out, stderr=out,
-                                         start_new_session=True)
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited with {self.proc.returncode}; see {self.log}")
-            try:
-                if requests.get(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1).status_code == 200:
-                    return time.monotonic() - t0
-            except requests.RequestException:
-                pass
-            time.sleep(0.02)
-        raise TimeoutError("sidecar did not answer /health")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-
-def log_lines(path: Path, text: str) -> list[str]:
-    try:
-        return [line for line in path.read_text(errors="replace").splitlines() if text in line]
-    except OSError:
-        return []
-
-
-# -- engines, traffic, lookups -----------------------------------------------------------------
-
-
-class Engine:
-    """A :class:`SimEngine` (its true state, a control port answering health calls) with one
-    worker. Sends are serialized by ``lock``; a 0.5-era engine heartbeats every HEARTBEAT_S in
-    its own thread and runs every full sync it is asked for, retrying a start that is not
-    accepted, as LMCache's FullSyncSender does. A request with no reply within
-    DEALER_TIMEOUT_MS (its sidecar died with it) gets a fresh DEALER, so a late reply can never
-    be read as the answer to a later request."""
-
-    def __init__(self, name: str, era: str, pull_url: str, reply_url: str, ctx: zmq.Context):
-        self.name, self.era, self.reply_url = name, era, reply_url
-        self.sim = SimEngine(name, era=era, pull_url=pull_url, reply_url=reply_url if era == "0.5" else None, ctx=ctx)
-        self.worker = self.sim.workers[0]
-        if self.worker.dealer is not None:
-            self.worker.dealer.setsockopt(zmq.RCVTIMEO, DEALER_TIMEOUT_MS)
-        self.lock = threading.Lock()
-        self.beats: list[tuple[float, float, str]] = []  # (sent at, seconds to the reply, outcome)
-        self.syncs: list[tuple[float, str]] = []  # (accepted at, reason)
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def held(self) -> set[int]:
-        return self.sim.held.get(CPU, set())
-
-    def register(self) -> None:
-        with self.lock:
-            self.worker.register()
-
-    def store(self, hashes: list[int]) -> None:
-        with self.lock:
-            self.sim.store(hashes)
-
-    def evict(self, hashes: list[int]) -> None:
-        with self.lock:
-            self.sim.evict(hashes)
-
-    def holder(self, r) -> str | None:
-        return r.hget(keys.worker_key(self.name, 0), keys.location_field(CPU))
-
-    def _fresh_dealer(self) -> None:
-        self.worker.dealer.close(0)
-        dealer = self.sim.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVTIMEO, DEALER_TIMEOUT_MS)
-        dealer.connect(endpoint(self.reply_url))
-        self.worker.dealer = dealer
-
-    def start_heartbeats(self) -> None:
-        self._thread = threading.Thread(target=self._beat_loop, name=f"hb-{self.name}", daemon=True)
-        self._thread.start()
-
-    def _beat_loop(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self.beat()
-            except Exception as exc:  # recorded; the tests assert there are none
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-
-    def beat(self) -> None:
-        t0 = time.monotonic()
-        try:
-            reply = self.worker.heartbeat() or {}
-        except zmq.Again:
-            self.beats.append((t0, time.monotonic() - t0, "timeout"))
-            self._fresh_dealer()
-            return
-        took = time.monotonic() - t0
-        syncs = [c.get("reason") for c in reply.get("commands") or [] if c.get("command_type") == "full_sync"]
-        self.beats.append((t0, took, "error" if "error" in reply else "sync" if syncs else "ok"))
-        if syncs:
-            self.full_sync(syncs[0])
-
-    def full_sync(self, reason: str, attempts: int = 30) -> None:
-        """Send every chunk held (LocalCPUBackend), atomically with the engine's other sends."""
-        for _ in range(attempts):
-            with self.lock:
-                try:
-                    start, _status = self.worker.full_sync(sorted(self.held))
-                except zmq.Again:
-                    self._fresh_dealer()
-                    start = {}
-            if start.get("accepted"):
-                self.syncs.append((time.monotonic(), reason))
-                return
-            if self._stop.wait(0.5):
-                return
-        self.errors.append(f"full sync of {self.name} never accepted ({reason})")
-
-    def synced_since(self, t: float) -> bool:
-        return any(at > t for at, _reason in self.syncs)
-
-    def max_beat_s(self, since: float, until: float | None = None) -> float:
-        return max((took for at, took, _o in self.beats if at >= since and (until is None or at <= until)),
-                   default=0.0)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-        with self.lock:
-            self.sim.close()
-
-
-class Traffic(threading.Thread):
-    """Steady random stores (a prefix of a known prompt) and evicts (1-12 held chunks) on the
-    0.5-era engines, until stopped; :meth:`pause` waits for the step in progress."""
-
-    def __init__(self, engines: list[Engine], chains: list[list[int]], seed: int = 3, pace_s: float = 0.004):
-        super().__init__(daemon=True, name="traffic")
-        self.engines, self.chains = engines, chains
-        self.rng = random.Random(seed)
-        self.pace_s = pace_s
-        self.ops = 0
-        self.gate = threading.Lock()
-        self.paused = threading.Event()
-        self.stop_event = threading.Event()
-        self.errors: list[str] = []
-
-    def run(self) -> None:
-        while not self.stop_event.wait(self.pace_s):
-            if self.paused.is_set():
-                continue
-            with self.gate:
-                if self.paused.is_set():
-                    continue
-                try:
-                    e = self.rng.choice(self.engines)
-                    held = sorted(e.held)
-                    if self.rng.random() < 0.5 or not held:
-                        chain = self.rng.choice(self.chains)
-                        chunk = chain[:self.rng.randint(1, len(chain))]
-                        e.store(chunk)
-                    else:
-                        chunk = self.rng.sample(held, min(len(held), self.rng.randint(1, 12)))
-                        e.evict(chunk)
-                    self.ops += len(chunk)
-                except Exception as exc:
-                    self.errors.append(f"{type(exc).__name__}: {exc}")
-
-    def pause(self) -> None:
-        self.paused.set()
-        with self.gate:
-            pass
-
-    def resume(self) -> None:
-        self.paused.clear()
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.join(10)
-
-
-@dataclass
-class Answer:
-    started: float
-    ended: float
-    prompt: int
-    status: int  # 0: no HTTP answer (connection refused or reset, timeout)
-    layout: dict | None
-
-
-class Lookups(threading.Thread):
-    """POST /lookup of a random known prompt every LOOKUP_EVERY_S; every answer recorded."""
-
-    def __init__(self, url: str, prompts: list[list[int]], seed: int = 5):
-        super().__init__(daemon=True, name="lookups")
-        self.url, self.prompts = url, prompts
-        self.rng = random.Random(seed)
-        self.answers: list[Answer] = []
-        self.session = requests.Session()
-        self.stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop_event.wait(LOOKUP_EVERY_S):
-            i = self.rng.randrange(len(self.prompts))
-            t0 = time.monotonic()
-            try:
-                resp = self.session.post(self.url, json={"tokens": self.prompts[i]}, timeout=3)
-                status = resp.status_code
-                layout = {k: v for k, v in resp.json().items() if k != "event_id"} if status == 200 else None
-            except (requests.RequestException, ValueError):
-                status, layout = 0, None
-            self.answers.append(Answer(t0, time.monotonic(), i, status, layout))
-
-    def window(self, since: float, until: float | None = None) -> list[Answer]:
-        return [a for a in self.answers if a.ended >= since and (until is None or a.started <= until)]
-
-    def outage(self, since: float, until: float | None = None) -> dict:
-        """What lookups saw from ``since``: failed (not 200) answers, their statuses, when the
-        first 200 after the last failure ended (seconds after ``since``; 0.0 with no failure),
-        and the longest time without a 200."""
-        window = self.window(since, until)
-        failed = [a for a in window if a.status != 200]
-        last_fail = max((a.ended for a in failed), default=None)
-        ok = sorted(a.ended for a in window if a.status == 200)
-        recovered = next((t - since for t in ok if last_fail is None or t > last_fail), None) if failed else 0.0
-        ends = [since, *ok]
-        return {"lookups": len(window), "failed": len(failed), "statuses": sorted({a.status for a in failed}),
-                "answered_again_s": recovered,
-                "longest_without_answer_s": max((b - a for a, b in zip(ends, ends[1:], strict=False)), default=None)}
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.join(10)
-
-
-def matched(chain: list[int], held: set[int]) -> int:
-    n = 0
-    while n < len(chain) and chain[n] in held:
-        n += 1
-    return n
-
-
-class Deployment:
-    """The controller, the standalone sidecar, the engines, traffic and lookups."""
-
-    def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.data = tmp / "data"
-        rng = random.Random(17)
-        system = [rng.randrange(1, 100_000) for _ in range(6)]  # a shared system prompt
-        self.prompts = [(system if i % 2 else []) + [rng.randrange(1, 100_000) for _ in range(rng.randint(14, 26))]
-                        for i in range(10)]
-        self.chains = [PROFILE.chunk_hashes(p) for p in self.prompts]
-        self.universe = sorted({h for c in self.chains for h in c})
-        self.ctx = zmq.Context()
-        self.controller = Controller(self.data, free_port(), free_port(), tmp / "controller.log")
-        self.sidecar = Sidecar(self.data, tmp / "sidecar.log")
-        self.engines: list[Engine] = []
-        self.quiet: list[Engine] = []
-        self.r = None
-
-    # -- start and stop ------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self.controller.start()
-        self.sidecar.start()
-        self.r = connect((self.data / "redis.url").read_text().strip())
-        emb = (f"127.0.0.1:{self.controller.ports[1]}", f"127.0.0.1:{self.controller.ports[2]}")
-        std = (self.sidecar.pull_url, self.sidecar.reply_url)
-        self.active = [self.engine(f"e5-emb-{i}", "0.5", emb) for i in range(2)]
-        self.active += [self.engine(f"e5-std-{i}", "0.5", std) for i in range(2)]
-        holds = [(emb, [self.chains[0], self.chains[1][:10]]), (emb, [self.chains[2]]),
-                 (std, [self.chains[3], self.chains[4][:5]])]
-        for i, (urls, chains) in enumerate(holds):
-            q = self.engine(f"q3-{'emb' if urls is emb else 'std'}-{i}", "0.3", urls)
-            q.store([h for c in chains for h in c])
-            self.quiet.append(q)
-        self.canary = self.engine("canary", "0.3", std)  # registered; stores right before Redis is killed
-        for e in self.active:
-            e.start_heartbeats()
-        self.traffic = Traffic(self.active, self.chains)
-        self.lookups = Lookups(self.controller.http + "/lookup", self.prompts)
-        self.traffic.start()
-        self.lookups.start()
-        self.converge("start")
-        self.quiet_before = self.quiet_records()
-        assert all(n == sum(len(c) for c in chains) for (_h, n), (_u, chains) in
-                   zip(self.quiet_before.values(), holds, strict=True)), self.quiet_before
-
-    def engine(self, name: str, era: str, urls: tuple[str, str]) -> Engine:
-        e = Engine(name, era, urls[0], urls[1], self.ctx)
-        e.register()
-        self.engines.append(e)
-        return e
-
-    def close(self) -> None:
-        for t in (getattr(self, "lookups", None), getattr(self, "traffic", None)):
-            if t is not None:
-                t.stop()
-        for e in self.engines:
-            e.close()
-        self.controller.stop()
-        self.controller.cleanup()
-        self.sidecar.stop()
-        try:  # the keeper stops the server once no user is left
-            until(lambda: not servers_of(self.data), 10)
-        finally:
-            for pid in servers_of(self.data):
-                os.kill(pid, signal.SIGKILL)
-            if self.r is not None:
-                self.r.close()
-            self.ctx.term()
-
-    def ensure_running(self) -> None:
-        """After a failed scenario: the processes the next one needs."""
-        if self.controller.proc.poll() is not None:
-            self.controller.cleanup()
-            until(lambda: all(port_free(p) for p in self.controller.ports), 15)
-            self.controller.start()
-        if self.sidecar.proc.poll() is not None:
-            self.sidecar.start()
-        self.traffic.resume()
-
-    # -- what the engines hold, and what the index says ------------------------------------------
-
-    def truth(self) -> dict[tuple[str, str], set[int]]:
-        """What the engines hold among the universe's chunks (what index_view reads)."""
-        universe = set(self.universe)
-        out = {(e.name, CPU): e.held & universe for e in self.engines}
-        return {k: v for k, v in out.items() if v}
-
-    def expected(self, i: int) -> dict:
-        out = {}
-        for e in self.engines:
-            n = matched(self.chains[i], e.held)
-            if n:
-                out[e.name] = [CPU, n]
-        return out
-
-    def wrong_lookups(self) -> list[int]:
-        return [i for i, p in enumerate(self.prompts) if self.controller.layout(p) != self.expected(i)]
-
-    def quiet_records(self) -> dict[str, tuple[str | None, int]]:
-        """Quiet instance -> (holder id, records counted for it)."""
-        out = {}
-        for q in self.quiet:
-            hid = q.holder(self.r)
-            out[q.name] = (hid, int(self.r.hget(keys.records_key(), hid) or 0) if hid else 0)
-        return out
-
-    def quiet_wrong(self, answers: list[Answer]) -> list[Answer]:
-        """Answers (200) that reported a quiet instance other than as its chunks imply."""
-        bad = []
-        for a in answers:
-            if a.status != 200:
-                continue
-            for q in self.quiet:
-                n = matched(self.chains[a.prompt], q.held)
-                if a.layout.get(q.name) != ([CPU, n] if n else None):
-                    bad.append(a)
-                    break
-        return bad
-
-    def strays(self) -> int:
-        """Members of the universe's chunk sets that belong to no engine's current holder, plus
-        retired holders not purged yet: 0 once everything retired is gone."""
-        current = {e.holder(self.r) for e in self.engines} - {None}
-        pipe = self.r.pipeline(transaction=False)
-        for h in self.universe:
-            pipe.zrange(keys.chunk_key(h), 0, -1)
-        members = pipe.execute()
-        return sum(m not in current for ms in members for m in ms) + self.r.zcard(keys.dead_holders_key())
-
-    def converge(self, scenario: str, timeout: float = 30.0) -> float:
-        """Pause the traffic and wait until the index is exactly the engines' truth: the chunk
-        sorted sets hold the engines' records and nothing else (retired holders purged), every
-        known prompt's lookup is what the truth implies, and the quiet instances kept their
-        records. Returns the seconds it took (recorded as ``converged_s``); fails with the
-        difference otherwise."""
-        self.traffic.pause()
-        try:
-            t0 = time.monotonic()
-            want = self.truth()
-            while True:
-                view = index_view(self.r, self.universe)
-                if view == want and not self.strays() and not self.wrong_lookups():
-                    took = time.monotonic() - t0
-                    break
-                if time.monotonic() - t0 > timeout:
-                    diff = {k: (sorted(want.get(k, set()) - view.get(k, set()))[:3],
-                                sorted(view.get(k, set()) - want.get(k, set()))[:3])
-                            for k in set(want) | set(view) if want.get(k) != view.get(k)}
-                    raise AssertionError(f"{scenario}: no exact convergence within {timeout} s: (only held, only "
-                                         f"indexed) {diff}; {self.strays()} stray members and retired holders; "
-                                         f"prompts answered wrong {self.wrong_lookups()}")
-                time.sleep(0.1)
-            quiet = self.quiet_records()
-            before = getattr(self, "quiet_before", quiet)
-            lost = sum(max(0, before[q][1] - quiet[q][1]) for q in quiet)
-            record(scenario, converged_s=took, records_lost=lost + sum(len(v - view[k]) for k, v in want.items()),
-                   records_checked=sum(len(v) for v in want.values()))
-            assert quiet == before, f"quiet instances lost records: {before} -> {quiet}"
-            for e in self.engines:
-                assert not e.errors, (e.name, e.errors)
-            assert not self.traffic.errors, self.traffic.errors
-            return took
-        finally:
-            self.traffic.resume()
-
-    def steady(self, seconds: float) -> float:
-        """Let traffic and lookups run; returns the time it ended (monotonic)."""
-        time.sleep(seconds)
-        return time.monotonic()
 
 
 @pytest.fixture(scope="module")
@@ -614,7 +57,7 @@ def dep(tmp_path_factory):
         took = sorted(a.ended - a.started for a in answers if a.status == 200) or [0.0]
         record("total", seconds=time.monotonic() - t0, chunk_ops=ops, lookups=len(answers),
                lookup_p50_ms=1000 * took[len(took) // 2], lookup_p99_ms=1000 * took[len(took) * 99 // 100])
-        print_table()
+        FIGURES.print_table()
 
 
 @pytest.fixture()
@@ -623,98 +66,6 @@ def fresh(dep):
     dep.ensure_running()
     dep.steady(1.0)
     return dep
-
-
-def wait(fn: Callable[[], bool], timeout: float, what: str) -> float:
-    try:
-        return until(fn, timeout, step=0.02)
-    except TimeoutError:
-        raise AssertionError(f"{what}: not within {timeout} s") from None
-
-
-def print_table() -> None:
-    if not FIGURES:
-        return
-    print("\n| scenario | measured |\n|---|---|")
-    for name, figs in FIGURES.items():
-        cells = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in figs.items())
-        print(f"| {name} | {cells} |")
-
-
-class Sampler(threading.Thread):
-    """Calls ``fn()`` every ``every_s`` seconds until stopped; keeps (time, value)."""
-
-    def __init__(self, fn: Callable[[], float], every_s: float):
-        super().__init__(daemon=True, name="sampler")
-        self.fn, self.every_s = fn, every_s
-        self.samples: list[tuple[float, float]] = []
-        self.stop_event = threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        while True:
-            self.samples.append((time.monotonic(), self.fn()))
-            if self.stop_event.wait(self.every_s):
-                return
-
-    def stop(self) -> list[float]:
-        self.stop_event.set()
-        self.join(5)
-        return [v for _t, v in self.samples]
-
-
-def lowest_and_renewed(samples: list[tuple[float, float]], since: float) -> tuple[float, float | None]:
-    """From lease margins sampled from ``since``: the lowest, and when the lease was renewed
-    after it (seconds after ``since``)."""
-    after = [(t, v) for t, v in samples if t >= since]
-    i = min(range(len(after)), key=lambda k: after[k][1])
-    return after[i][1], (after[i + 1][0] - since) if i + 1 < len(after) else None
-
-
-def lease_margin_s(r, names: list[str]) -> float:
-    """The shortest time left on the liveness lease of any of ``names`` (negative: lapsed)."""
-    now_ms = time.time() * 1000
-    scores = dict(r.zrange(keys.alive_key(), 0, -1, withscores=True))
-    return min(scores.get(n, float("-inf")) - now_ms for n in names) / 1000
-
-
-def purge_time(r, holder: str, timeout: float = 60.0) -> float:
-    """Seconds until a retired holder's records are purged and the holder forgotten."""
-    return wait(lambda: r.hget(keys.records_key(), holder) is None and r.zscore(keys.dead_holders_key(), holder)
-                is None, timeout, f"holder {holder} purged")
-
-
-def max_sync_keys(limit: int, name: str) -> int:
-    """How many 64-bit keys fit in one FullSyncBatchMsg frame of at most ``limit`` bytes."""
-    def size(n: int) -> int:
-        return len(proto.encode(proto.FullSyncBatchMsg(name, 0, CPU, f"{name}_0_00000000", 0, [2**62] * n)))
-    n = (limit - size(70_000)) // 9 + 70_000
-    while size(n) > limit:
-        n -= 1
-    while size(n + 1) <= limit:
-        n += 1
-    return n
-
-
-# -- the scenarios -----------------------------------------------------------------------------
-
-
-def health_summary(c: Controller) -> tuple[int, int | None, int | None, str | None]:
-    """(status, embedded Redis server pid, embedded sidecar pid, its state) of GET /health."""
-    status, body = c.health()
-    comps = body.get("components", {})
-    sc = comps.get("embedded_sidecar", {})
-    return status, comps.get("redis", {}).get("server_pid"), sc.get("pid"), sc.get("state")
-
-
-def outage_of_health(samples: list[tuple[float, tuple]], since: float, healthy: Callable[[tuple], bool]) -> dict:
-    """From /health samples taken from ``since``: when it first answered 503, when it was first
-    healthy again after that, and every status seen in between (the 503 must hold until then)."""
-    after = [(t - since, v) for t, v in samples if t >= since]
-    first_503 = next((t for t, v in after if v[0] == 503), None)
-    back = next((t for t, v in after if first_503 is not None and t > first_503 and healthy(v)), None)
-    between = {v[0] for t, v in after if first_503 is not None and first_503 <= t < (back or float("inf"))}
-    return {"first_503_s": first_503, "healthy_s": back, "between": sorted(between)}
 
 
 def test_1_kill9_of_the_embedded_redis_heals_exactly(fresh):
@@ -749,7 +100,7 @@ def test_1_kill9_of_the_embedded_redis_heals_exactly(fresh):
     rewritten = [log_lines(p, "failover: wrote the ops")[-1].rsplit("(", 1)[1].split(")")[0]
                  for p in (d.sidecar.log, d.controller.log)]
     end = d.steady(1.0)
-    out = d.lookups.outage(killed, end)
+    out = d.lookups.recovery(killed, end)
     record("1 kill -9 valkey-server", server_back_s=back, health_503_after_s=h["first_503_s"],
            health_200_s=h["healthy_s"], first_lookup_after_s=out["answered_again_s"], failed_lookups=out["failed"],
            statuses=out["statuses"], acked_records_missing_at_restart=canary_lost,
@@ -766,11 +117,11 @@ def test_2_kill9_of_the_standalone_sidecar_then_a_start_converges_exactly(fresh)
     std = [e for e in d.active if "-std-" in e.name]
     killed = time.monotonic()
     d.sidecar.kill(signal.SIGKILL)
-    restart_s = d.sidecar.start()
+    restart_s = d.sidecar.start().ready_s
     wait(lambda: all(e.synced_since(killed) for e in std), 10, "full syncs of the standalone sidecar's engines")
     synced_s = time.monotonic() - killed
     end = d.steady(1.0)
-    out = d.lookups.outage(killed, end)
+    out = d.lookups.recovery(killed, end)
     record("2 kill -9 standalone sidecar", back_s=restart_s, full_syncs_done_s=synced_s,
            failed_lookups=out["failed"], longest_without_answer_s=out["longest_without_answer_s"])
     assert restart_s < 5.0 and synced_s < 8.0
@@ -796,7 +147,7 @@ def test_3_kill9_of_the_embedded_sidecar_is_restarted_by_the_supervisor(fresh):
     wait(lambda: all(e.synced_since(killed) for e in emb), 10, "full syncs of the embedded sidecar's engines")
     synced_s = time.monotonic() - killed
     end = d.steady(1.0)
-    out = d.lookups.outage(killed, end)
+    out = d.lookups.recovery(killed, end)
     record("3 kill -9 embedded sidecar", health_503_after_s=h["first_503_s"], back_s=h["healthy_s"],
            restarts=new["restarts"], full_syncs_done_s=synced_s, failed_lookups=out["failed"])
     assert h["first_503_s"] < 1.0 and h["healthy_s"] < 5.0 and h["between"] == [503]  # 503 until it is back
@@ -814,7 +165,7 @@ def test_4_kill9_of_a_gunicorn_worker_leaves_the_other_answering(fresh):
     os.kill(workers[0], signal.SIGKILL)
     replaced = wait(lambda: len(set(d.controller.workers()) - {workers[0]}) == 2, 10, "worker replaced")
     end = d.steady(2.0)
-    out = d.lookups.outage(killed, end)
+    out = d.lookups.recovery(killed, end)
     record("4 kill -9 gunicorn worker", replaced_s=replaced, failed_lookups=out["failed"], statuses=out["statuses"],
            longest_without_answer_s=out["longest_without_answer_s"], lookups=out["lookups"])
     assert replaced < 5.0
@@ -842,7 +193,7 @@ def test_5_kill9_of_the_controller_master_frees_its_ports_and_a_restart_converge
     end = d.steady(1.0)
     leases.stop()
     margin, renewed = lowest_and_renewed(leases.samples, killed)
-    out = d.lookups.outage(killed, end)
+    out = d.lookups.recovery(killed, end)
     record("5 kill -9 controller master", ports_free_s=freed, start_s=start_s, health_200_s=back_s,
            first_lookup_after_s=out["answered_again_s"], failed_lookups=out["failed"], full_syncs_done_s=synced_s,
            quiet_leases_renewed_s=renewed, shortest_quiet_lease_left_s=margin)
@@ -864,7 +215,7 @@ def test_6_sigterm_restarts_of_controller_and_sidecar_lose_nothing(fresh):
     end = d.steady(1.0)
     leases.stop()
     margin, renewed = lowest_and_renewed(leases.samples, t0)
-    out = d.lookups.outage(t0, end)
+    out = d.lookups.recovery(t0, end)
     record("6a SIGTERM controller restart", stop_s=stop_s, start_s=start_s,
            first_lookup_after_s=out["answered_again_s"], failed_lookups=out["failed"], statuses=out["statuses"],
            longest_without_answer_s=out["longest_without_answer_s"], quiet_leases_renewed_s=renewed,
@@ -877,11 +228,11 @@ def test_6_sigterm_restarts_of_controller_and_sidecar_lose_nothing(fresh):
     t1 = time.monotonic()
     d.sidecar.kill(signal.SIGTERM)
     stop_s = time.monotonic() - t1
-    start_s = d.sidecar.start()
+    start_s = d.sidecar.start().ready_s
     std = [e for e in d.active if "-std-" in e.name]
     wait(lambda: all(e.synced_since(t1) for e in std), 10, "full syncs of the standalone sidecar's engines")
     end = d.steady(1.0)
-    out = d.lookups.outage(t1, end)
+    out = d.lookups.recovery(t1, end)
     record("6b SIGTERM sidecar restart", stop_s=stop_s, start_s=start_s, failed_lookups=out["failed"])
     assert stop_s < 5.0 and start_s < 3.0 and out["failed"] == 0
     assert not d.quiet_wrong(d.lookups.window(t1))
@@ -914,7 +265,7 @@ def test_7_a_maximal_frame_in_a_full_sync_lets_no_lease_lapse(fresh):
     hwm = memory_mb(sc.pid, "VmHWM")
     beat_s = max(e.max_beat_s(t0, end) for e in std)
     outcomes = {o for e in std for at, _took, o in e.beats if t0 <= at <= end}
-    out = d.lookups.outage(t0, end)
+    out = d.lookups.recovery(t0, end)
     record("7 maximal frame", keys=n, frame_bytes=frame, written_s=ingest_s, ops_per_s=int(n / ingest_s),
            longest_heartbeat_reply_s=beat_s, shortest_lease_left_s=min(margins), peak_rss_mb=peak,
            vm_hwm_mb=hwm, failed_lookups=out["failed"])
@@ -1002,7 +353,7 @@ def test_8_a_flood_of_small_admits_stays_bounded_and_loses_nothing(fresh):
         time.sleep(max(0.0, t_end + 10.0 - time.monotonic()))
         after = memory_mb(sc.pid)
         samples, margins = rss.stop(), leases.stop()
-        out = d.lookups.outage(t0, t_end)
+        out = d.lookups.recovery(t0, t_end)
         beat_s = max(e.max_beat_s(t0, t_end) for e in std)
         outcomes = {o for e in std for at, _took, o in e.beats if t0 <= at <= t_end}
         record("8 flood", seconds=t_end - t0, admits_sent=sent, sent_per_s=int(sent / (t_end - t0)),

@@ -6,37 +6,26 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import requests
 
-from kvlookup.proc.redis_server import free_port
 from tests.index.test_mp_index import C0, C1, MODEL, batch, entry
 from tests.support.helpers import wait_for
+from tests.support.procs import ControllerProc
 
 P1 = list(range(1000, 1512))
 REG = {"instance_id": "mp-test-1", "ip": "127.0.0.1", "http_port": 19510}
 
 
-def _controller(args: list[str], port: int, env: dict | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvlookup", "controller", *args, "--port", str(port), "--workers", "2",
-           "--instance-ttl", "0", "--log-level", "WARNING"]
-    return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True)
+def _controller(args: list[str], env: dict | None = None) -> ControllerProc:
+    """The controller (2 workers, no instance expiry), spawned; :func:`_ready` waits for ``/healthz``."""
+    return ControllerProc(*args, "--workers", "2", "--instance-ttl", "0", env=env)
 
 
-def _ready(base: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(base + "/healthz", timeout=1).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(base)
+def _ready(ctrl: ControllerProc) -> None:
+    ctrl.wait_ready(path="/healthz")
 
 
 def _state(base: str) -> tuple:
@@ -58,26 +47,24 @@ def _traffic(base: str, first_seq: int, n: int) -> int:
     return seq - 1
 
 
-def _kill_restart(proc, args, port, env=None):
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(10)
-    proc = _controller(args, port, env)
-    _ready(f"http://127.0.0.1:{port}")
-    return proc
+def _kill_restart(ctrl: ControllerProc) -> None:
+    os.killpg(ctrl.proc.pid, signal.SIGKILL)
+    ctrl.proc.wait(10)
+    ctrl.spawn()
+    _ready(ctrl)
 
 
 def _run(args: list[str], env: dict | None = None) -> None:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = _controller(args, port, env)
+    ctrl = _controller(args, env)
+    base = ctrl.http
     try:
-        _ready(base)
+        _ready(ctrl)
         assert requests.post(base + "/instances", json=REG, timeout=5).json() == {"instance_id": "mp-test-1",
                                                                                    "re_registered": False}
         last = _traffic(base, 1, 40)
         before = _state(base)
         assert before[2]["num_keys"] == 42 and before[2]["num_placements"] == 44
-        proc = _kill_restart(proc, args, port, env)
+        _kill_restart(ctrl)
         assert _state(base) == before
         assert requests.put(base + "/instances/mp-test-1/heartbeat", timeout=5).status_code == 200
         assert requests.post(base + "/events", json={"batches": [batch(last + 1, entries=[entry("ab" * 32)])]},
@@ -87,8 +74,7 @@ def _run(args: list[str], env: dict | None = None) -> None:
         body = requests.post(base + "/lookup", json={"tokens": P1, "model_name": MODEL}, timeout=5).json()
         assert body["mp-test-1"] == ["l1/dram", 512]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
+        ctrl.stop()
 
 
 @pytest.mark.slow
@@ -106,11 +92,10 @@ def test_whole_controller_kill9_with_embedded_redis(tmp_path):
 
 @pytest.mark.slow
 def test_heartbeat_timeout_departs_l1_only(redis_args):
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = _controller(redis_args, port, {"KVLOOKUP_MP_INSTANCE_TIMEOUT_S": "1.5"})
+    ctrl = _controller(redis_args, {"KVLOOKUP_MP_INSTANCE_TIMEOUT_S": "1.5"})
+    base = ctrl.http
     try:
-        _ready(base)
+        _ready(ctrl)
         requests.post(base + "/instances", json=REG, timeout=5)
         requests.post(base + "/events", json={"batches": [batch(1, entries=[entry(C0)]),
                                                           batch(2, tier="l2", backend="fs", entries=[entry(C0)])]})
@@ -129,8 +114,7 @@ def test_heartbeat_timeout_departs_l1_only(redis_args):
         assert requests.post(base + "/events", json={"batches": [batch(4, entries=[entry(C1)])]}).json()[
             "applied"] == 1
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
+        ctrl.stop()
 
 
 @pytest.mark.slow
@@ -145,19 +129,16 @@ def test_cluster_master_kill9_loses_no_acknowledged_placement(tmp_path):
         pytest.skip("KVLOOKUP_TEST_BACKENDS excludes the cluster")
     six = LocalCluster(tmp_path / "cluster", masters=3, replicas=1, node_timeout_ms=1500)
     six.start()
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    args = ["--redis-url", six.url, "--redis-cluster"]
-    proc = _controller(args, port, {"KVLOOKUP_MP_REPLICA_ACKS": "1"})
+    ctrl = _controller(["--redis-url", six.url, "--redis-cluster"], {"KVLOOKUP_MP_REPLICA_ACKS": "1"})
+    base = ctrl.http
     try:
-        _ready(base)
+        _ready(ctrl)
         requests.post(base + "/instances", json=REG, timeout=5)
         victim = six.node_of(K.MP)
         (replica,) = six.replicas_of(victim)
         _kill_and_converge(base, lambda: six.kill(victim), lambda: six.node_of(K.MP) is replica, "cluster")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
+        ctrl.stop()
         six.stop()
 
 
@@ -192,15 +173,13 @@ def test_sentinel_master_kill9_loses_no_acknowledged_placement(tmp_path):
 
     s = LocalSentinel(tmp_path / "sentinel", replicas=1, sentinels=3, down_after_ms=1000)
     s.start()
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = _controller(["--redis-url", s.url], port, {"KVLOOKUP_MP_REPLICA_ACKS": "1"})
+    ctrl = _controller(["--redis-url", s.url], {"KVLOOKUP_MP_REPLICA_ACKS": "1"})
+    base = ctrl.http
     try:
-        _ready(base)
+        _ready(ctrl)
         requests.post(base + "/instances", json=REG, timeout=5)
         victim = s.master()
         _kill_and_converge(base, lambda: s.kill(victim), lambda: s.master() is not victim, "sentinel")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
+        ctrl.stop()
         s.stop()

@@ -16,8 +16,9 @@ from kvlookup.client import Client
 from kvlookup.devtools.local_sentinel import LocalSentinel
 from kvlookup.proc.redis_server import connect
 from kvlookup.proc.redis_urls import BlockingSentinelConnectionPool, SentinelURL, parse_sentinel
-from tests.support.ha_fleet import ROOT, Fleet, HttpClient, Lookups
-from tests.support.procs import ControllerProc
+from tests.support.ha_fleet import Fleet
+from tests.support.lookups import HttpClient, Lookups
+from tests.support.procs import ROOT, ControllerProc
 
 
 def test_sentinel_urls_parse():

@@ -14,37 +14,20 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
 
 from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.proc.redis_server import free_port, port_free
 from kvlookup.proc.supervise import Child, StartError, Supervisor
 from tests.conftest import SEED_HASH, SEED_TOKENS
-from tests.support.helpers import wait_for
-from tests.support.procs import ControllerProc
-from tests.support.procs_embedded import alive, keepers_of, servers_of, until
+from tests.support.helpers import until, wait_for
+from tests.support.procs import ControllerProc, children
+from tests.support.procs_embedded import alive, keepers_of, servers_of
 
 pytestmark = pytest.mark.slow
 SEED_ANSWER = {"inst": ["LocalCPUBackend", 12]}
 P2 = SEED_TOKENS[:11] + [99]
 H2 = HashProfile().chunk_hashes(P2)[0]
-
-
-def _health(ctrl: ControllerProc) -> tuple[int, dict]:
-    try:
-        resp = ctrl.session.get(ctrl.http + "/health", timeout=5)
-    except requests.RequestException:
-        return 0, {}
-    return resp.status_code, resp.json()
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (every thread's)."""
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return sorted(out)
 
 
 def _controller(tmp_path: Path, pull: int, reply: int, port: int | None = None) -> ControllerProc:
@@ -57,7 +40,7 @@ def _recovery(ctrl: ControllerProc, done, timeout: float = 15.0) -> tuple[float,
     """Poll /health every 20 ms until ``done(status, body)``: (seconds, statuses seen)."""
     start, seen = time.monotonic(), []
     while time.monotonic() - start < timeout:
-        status, body = _health(ctrl)
+        status, body = ctrl.health(timeout=5)
         seen.append(status)
         if done(status, body):
             return time.monotonic() - start, seen
@@ -69,7 +52,7 @@ def test_a_killed_embedded_sidecar_is_restarted_and_health_is_503_meanwhile(tmp_
     pull, reply = free_port(), free_port()
     ctrl = _controller(tmp_path, pull, reply)
     try:
-        status, body = _health(ctrl)
+        status, body = ctrl.health(timeout=5)
         sidecar = body["components"]["embedded_sidecar"]
         assert status == 200 and body["status"] == "ok" and body["redis"] == "ok" and "redis_ms" in body
         assert sidecar == {"state": "up", "restarts": 0, "pid": sidecar["pid"], "error": None, "ports": [pull, reply]}
@@ -83,9 +66,9 @@ def test_a_killed_embedded_sidecar_is_restarted_and_health_is_503_meanwhile(tmp_
                                (None, sidecar["pid"]))
         print(f"embedded sidecar back {took:.2f} s after kill -9 (health statuses: {sorted(set(seen))})")
         assert took < 5.0 and 503 in seen
-        new = _health(ctrl)[1]["components"]["embedded_sidecar"]
+        new = ctrl.health(timeout=5)[1]["components"]["embedded_sidecar"]
         assert new == {"state": "up", "restarts": 1, "pid": new["pid"], "error": None, "ports": [pull, reply]}
-        assert new["pid"] in _children(ctrl.proc.pid)
+        assert new["pid"] in children(ctrl.proc.pid)
         w.admit([H2])  # the worker's PUSH socket reconnects to the new sidecar
         assert wait_for(lambda: ctrl.layout(P2), SEED_ANSWER) == SEED_ANSWER
         w.close()
@@ -102,14 +85,14 @@ def test_killed_embedded_redis_and_keeper_are_back_within_5s(tmp_path):
         w.admit([SEED_HASH])
         assert wait_for(lambda: ctrl.layout(SEED_TOKENS), SEED_ANSWER) == SEED_ANSWER
         time.sleep(1.2)  # appendfsync everysec
-        redis = _health(ctrl)[1]["components"]["redis"]
+        redis = ctrl.health(timeout=5)[1]["components"]["redis"]
         os.kill(redis["server_pid"], signal.SIGKILL)
-        assert _health(ctrl)[0] == 503
+        assert ctrl.health(timeout=5)[0] == 503
         took, seen = _recovery(ctrl, lambda s, b: s == 200 and b["components"]["redis"]["server_pid"] not in
                                (None, redis["server_pid"]))
         print(f"embedded Redis back {took:.2f} s after kill -9 of valkey-server")
         assert took < 5.0
-        after = _health(ctrl)[1]["components"]["redis"]
+        after = ctrl.health(timeout=5)[1]["components"]["redis"]
         assert (after["keeper_pid"], after["server_restarts"], after["url"]) == (redis["keeper_pid"], 1, redis["url"])
         assert ctrl.layout(SEED_TOKENS) == SEED_ANSWER  # the AOF brought the index back
 
@@ -118,7 +101,7 @@ def test_killed_embedded_redis_and_keeper_are_back_within_5s(tmp_path):
                                (None, after["keeper_pid"]))
         print(f"embedded Redis back {took:.2f} s after kill -9 of its keeper (statuses {sorted(set(seen))})")
         assert took < 5.0 and not alive(after["server_pid"])
-        final = _health(ctrl)[1]["components"]["redis"]
+        final = ctrl.health(timeout=5)[1]["components"]["redis"]
         assert (final["url"], final["keepers_started"], final["server_restarts"]) == (redis["url"], 2, 0)
         assert keepers_of(tmp_path / "data") == [final["keeper_pid"]]
         assert servers_of(tmp_path / "data") == [final["server_pid"]]
@@ -138,12 +121,12 @@ def test_kill9_of_the_master_frees_every_port_and_a_restart_comes_up(tmp_path):
         w.register()
         w.admit([SEED_HASH])
         assert wait_for(lambda: ctrl.layout(SEED_TOKENS), SEED_ANSWER) == SEED_ANSWER
-        children = _children(ctrl.proc.pid)  # two gunicorn workers, the sidecar, the first keeper
-        server = _health(ctrl)[1]["components"]["redis"]["server_pid"]
+        kids = children(ctrl.proc.pid)  # two gunicorn workers, the sidecar, the first keeper
+        server = ctrl.health(timeout=5)[1]["components"]["redis"]["server_pid"]
         os.kill(ctrl.proc.pid, signal.SIGKILL)
         ctrl.proc.wait(5)
         ports = (ctrl.port, pull, reply)
-        took = until(lambda: all(port_free(p) for p in ports) and not any(alive(c) for c in children), 10)
+        took = until(lambda: all(port_free(p) for p in ports) and not any(alive(c) for c in kids), 10)
         print(f"HTTP, PULL and ROUTER ports free, workers and sidecar gone {took:.2f} s after kill -9 of the master")
         assert took < 5.0
         gone = until(lambda: not alive(server) and not keepers_of(tmp_path / "data"), 5)
@@ -151,7 +134,7 @@ def test_kill9_of_the_master_frees_every_port_and_a_restart_comes_up(tmp_path):
 
         again = _controller(tmp_path, pull, reply, port=ctrl.port)
         try:
-            status, body = _health(again)
+            status, body = again.health(timeout=5)
             assert status == 200 and {c["state"] for c in body["components"].values()} == {"up"}
             assert body["components"]["embedded_sidecar"]["restarts"] == 0
             assert again.layout(SEED_TOKENS) == SEED_ANSWER  # from the AOF
@@ -185,7 +168,7 @@ def test_a_failed_restart_is_retried_with_backoff_and_reported(tmp_path):
     pull, reply = free_port(), free_port()
     ctrl = _controller(tmp_path, pull, reply)
     try:
-        old = _health(ctrl)[1]["components"]["embedded_sidecar"]["pid"]
+        old = ctrl.health(timeout=5)[1]["components"]["embedded_sidecar"]["pid"]
         os.kill(old, signal.SIGKILL)
         until(lambda: port_free(pull), 5)
         with socket.socket() as taken:  # someone else takes the PULL port before the restart
@@ -195,7 +178,7 @@ def test_a_failed_restart_is_retried_with_backoff_and_reported(tmp_path):
             _recovery(ctrl, lambda s, b: b["components"]["embedded_sidecar"]["restarts"] == 0 and
                       b["components"]["embedded_sidecar"]["state"] == "down" and s == 503)
             time.sleep(1.5)  # a few retries (0.2 + 0.4 + 0.8 s): all fail the same way
-            status, body = _health(ctrl)
+            status, body = ctrl.health(timeout=5)
             down = body["components"]["embedded_sidecar"]
             assert status == 503 and body["status"] == "unavailable"
             assert down == {"state": "down", "restarts": 0, "pid": None, "ports": [pull, reply],
@@ -205,7 +188,7 @@ def test_a_failed_restart_is_retried_with_backoff_and_reported(tmp_path):
         print(f"sidecar up {took:.2f} s after its port was released (backoff capped at 5 s), "
               f"{time.monotonic() - freed:.2f} s")
         assert took < 7.0
-        assert _health(ctrl)[1]["components"]["embedded_sidecar"]["restarts"] == 1
+        assert ctrl.health(timeout=5)[1]["components"]["embedded_sidecar"]["restarts"] == 1
     finally:
         ctrl.stop()
 
@@ -219,14 +202,11 @@ def test_children_run_the_installed_package_whatever_the_working_directory(tmp_p
         (fake / name).write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit(3)\n")
     pull, port = free_port(), free_port()
     script = Path(sys.executable).with_name("kvlookup")  # the console script, as an operator runs it
-    proc = subprocess.Popen([str(script), "controller", "--port", str(port), "--monitor-port", str(pull),
-                             "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING"],
-                            cwd=tmp_path, start_new_session=True)
-    ctrl = ControllerProc.__new__(ControllerProc)
-    ctrl.proc, ctrl.port, ctrl.http, ctrl.session = proc, port, f"http://127.0.0.1:{port}", requests.Session()
+    ctrl = ControllerProc("--monitor-port", str(pull), "--data-dir", str(tmp_path / "data"), port=port,
+                          program=(str(script),), cwd=tmp_path)
     try:
         ctrl.wait_ready()
-        assert _health(ctrl)[1]["components"]["embedded_sidecar"]["state"] == "up"
+        assert ctrl.health(timeout=5)[1]["components"]["embedded_sidecar"]["state"] == "up"
         w = WorkerSim("inst", era="0.3", pull_url=f"127.0.0.1:{pull}")
         w.register()
         w.admit([SEED_HASH])

@@ -11,6 +11,7 @@ def test_record_keys():
     assert keys.chunk_prefix() == "kvl:v2:chunk:"
     assert keys.chunk_key(42, keys.vllm_space(16)) == "kvl:v2:chunk:v16:42"
     assert keys.holder_chunks_key(7, 1234) == "kvl:v2:holder:7:chunks:1234"
+    assert keys.holder_buckets_key(7) == "kvl:v2:holder:7:buckets"
     assert keys.chunk_bucket(4690244967161877535) == 940
     assert keys.chunk_bucket(5) == 53 and keys.HOLDER_CHUNK_BUCKETS == 2048
     assert keys.engine_map_key("a", 1) == "kvl:v2:blocks:a:1"
@@ -19,6 +20,7 @@ def test_record_keys():
 
 def test_registry_keys():
     assert keys.holders_key() == "kvl:v2:{r}:holders"
+    assert keys.claims_key() == "kvl:v2:{r}:claims"
     assert keys.holder_seq_key() == "kvl:v2:{r}:holders:seq"
     assert keys.holder_gen_key() == "kvl:v2:{r}:holders:gen"
     assert keys.records_key() == "kvl:v2:{r}:records"

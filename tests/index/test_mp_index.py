@@ -201,3 +201,18 @@ def test_mp_key_strings_are_pinned():
     slots = {slot_of(k) for k in [*K.mp_all_keys(), K.mp_chunks_key("fff"), K.mp_page_key(0), K.mp_l1_key(1, 0)]}
     assert slots == {slot_of(K.MP)}
     assert K.mp_blend_key(2) == "kvl:v2:{mp}:b:2" and slot_of(K.mp_blend_key(2)) == slot_of(K.MP)
+
+
+def test_mp_script_keys_and_prefixes_are_pinned():
+    """KEYS[1..10] of MP_APPLY and MP_DEPART (kvlookup.index.mp_scripts): the fixed hashes, then the
+    prefixes the scripts complete with the ids they allocate or discover; each family's key is its
+    prefix followed by the id, and every prefix is in the {mp} slot."""
+    from kvlookup.index.cluster_io import slot_of
+
+    assert K.mp_script_keys() == ["kvl:v2:{mp}:names", "kvl:v2:{mp}:stats", "kvl:v2:{mp}:cursors",
+                                  "kvl:v2:{mp}:departed", "kvl:v2:{mp}:capacity", "kvl:v2:{mp}:instances",
+                                  "kvl:v2:{mp}:heartbeats", "kvl:v2:{mp}:c:", "kvl:v2:{mp}:k:", "kvl:v2:{mp}:l1:"]
+    assert K.mp_chunks_prefix() + "d52" == K.mp_chunks_key("d52")
+    assert K.mp_page_prefix() + "3" == K.mp_page_key(3)
+    assert K.mp_l1_prefix() + "7:255" == K.mp_l1_key(7, 255)
+    assert {slot_of(k) for k in K.mp_script_keys()} == {slot_of(K.MP)}

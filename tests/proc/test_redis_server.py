@@ -16,8 +16,9 @@ from kvlookup.proc import embedded, redis_server
 from kvlookup.proc.embedded import served_by
 from kvlookup.proc.redis_server import EmbeddedRedis, connect, ping, running_url
 from kvlookup.proc.runtime import ensure_redis
+from tests.support.helpers import until
 from tests.support.procs import ROOT
-from tests.support.procs_embedded import UserProc, alive, keepers_of, kill9, servers_of, until
+from tests.support.procs_embedded import UserProc, alive, keepers_of, kill9, servers_of
 
 
 def test_binary_comes_from_path_or_the_valkey_wheel():

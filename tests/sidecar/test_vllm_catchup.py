@@ -12,9 +12,8 @@ import pytest
 from kvlookup import metrics
 from kvlookup.client import Client, VllmChains
 from kvlookup.sidecar.vllm_zmq import VllmSource
-from tests.sidecar.test_vllm_sidecar import Running
-from tests.support.helpers import wait_for
-from tests.support.vllm_helpers import LoopbackPublisher, payload, stored
+from tests.support.helpers import vllm_sidecar, wait_for
+from tests.support.vllm_helpers import LoopbackPublisher, layout, payload, stored
 
 A = list(range(1000, 1032))
 B = list(range(2000, 2016))
@@ -25,10 +24,6 @@ def client(r):
     return Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
 
 
-def layout(client, tokens):
-    return {m.instance_id: (m.location, m.matched_prefix_length) for m in client.matches(tokens)}
-
-
 def catchups(outcome: str) -> float:
     return metrics.CATCHUPS.labels(outcome)._value.get()
 
@@ -36,7 +31,7 @@ def catchups(outcome: str) -> float:
 def test_restarted_publisher_one_missed_batch_then_quiet(r, client):
     pub = LoopbackPublisher()
     port, rport = pub.port, pub.replay_port
-    sc = Running(r, VllmSource("pod-a", pub.endpoint, pub.replay_endpoint, replay_timeout_s=0.5))
+    sc = vllm_sidecar(r, VllmSource("pod-a", pub.endpoint, pub.replay_endpoint, replay_timeout_s=0.5))
     try:
         pub.publish(payload(stored([1, 2], A)))
         pub.publish(payload(stored([3], B)))
@@ -60,7 +55,7 @@ def test_restarted_publisher_one_missed_batch_then_quiet(r, client):
 def test_sidecar_restarted_while_its_engine_published(r, client):
     pub = LoopbackPublisher()
     source = VllmSource("pod-a", pub.endpoint, pub.replay_endpoint, replay_timeout_s=0.5)
-    sc = Running(r, source)
+    sc = vllm_sidecar(r, source)
     try:
         pub.publish(payload(stored([1, 2], A)))
         assert wait_for(lambda: layout(client, A), {"pod-a": ("GPU", 32)}) == {"pod-a": ("GPU", 32)}
@@ -69,7 +64,7 @@ def test_sidecar_restarted_while_its_engine_published(r, client):
         pub.publish(payload(stored([4], B[:8] + A[:8])))
         resumed = catchups("resumed")
         start = time.monotonic()
-        sc = Running(r, source)  # and the engine stays quiet from now on
+        sc = vllm_sidecar(r, source)  # and the engine stays quiet from now on
         want = {"pod-a": ("GPU", 16)}
         assert wait_for(lambda: layout(client, B), want, timeout=3.0) == want
         took = time.monotonic() - start
@@ -86,7 +81,7 @@ def test_new_publisher_is_read_from_seq_0_at_start(r, client):
     pub = LoopbackPublisher()
     try:
         pub.publish(payload(stored([1, 2], A)), send=False)
-        sc = Running(r, VllmSource("pod-a", pub.endpoint, pub.replay_endpoint, replay_timeout_s=0.5))
+        sc = vllm_sidecar(r, VllmSource("pod-a", pub.endpoint, pub.replay_endpoint, replay_timeout_s=0.5))
         try:
             want = {"pod-a": ("GPU", 32)}
             assert wait_for(lambda: layout(client, A), want, timeout=3.0) == want

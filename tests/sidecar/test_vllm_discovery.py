@@ -19,7 +19,7 @@ from kvlookup.client import Client, VllmChains
 from kvlookup.sidecar.vllm_discovery import DiscoveryError, discover
 from tests.support.helpers import wait_for
 from tests.support.procs import ROOT, SidecarProc
-from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, payload, stored
+from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, layout, payload, stored
 
 A = list(range(1000, 1032))
 B = list(range(2000, 2016))
@@ -34,7 +34,7 @@ class FakeVllmServer:
         self.sources, self.model, self.old = sources, model, old
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class SourcesHandler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
                 if self.path == "/kv_event_sources" and not outer.old:
                     body = outer.sources
@@ -53,7 +53,7 @@ class FakeVllmServer:
             def log_message(self, *args):
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), SourcesHandler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -67,10 +67,6 @@ def events_config(pub: LoopbackPublisher, topic: str = "kv@pod") -> dict:
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub.port}",
             "replay_endpoint": f"tcp://*:{pub.replay_port}", "buffer_steps": 10000, "hwm": 100000,
             "max_queue_size": 100000, "topic": topic}
-
-
-def layout(client, tokens, **kw):
-    return {m.instance_id: (m.location, m.matched_prefix_length, m.ranks) for m in client.matches(tokens, **kw)}
 
 
 def test_discover_reads_every_rank_and_the_model():
@@ -115,9 +111,9 @@ def test_vllm_url_alone_subscribes_every_rank_scopes_by_model_and_follows_a_rest
         pubs[0].publish(payload(stored([1], A[:16])), send=False)  # before the sidecar listened: caught up
         pubs[1].publish(payload(stored([1, 2], A, rank=1), rank=1))
         want = {inst: ("GPU", 32, {"0": 16, "1": 32})}
-        assert wait_for(lambda: layout(client, A, model_name=MODEL), want) == want
-        assert layout(client, A, model_name="another-model") == {}
-        assert layout(client, A) == want  # no model named: every instance
+        assert wait_for(lambda: layout(client, A, "ranks", model_name=MODEL), want) == want
+        assert layout(client, A, "ranks", model_name="another-model") == {}
+        assert layout(client, A, "ranks") == want  # no model named: every instance
         # the engine restarts on other ports: the sidecar reads /kv_event_sources again
         for p in pubs:
             p.close()
@@ -125,8 +121,8 @@ def test_vllm_url_alone_subscribes_every_rank_scopes_by_model_and_follows_a_rest
         server.sources = {str(rank): events_config(p) for rank, p in enumerate(pubs)}
         pubs[1].publish(payload(stored([7], B, rank=1), rank=1), send=False)
         want = {inst: ("GPU", 16, {"1": 16})}
-        assert wait_for(lambda: layout(client, B, model_name=MODEL), want, timeout=8.0) == want
-        assert layout(client, A) == {}  # the restarted engine's cache is empty
+        assert wait_for(lambda: layout(client, B, "ranks", model_name=MODEL), want, timeout=8.0) == want
+        assert layout(client, A, "ranks") == {}  # the restarted engine's cache is empty
     finally:
         sc.stop()
         server.close()

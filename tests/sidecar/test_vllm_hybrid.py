@@ -12,8 +12,7 @@ from kvlookup.hashing import vllm as vh
 from kvlookup.index import keys
 from kvlookup.index.vllm_groups import GroupSpec, held_from, reusable_length
 from kvlookup.sidecar.vllm_ingest import VllmIngest
-from tests.sidecar.test_vllm_ingest import Stream
-from tests.support.vllm_helpers import removed, stored
+from tests.support.vllm_helpers import Stream, detail, layout, removed, stored
 
 A = list(range(1000, 1032))  # 2 blocks of 16
 P = list(range(5000, 5512))  # 512 tokens: 2 LMCache chunks of 256, 32 blocks of 16
@@ -27,34 +26,24 @@ def client(r):
     return Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
 
 
-def layout(client, tokens, **ns):
-    return {m.instance_id: (m.location, m.matched_prefix_length, m.locations) for m in client.matches(tokens, **ns)}
-
-
-def detail(client, tokens):
-    matches = client.matches(tokens)
-    matches = client.add_reusable(tokens, matches)
-    return {m.instance_id: m.detail() for m in matches}
-
-
 def test_group0_sliding_window_group1_full_attention(store, r, client):
     ing, s = VllmIngest(store, "pod-a"), Stream()
     s.send(ing, stored([1, 2], A, group_idx=0, **SW), stored([1, 2], A, group_idx=1, **FULL))
-    assert layout(client, A + [7]) == {"pod-a": ("GPU", 32, {"GPU": 32})}
+    assert layout(client, A + [7], "locations") == {"pod-a": ("GPU", 32, {"GPU": 32})}
     inst = r.hgetall(keys.instance_key("pod-a"))
     assert (inst["group:0:0"], inst["group:0:1"]) == ("sliding_window|16|32", "full_attention|16|")
     s.send(ing, removed([1, 2]) | {"group_idx": 0})  # the sliding-window group drops its copies
-    assert layout(client, A + [7]) == {"pod-a": ("GPU", 32, {"GPU": 32})}
+    assert layout(client, A + [7], "locations") == {"pod-a": ("GPU", 32, {"GPU": 32})}
     assert sorted(r.hkeys(keys.engine_map_key("pod-a", 0))) == ["1@1", "2@1"]
     s.send(ing, removed([2]) | {"group_idx": 1})
-    assert layout(client, A + [7]) == {"pod-a": ("GPU", 16, {"GPU": 16})}
+    assert layout(client, A + [7], "locations") == {"pod-a": ("GPU", 16, {"GPU": 16})}
     assert ing.rejected == {} and ing.skipped == {}
 
 
 def test_a_sliding_window_only_group_never_extends_the_prefix(store, r, client):
     ing, s = VllmIngest(store, "pod-a"), Stream()
     s.send(ing, stored([1, 2], A, group_idx=0, **SW))
-    assert layout(client, A) == {}
+    assert layout(client, A, "locations") == {}
     assert r.hgetall(keys.block_sizes_key()) == {}
 
 
@@ -63,9 +52,9 @@ def test_two_full_attention_groups_share_the_record(store, r, client):
     s.send(ing, stored([1, 2], A, group_idx=0, **SW), stored([1, 2], A, group_idx=1, **FULL),
            stored([1, 2], A, group_idx=2, **FULL))
     s.send(ing, removed([1, 2]) | {"group_idx": 1})
-    assert layout(client, A + [7]) == {"pod-a": ("GPU", 32, {"GPU": 32})}  # group 2 still holds them
+    assert layout(client, A + [7], "locations") == {"pod-a": ("GPU", 32, {"GPU": 32})}  # group 2 still holds them
     s.send(ing, removed([1, 2]) | {"group_idx": 2})
-    assert layout(client, A + [7]) == {}
+    assert layout(client, A + [7], "locations") == {}
 
 
 def test_gpu_blocks_and_mp_connector_cpu_chunks_on_one_rank(store, r, client):
@@ -74,23 +63,23 @@ def test_gpu_blocks_and_mp_connector_cpu_chunks_on_one_rank(store, r, client):
     # LMCache's MP connector: one 256-token chunk per event, LMCache hashes, no group_idx
     s.send(ing, stored([0xC0], P[:256], bs=256, medium="CPU"))
     s.send(ing, stored([0xC1], P[256:], bs=256, medium="CPU", parent=0xC0))
-    assert layout(client, P) == {"pod-a": ("CPU", 512, {"GPU": 48, "CPU": 512})}
-    assert layout(client, P[:300]) == {"pod-a": ("CPU", 256, {"GPU": 48, "CPU": 256})}
-    assert layout(client, P[:40]) == {"pod-a": ("GPU", 32, {"GPU": 32})}
+    assert layout(client, P, "locations") == {"pod-a": ("CPU", 512, {"GPU": 48, "CPU": 512})}
+    assert layout(client, P[:300], "locations") == {"pod-a": ("CPU", 256, {"GPU": 48, "CPU": 256})}
+    assert layout(client, P[:40], "locations") == {"pod-a": ("GPU", 32, {"GPU": 32})}
     assert r.hgetall(keys.block_sizes_key()) == {"0\tpod-a": "16,256"}
     s.send(ing, removed([0xC0, 0xC1, 0xDEAD], medium="CPU"))  # the connector's withdraw-all
-    assert layout(client, P) == {"pod-a": ("GPU", 48, {"GPU": 48})}
+    assert layout(client, P, "locations") == {"pod-a": ("GPU", 48, {"GPU": 48})}
     assert ing.rejected == {} and ing.skipped == {"remove_unknown": 1}
 
 
 def test_lookahead_block_counts_only_for_prompts_that_continue_with_it(store, r, client):
     ing, s = VllmIngest(store, "pod-a"), Stream()
     s.send(ing, stored([1], A[:16], group_idx=0, lookahead_token_ids=[[A[16]]], **FULL))
-    assert layout(client, A) == {"pod-a": ("GPU", 16, {"GPU": 16})}
-    assert layout(client, A[:16] + [9]) == {}
-    assert layout(client, A[:16]) == {}  # no token after the block: vLLM never hashes it
+    assert layout(client, A, "locations") == {"pod-a": ("GPU", 16, {"GPU": 16})}
+    assert layout(client, A[:16] + [9], "locations") == {}
+    assert layout(client, A[:16], "locations") == {}  # no token after the block: vLLM never hashes it
     s.send(ing, stored([2], A[16:], parent=1, group_idx=0, lookahead_token_ids=[[3]], **FULL))
-    assert layout(client, A + [3]) == {"pod-a": ("GPU", 32, {"GPU": 32})}
+    assert layout(client, A + [3], "locations") == {"pod-a": ("GPU", 32, {"GPU": 32})}
     assert r.hgetall(keys.block_sizes_key()) == {"0\tpod-a": "16+1"}
     s.send(ing, stored([1], A[:16], lookahead_token_ids=[[1], [2]]))  # two lists for one block
     assert ing.rejected == {"lookahead": 1}
@@ -101,11 +90,11 @@ def test_ownership_is_a_residency_and_remote_tiers_are_not_credited(store, r, cl
     s.send(ing, stored([1, 2], A), stored([1, 2], [], medium="CPU"),
            stored([1, 2], [], medium="CPU", ownership="kvcr"),
            stored([1, 2], [], medium="STORAGE", locality="REMOTE"))
-    assert layout(client, A) == {"pod-a": ("GPU", 32, {"GPU": 32, "CPU": 32})}
+    assert layout(client, A, "locations") == {"pod-a": ("GPU", 32, {"GPU": 32, "CPU": 32})}
     s.send(ing, removed([1, 2]), removed([1, 2], medium="CPU"))
-    assert layout(client, A) == {"pod-a": ("CPU", 32, {"CPU": 32})}  # the kvcr copy stays
+    assert layout(client, A, "locations") == {"pod-a": ("CPU", 32, {"CPU": 32})}  # the kvcr copy stays
     s.send(ing, removed([1, 2], medium="CPU") | {"ownership": "kvcr"})
-    assert layout(client, A) == {}
+    assert layout(client, A, "locations") == {}
     assert ing.skipped == {"remote_tier": 1}
 
 
@@ -124,7 +113,7 @@ def test_placeholder_offload_store_of_a_known_block(store, r, client):
     for (kv_connector/v1/offloading/events.py:352-382): resolved through the engine map."""
     ing, s = VllmIngest(store, "pod-a"), Stream()
     s.send(ing, stored([1, 2], A, group_idx=0, **FULL), stored([1, 2], [], bs=0, medium="CPU", group_idx=0))
-    assert layout(client, A) == {"pod-a": ("GPU", 32, {"GPU": 32, "CPU": 32})}
+    assert layout(client, A, "locations") == {"pod-a": ("GPU", 32, {"GPU": 32, "CPU": 32})}
     assert ing.rejected == {}
 
 
@@ -181,5 +170,5 @@ def test_partial_tail_store_keeps_the_group_block_size(store, r, client):
     ing, s = VllmIngest(store, "pod-a"), Stream()
     s.send(ing, stored([1], A, bs=32, group_idx=1, **FULL), stored([2], A[:16], bs=16, group_idx=1, **FULL))
     assert r.hget(keys.instance_key("pod-a"), "group:0:1") == "full_attention|32|"
-    assert layout(client, A + [7]) == {"pod-a": ("GPU", 32, {"GPU": 32})}
+    assert layout(client, A + [7], "locations") == {"pod-a": ("GPU", 32, {"GPU": 32})}
     assert r.hgetall(keys.block_sizes_key()) == {"0\tpod-a": "16,32"}

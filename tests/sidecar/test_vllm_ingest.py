@@ -7,39 +7,14 @@ import pytest
 
 from kvlookup.client import Client, VllmChains
 from kvlookup.hashing import vllm as vh
-from kvlookup.hashing.namespace import Namespace
 from kvlookup.index import keys
 from kvlookup.index.store import Store
 from kvlookup.sidecar.vllm_ingest import VllmIngest, digest
-from tests.support.vllm_helpers import cleared, payload, removed, stored
+from tests.support.vllm_helpers import Stream, cleared, layout, removed, stored
 
 A = list(range(1000, 1032))  # 2 blocks of 16
 B = list(range(2000, 2016))
 H1, H2, H3 = 16823396573910764246, 9852303496387231819, 9705754376319679393
-
-
-class Stream:
-    """One rank's publisher: seqs, a replay buffer, delivery straight into an ingest."""
-
-    def __init__(self, rank: int = 0, buffer: int = 10_000):
-        self.rank, self.seq, self.buffer, self.size = rank, 0, [], buffer
-        self.replays: list[int] = []
-
-    def send(self, ingest: VllmIngest | None, *events, deliver: bool = True, form: str = "map") -> int:
-        seq, data = self.seq, payload(*events, rank=self.rank, form=form)
-        self.seq += 1
-        self.buffer = (self.buffer + [(seq, data)])[-self.size:]
-        if deliver and ingest is not None:
-            ingest.handle_live(self.rank, [b"kv@pod-a", seq.to_bytes(8, "big"), data])
-        return seq
-
-    def replay(self, rank: int, start: int):
-        assert rank == self.rank
-        self.replays.append(start)
-        return [(s, p) for s, p in self.buffer if s >= start]
-
-    def restart(self) -> None:
-        self.seq, self.buffer = 0, []
 
 
 @pytest.fixture()
@@ -47,27 +22,22 @@ def client(r):
     return Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
 
 
-def layout(client, tokens, **ns):
-    return {m.instance_id: (m.location, m.matched_prefix_length, m.locations, m.ranks)
-            for m in client.matches(tokens, namespace=Namespace(**ns))}
-
-
 def test_store_chain_remove(store, r, client):
     ing, s = VllmIngest(store, "pod-a"), Stream()
     s.send(ing, stored([H1, H2], A))
     s.send(ing, stored([H3], B, parent=H2))
-    assert layout(client, A + B + [7]) == {"pod-a": ("GPU", 48, {"GPU": 48}, {"0": 48})}
-    assert layout(client, A[:16] + B) == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
+    assert layout(client, A + B + [7], "locations", "ranks") == {"pod-a": ("GPU", 48, {"GPU": 48}, {"0": 48})}
+    assert layout(client, A[:16] + B, "locations", "ranks") == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
     assert r.hgetall(keys.instance_key("pod-a")) == {
         "kind": "vllm", "worker_rule": "any", "block_size": "16", "block_size:0": "16", "seq:0": "1",
         "digest:0": r.hget(keys.instance_key("pod-a"), "digest:0")}
     assert r.hgetall(keys.block_sizes_key()) == {"0\tpod-a": "16"}
     s.send(ing, removed([H2]))
-    assert layout(client, A + B) == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
+    assert layout(client, A + B, "locations", "ranks") == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
     own = vh.chain(vh.request_root(16), A + B, 16)
     assert r.hgetall(keys.engine_map_key("pod-a", 0)) == {str(H1): f"{own[0]}|GPU|v16", str(H3): f"{own[2]}|GPU|v16"}
     s.send(ing, removed([H1, H3, 12345]))
-    assert layout(client, A + B) == {}
+    assert layout(client, A + B, "locations", "ranks") == {}
     assert r.exists(keys.engine_map_key("pod-a", 0)) == 0
     assert ing.skipped == {"remove_unknown": 1} and ing.rejected == {}
 
@@ -75,13 +45,13 @@ def test_store_chain_remove(store, r, client):
 def test_offload_to_cpu_without_tokens(store, r, client):
     ing, s = VllmIngest(store, "pod-a"), Stream()
     s.send(ing, stored([H1, H2], A), stored([H1, H2], [], medium="CPU"))
-    assert layout(client, A) == {"pod-a": ("GPU", 32, {"GPU": 32, "CPU": 32}, {"0": 32})}
+    assert layout(client, A, "locations", "ranks") == {"pod-a": ("GPU", 32, {"GPU": 32, "CPU": 32}, {"0": 32})}
     s.send(ing, removed([H1, H2]))
-    assert layout(client, A) == {"pod-a": ("CPU", 32, {"CPU": 32}, {"0": 32})}
+    assert layout(client, A, "locations", "ranks") == {"pod-a": ("CPU", 32, {"CPU": 32}, {"0": 32})}
     own = vh.chain(vh.request_root(16), A, 16)
     assert r.hgetall(keys.engine_map_key("pod-a", 0)) == {str(H1): f"{own[0]}|CPU|v16", str(H2): f"{own[1]}|CPU|v16"}
     s.send(ing, stored([H1], [], medium="GPU"), removed([H2], medium="CPU"))  # reload block 1 to GPU
-    assert layout(client, A) == {"pod-a": ("GPU", 16, {"GPU": 16, "CPU": 16}, {"0": 16})}
+    assert layout(client, A, "locations", "ranks") == {"pod-a": ("GPU", 16, {"GPU": 16, "CPU": 16}, {"0": 16})}
     assert ing.rejected == {}
 
 
@@ -90,22 +60,25 @@ def test_lora_and_cache_salt_are_separate_namespaces(store, client):
     s.send(ing, stored([1, 2], A, lora_id=1, lora_name="sql-lora", extra_keys=[["sql-lora"], ["sql-lora"]]))
     s.send(ing, stored([3, 4], B + B, extra_keys=[["salt-1"], None]))
     s.send(ing, stored([5], B, lora_id=2, lora_name="chat-lora"), form="array")
-    assert layout(client, A) == {}
-    assert layout(client, A, lora_name="other") == {}
-    assert layout(client, A, lora_name="sql-lora") == {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})}
-    assert layout(client, B + B) == {}
-    assert layout(client, B + B, cache_salt="salt-2") == {}
-    assert layout(client, B + B, cache_salt="salt-1") == {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})}
-    assert layout(client, B, lora_name="chat-lora") == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
-    assert layout(client, B, lora_name="sql-lora") == {}
+    assert layout(client, A, "locations", "ranks") == {}
+    assert layout(client, A, "locations", "ranks", lora_name="other") == {}
+    assert (layout(client, A, "locations", "ranks", lora_name="sql-lora") ==
+            {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})})
+    assert layout(client, B + B, "locations", "ranks") == {}
+    assert layout(client, B + B, "locations", "ranks", cache_salt="salt-2") == {}
+    assert (layout(client, B + B, "locations", "ranks", cache_salt="salt-1") ==
+            {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})})
+    assert (layout(client, B, "locations", "ranks", lora_name="chat-lora") ==
+            {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})})
+    assert layout(client, B, "locations", "ranks", lora_name="sql-lora") == {}
 
 
 def test_all_blocks_cleared(store, r, client):
     ing, s = VllmIngest(store, "pod-a"), Stream()
     s.send(ing, stored([H1, H2], A))
     s.send(ing, cleared(), stored([H3], B))
-    assert layout(client, A) == {}
-    assert layout(client, B) == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
+    assert layout(client, A, "locations", "ranks") == {}
+    assert layout(client, B, "locations", "ranks") == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
     assert r.hkeys(keys.engine_map_key("pod-a", 0)) == [str(H3)]
     s.send(ing, stored([9], A[16:], parent=H2))  # the parent went with the clear
     assert ing.rejected == {"unknown_parent": 1}
@@ -131,8 +104,8 @@ def test_malformed_events_are_rejected_whole(store, r, client):
     assert ing.rejected == {"token_count": 2, "unknown_parent": 1, "unknown_hashes": 1, "block_size": 3,
                             "extra_keys": 1, "unknown_type": 1, "event_shape": 1, "msgpack": 1, "frames": 1}
     assert r.hkeys(keys.engine_map_key("pod-a", 0)) == [str(11)]
-    assert layout(client, B) == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
-    assert layout(client, A) == {"pod-b": ("GPU", 32, {"GPU": 32}, {"0": 32})}
+    assert layout(client, B, "locations", "ranks") == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
+    assert layout(client, A, "locations", "ranks") == {"pod-b": ("GPU", 32, {"GPU": 32}, {"0": 32})}
     assert ing.ranks[0].last == 2 and other.rejected == {}
 
 
@@ -144,11 +117,11 @@ def test_gap_is_healed_by_replay_once(store, r, client):
     s.send(ing, removed([H1]), deliver=False)
     s.send(ing, stored([H1], A[:16]))  # gap: 1 and 2 replayed, 3 applied once
     assert s.replays == [1]
-    assert layout(client, A + B) == {"pod-a": ("GPU", 48, {"GPU": 48}, {"0": 48})}
+    assert layout(client, A + B, "locations", "ranks") == {"pod-a": ("GPU", 48, {"GPU": 48}, {"0": 48})}
     ing.handle_live(0, [b"kv@pod-a", (2).to_bytes(8, "big"), s.buffer[2][1]])
     assert ing.resyncs == {"engine_restart": 1}  # a live seq going back is a restart: cleared,
     assert s.replays == [1, 0]  # then rebuilt from seq 0 because the buffer still reaches it
-    assert layout(client, A + B) == {"pod-a": ("GPU", 48, {"GPU": 48}, {"0": 48})}
+    assert layout(client, A + B, "locations", "ranks") == {"pod-a": ("GPU", 48, {"GPU": 48}, {"0": 48})}
     assert r.hget(keys.worker_key("pod-a", 0), "epoch") == "2"
 
 
@@ -163,7 +136,7 @@ def test_duplicates_after_replay_are_skipped(store, client):
     assert ing.ranks[0].last == 3 and s.replays == [1]
     ing.handle_live(0, [b"kv@pod-a", (3).to_bytes(8, "big"), s.buffer[3][1]])  # seen in replay
     assert ing.duplicates == 1 and ing.resyncs == {}
-    assert layout(client, A + B) == {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})}
+    assert layout(client, A + B, "locations", "ranks") == {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})}
 
 
 @pytest.mark.parametrize("replay,reason", [(False, "no_replay"), (True, "replay_miss")])
@@ -176,11 +149,11 @@ def test_unhealable_gap_clears_and_marks_resync(store, r, client, replay, reason
     s.send(ing, stored([H3], B, parent=H2))  # seq 4; buffer holds 3, 4 only
     assert ing.resyncs == {reason: 1}
     assert r.hget(keys.instance_key("pod-a"), "resync:0") == reason
-    assert layout(client, A) == {}
+    assert layout(client, A, "locations", "ranks") == {}
     assert ing.rejected == {"unknown_parent": 1}  # seq 4's parent was cleared with the rest
-    assert layout(client, B) == ({"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})} if replay else {})
+    assert layout(client, B, "locations", "ranks") == ({"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})} if replay else {})
     s.send(ing, stored([H1, H2], A))  # live events after the resync are indexed
-    assert layout(client, A)["pod-a"][1] == 32
+    assert layout(client, A, "locations", "ranks")["pod-a"][1] == 32
 
 
 def test_engine_restart_clears(store, r, client):
@@ -192,8 +165,8 @@ def test_engine_restart_clears(store, r, client):
     s.send(ing, stored([7], B))
     assert ing.resyncs == {"engine_restart": 1}
     assert r.hget(keys.worker_key("pod-a", 0), "epoch") == "2"  # first contact, then the restart
-    assert layout(client, A) == {}
-    assert layout(client, B) == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
+    assert layout(client, A, "locations", "ranks") == {}
+    assert layout(client, B, "locations", "ranks") == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
     assert r.hget(keys.instance_key("pod-a"), "resync:0") is None
 
 
@@ -204,7 +177,7 @@ def test_late_join_is_rebuilt_from_seq_zero(store, r, client):
     ing = VllmIngest(store, "pod-a", replay=s.replay)
     s.send(ing, removed([H1]), stored([H1], A[:16]))
     assert s.replays == [0] and ing.resyncs == {}
-    assert layout(client, A + B) == {"pod-a": ("GPU", 48, {"GPU": 48}, {"0": 48})}
+    assert layout(client, A + B, "locations", "ranks") == {"pod-a": ("GPU", 48, {"GPU": 48}, {"0": 48})}
 
 
 def test_sidecar_restart_resumes_or_clears(store, r, client):
@@ -217,15 +190,15 @@ def test_sidecar_restart_resumes_or_clears(store, r, client):
     s.send(again, stored([9], A[16:], parent=H1))
     assert s.replays == [1] and again.resyncs == {}  # replayed from the persisted seq, digest matched
     assert r.hget(keys.worker_key("pod-a", 0), "epoch") == "1"
-    assert layout(client, A + B) == {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})}
+    assert layout(client, A + B, "locations", "ranks") == {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})}
     s.restart()  # engine restarted while the sidecar was down: seq 1's digest differs now
     s.send(None, stored([H1, H2], A[:16] + B))
     third = VllmIngest(Store(r), "pod-a", replay=s.replay)
     s.send(third, removed([H2]))
     assert s.replays[1:] == [3, 0] and third.resyncs == {}
     assert r.hget(keys.worker_key("pod-a", 0), "epoch") == "2"  # cleared, rebuilt from the new seq 0
-    assert layout(client, A) == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}  # was 32
-    assert layout(client, A[:16] + B) == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
+    assert layout(client, A, "locations", "ranks") == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}  # was 32
+    assert layout(client, A[:16] + B, "locations", "ranks") == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
 
 
 def test_key_strings():
@@ -271,7 +244,8 @@ def test_the_engine_map_is_not_read_per_batch(store, r, client):
     s.send(ing, stored([H3], B, parent=H2))
     s.send(ing, stored([H3], medium="CPU"))  # token-less: resolved from the mirror
     assert _calls(r, "hmget") + _calls(r, "hgetall") == before
-    assert layout(client, A + B + [7]) == {"pod-a": ("GPU", 48, {"GPU": 48, "CPU": 16}, {"0": 48})}
+    assert layout(client, A + B + [7], "locations", "ranks") == {
+        "pod-a": ("GPU", 48, {"GPU": 48, "CPU": 16}, {"0": 48})}
     assert r.hget(keys.engine_map_key("pod-a", 0), str(H3)).endswith("|CPU,GPU|v16")
     resumed = VllmIngest(Store(r, instance_ttl_s=0, purge_grace_s=0), "pod-a", replay=s.replay)
     reads = (_calls(r, "hgetall"), _calls(r, "hmget"))
@@ -279,7 +253,7 @@ def test_the_engine_map_is_not_read_per_batch(store, r, client):
     s.send(resumed, removed([H3]))
     # first contact reads the persisted rank fields (HGETALL of the instance hash), then the map once
     assert (_calls(r, "hgetall") - reads[0], _calls(r, "hmget") - reads[1]) == (2, 0)
-    assert layout(client, A + B + [7]) == {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})}
+    assert layout(client, A + B + [7], "locations", "ranks") == {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})}
 
 
 def test_batches_read_together_are_applied_as_one_and_keep_the_sequence(store, r, client):
@@ -293,7 +267,7 @@ def test_batches_read_together_are_applied_as_one_and_keep_the_sequence(store, r
         msgs.append([b"kv@pod-a", seq.to_bytes(8, "big"), s.buffer[-1][1]])
     msgs.append([b"kv@pod-a", b"\x00"])  # a broken frame
     ing.handle_live_many(0, msgs)
-    assert layout(client, A + B + [7]) == {"pod-a": ("GPU", 48, {"GPU": 48}, {"0": 48})}
+    assert layout(client, A + B + [7], "locations", "ranks") == {"pod-a": ("GPU", 48, {"GPU": 48}, {"0": 48})}
     assert r.hget(keys.instance_key("pod-a"), keys.rank_field("seq", 0)) == "2"
     assert r.hget(keys.instance_key("pod-a"), keys.rank_field("digest", 0)) == digest(s.buffer[-1][1])
     assert sum(ing.rejected.values()) == 1
@@ -301,4 +275,5 @@ def test_batches_read_together_are_applied_as_one_and_keep_the_sequence(store, r
     seq = s.send(None, removed([H2]), deliver=False)
     ing.replay = s.replay
     ing.handle_live_many(0, [[b"kv@pod-a", seq.to_bytes(8, "big"), s.buffer[-1][1]]])  # gap: replays 3..4
-    assert s.replays == [3] and layout(client, A + B + [7]) == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
+    assert s.replays == [3]
+    assert layout(client, A + B + [7], "locations", "ranks") == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}

@@ -3,43 +3,20 @@ a mixed fleet (an LMCache instance and a vLLM instance)."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
 import kvlookup.app as app
 from kvlookup.client import Client, VllmChains
 from kvlookup.devtools.workersim import WorkerSim
-from kvlookup.hashing.namespace import Namespace
 from kvlookup.index import keys
-from kvlookup.index.store import Store
-from kvlookup.sidecar.service import Sidecar
 from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.sidecar.test_sidecar_lmcache import S600, S600_HASHES
-from tests.support.helpers import wait_for
-from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, payload, removed, stored
+from tests.support.helpers import vllm_sidecar, wait_for
+from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, layout, payload, removed, stored
 
 A = list(range(1000, 1032))
 B = list(range(2000, 2016))
-
-
-class Running:
-    """A Sidecar with vLLM sources (and optionally an LMCache PULL socket) in a thread."""
-
-    def __init__(self, r, *sources: VllmSource, pull_url: str | None = None):
-        self.sidecar = Sidecar(Store(r), pull_url, None, vllm=sources, heartbeat_s=0.5)
-        self.thread = threading.Thread(target=self.sidecar.run, daemon=True)
-        self.thread.start()
-        time.sleep(0.2)  # let the SUB sockets connect (PUB drops messages sent before)
-
-    def ingest(self, instance_id: str):
-        return self.sidecar.vllm.ingests[instance_id]
-
-    def close(self) -> None:
-        self.sidecar.stop()
-        self.thread.join(5)
 
 
 @pytest.fixture()
@@ -47,15 +24,10 @@ def client(r):
     return Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
 
 
-def layout(client, tokens, **ns):
-    found = client.matches(tokens, namespace=Namespace(**ns))
-    return {m.instance_id: (m.location, m.matched_prefix_length) for m in found}
-
-
 @pytest.mark.parametrize("replay_topic", [False, True], ids=["replay-0.25", "replay-0.26"])
 def test_live_gap_and_replay_over_zmq(r, client, replay_topic):
     pub = LoopbackPublisher(replay_topic=replay_topic)
-    sc = Running(r, VllmSource("pod-a", pub.endpoint, pub.replay_endpoint, replay_timeout_s=1.0))
+    sc = vllm_sidecar(r, VllmSource("pod-a", pub.endpoint, pub.replay_endpoint, replay_timeout_s=1.0))
     try:
         pub.publish(payload(stored([1, 2], A)))
         assert wait_for(lambda: layout(client, A + B), {"pod-a": ("GPU", 32)}) == {"pod-a": ("GPU", 32)}
@@ -72,7 +44,7 @@ def test_live_gap_and_replay_over_zmq(r, client, replay_topic):
 
 def test_replay_unavailable_marks_resync(r, client):
     pub = LoopbackPublisher(replay=False)
-    sc = Running(r, VllmSource("pod-a", pub.endpoint, "tcp://127.0.0.1:1", replay_timeout_s=0.3))
+    sc = vllm_sidecar(r, VllmSource("pod-a", pub.endpoint, "tcp://127.0.0.1:1", replay_timeout_s=0.3))
     try:
         pub.publish(payload(stored([1, 2], A)))
         assert wait_for(lambda: layout(client, A), {"pod-a": ("GPU", 32)}) == {"pod-a": ("GPU", 32)}
@@ -92,7 +64,7 @@ def test_data_parallel_ranks_and_detail(r, redis_settings):
     pubs = dp_publishers(replay=False)  # rank r: port + r
     sc = None
     try:
-        sc = Running(r, VllmSource("pod-dp", pubs[0].endpoint, dp_size=2))
+        sc = vllm_sidecar(r, VllmSource("pod-dp", pubs[0].endpoint, dp_size=2))
         pubs[0].publish(payload(stored([1], A[:16])))
         pubs[1].publish(payload(stored([1, 2], A, rank=1), rank=1))
         flask_app = app.create_app(redis_settings)
@@ -119,7 +91,7 @@ def test_mixed_fleet_one_lookup(r, redis_settings):
     from kvlookup.proc.redis_server import free_port
 
     pull_url = f"127.0.0.1:{free_port()}"
-    sc = Running(r, VllmSource("vllm-pod", pub.endpoint, pub.replay_endpoint), pull_url=pull_url)
+    sc = vllm_sidecar(r, VllmSource("vllm-pod", pub.endpoint, pub.replay_endpoint), pull_url=pull_url)
     worker = WorkerSim("lmcache-pod", era="0.3", pull_url=pull_url)
     try:
         worker.register()
@@ -172,7 +144,7 @@ def test_settings_and_cli_flags(r):
 
 def test_sidecar_vouches_for_its_vllm_instance(r):
     pub = LoopbackPublisher(replay=False)
-    sc = Running(r, VllmSource("pod-quiet", pub.endpoint))
+    sc = vllm_sidecar(r, VllmSource("pod-quiet", pub.endpoint))
     try:
         assert wait_for(lambda: r.zscore(keys.alive_key(), "pod-quiet") is not None, True) is True
     finally:

@@ -1,36 +1,34 @@
 """A small LMCache fleet for the failover tests (Redis Cluster and Sentinel).
 
-A real sidecar process; simulated engines of both protocol eras, each in its own thread,
-that keep their true state (the chunks they hold) while they admit and evict, answer
-heartbeats and run the full syncs they are asked for, in order, as one engine would; steady
-lookups that record every answer; and exact comparisons of the index with the engines' truth,
+A real sidecar process (tests.support.procs.SidecarProc); simulated engines of both protocol
+eras (tests.support.engines.Engine), each in its own thread, that keep their true state (the
+chunks they hold) while they admit and evict, answer heartbeats and run the full syncs they are
+asked for, in order, as one engine would; steady lookups that record every answer
+(tests.support.lookups.Lookups); and exact comparisons of the index with the engines' truth,
 through lookups and through the chunk sorted sets themselves.
 """
 
 from __future__ import annotations
 
-import queue
 import random
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
-import zmq
 
 from kvlookup.client import Client
-from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.index import keys
 from kvlookup.proc.redis_server import free_port
+from tests.support.engines import CPU, Engine, RandomOps, matched
+from tests.support.figures import report
+from tests.support.helpers import wait_until
+from tests.support.lookups import Lookups
+from tests.support.procs import SidecarProc
 
-CPU = "LocalCPUBackend"
 PROFILE = HashProfile()  # 256-token chunks
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_prompts(seed: int, n: int = 24) -> list[list[int]]:
@@ -42,207 +40,19 @@ def make_prompts(seed: int, n: int = 24) -> list[list[int]]:
             for _ in range(n)]
 
 
-class SidecarProc:
-    """``python -m kvlookup sidecar`` with PULL and ROUTER on free ports; its log in ``log``."""
+def fleet_engine(name: str, era: str, sidecar: SidecarProc, prompts: list[list[int]], seed: int, *,
+                 static: bool = False) -> Engine:
+    """One engine of the fleet (one worker, LocalCPUBackend) with its true state.
 
-    def __init__(self, redis_args: Sequence[str], log: Path):
-        self.pull_url, self.reply_url = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-        self.log = log
-        self._out = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvlookup", "sidecar", *redis_args, "--pull-url", self.pull_url,
-             "--reply-url", self.reply_url, "--instance-ttl", "30", "--log-level", "INFO"],
-            stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT)
-
-    def lines(self, text: str) -> list[str]:
-        return [line for line in self.log.read_text().splitlines() if text in line]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._out.close()
-
-
-class Engine(threading.Thread):
-    """One simulated LMCache engine (one worker, LocalCPUBackend) with its true state.
-
-    era "0.5" engines heartbeat every ``heartbeat_s`` and, on a ``full_sync`` command, send
-    every chunk they hold (retrying a start that is not accepted, as LMCache does); "0.3"
-    engines only admit and evict. ``static`` engines admit once and then only heartbeat.
-    Random evictions take only chunks of ``prompts``, so chunks admitted by :meth:`do` stay
-    as they were left.
+    era "0.5" engines heartbeat every 0.3 s and, on a ``full_sync`` command, send every chunk
+    they hold (retrying a start that is not accepted, as LMCache does); "0.3" engines only admit
+    and evict. ``static`` engines admit once and then only heartbeat. Random evictions take only
+    chunks of ``prompts``, so chunks admitted by :meth:`Engine.do` stay as they were left. A
+    request unanswered for 60 s is an error (a sidecar waiting out a failover answers late).
     """
-
-    def __init__(self, instance_id: str, era: str, sidecar: SidecarProc, prompts: list[list[int]], seed: int, *,
-                 static: bool = False, heartbeat_s: float = 0.3, pace_s: float = 0.02):
-        super().__init__(daemon=True, name=f"engine-{instance_id}")
-        self.instance_id, self.era, self.static = instance_id, era, static
-        self.sim = WorkerSim(instance_id, era=era, pull_url=sidecar.pull_url,
-                             reply_url=sidecar.reply_url if era == "0.5" else None,
-                             ctx=zmq.Context.instance())
-        if self.sim.dealer is not None:
-            self.sim.dealer.setsockopt(zmq.RCVTIMEO, 60_000)  # a sidecar waiting out a failover answers late
-        self.chains = [PROFILE.chunk_hashes(p) for p in prompts]
-        self.pool = {h for c in self.chains for h in c}
-        self.todo: queue.Queue = queue.Queue()
-        self.rng = random.Random(seed)
-        self.heartbeat_s, self.pace_s = heartbeat_s, pace_s
-        self.held: set[int] = set()
-        self.lock = threading.Lock()  # held changes only with the message that reports it
-        self.stop_event = threading.Event()
-        self.syncs: list[float] = []  # when each full sync was accepted (monotonic)
-        self.ops = 0
-        self.errors: list[str] = []
-
-    def start_engine(self, admit: Sequence[int] = ()) -> Engine:
-        """Register (0.5: and wait for the reply), admit ``admit``, then run."""
-        self.sim.register()
-        if admit:
-            self._send("admit", list(admit))
-        self.start()
-        return self
-
-    def _send(self, op: str, chunks: list[int]) -> None:
-        with self.lock:
-            if op == "register":  # the engine restarted: a new epoch with a cold cache
-                self.sim.register()
-                self.held.clear()
-                return
-            (self.sim.admit if op == "admit" else self.sim.evict)(chunks)
-            (self.held.update if op == "admit" else self.held.difference_update)(chunks)
-            self.ops += len(chunks)
-
-    def step(self) -> None:
-        chain = self.rng.choice(self.chains)
-        evictable = sorted(self.held & self.pool)
-        if self.rng.random() < 0.6 or not evictable:
-            self._send("admit", chain[:self.rng.randint(1, len(chain))])
-        else:
-            self._send("evict", self.rng.sample(evictable, min(len(evictable), self.rng.randint(1, 3))))
-
-    def do(self, op: str, chunks: Sequence[int] = (), timeout: float = 10.0) -> None:
-        """Admit or evict ``chunks``, or register again (``"register"``: the engine restarted
-        cold), from the engine's own thread, in order with its traffic; returns once sent."""
-        done = threading.Event()
-        self.todo.put((op, list(chunks), done))
-        if not done.wait(timeout):
-            raise TimeoutError(f"{self.instance_id} did not send its {op}")
-
-    def run(self) -> None:
-        next_hb = 0.0
-        while not self.stop_event.is_set():
-            try:
-                while not self.todo.empty():
-                    op, chunks, done = self.todo.get()
-                    self._send(op, chunks)
-                    done.set()
-                if not self.static:
-                    self.step()
-                if self.era == "0.5" and time.monotonic() >= next_hb:
-                    self._heartbeat()
-                    next_hb = time.monotonic() + self.heartbeat_s
-            except Exception as exc:  # recorded; the test asserts there are none
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-            self.stop_event.wait(self.pace_s)
-
-    def _heartbeat(self) -> None:
-        reply = self.sim.heartbeat()
-        if any(c.get("command_type") == "full_sync" for c in reply.get("commands") or []):
-            for _attempt in range(30):  # LMCache retries a start that is not accepted
-                with self.lock:
-                    start, _status = self.sim.full_sync(sorted(self.held))
-                if start.get("accepted"):
-                    self.syncs.append(time.monotonic())
-                    return
-                time.sleep(0.5)
-            self.errors.append(f"full sync of {self.instance_id} never accepted: {start}")
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.join(30)
-
-    def close(self) -> None:
-        self.sim.close()
-
-
-@dataclass
-class Answer:
-    started: float
-    ended: float
-    prompt: int
-    got: dict | None  # instance -> (location, matched length); None: the lookup raised
-    error: str = ""
-
-
-class Lookups(threading.Thread):
-    """Looks up random prompts back to back through ``client`` and records every answer."""
-
-    def __init__(self, client: Client, prompts: list[list[int]], seed: int = 7, pace_s: float = 0.01):
-        super().__init__(daemon=True, name="lookups")
-        self.client, self.prompts = client, prompts
-        self.rng = random.Random(seed)
-        self.pace_s = pace_s
-        self.answers: list[Answer] = []
-        self.stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop_event.is_set():
-            i = self.rng.randrange(len(self.prompts))
-            t0 = time.monotonic()
-            try:
-                got = self.client.matches(self.prompts[i])
-                layout = {m.instance_id: (m.location, m.matched_prefix_length) for m in got}
-                self.answers.append(Answer(t0, time.monotonic(), i, layout))
-            except Exception as exc:
-                self.answers.append(Answer(t0, time.monotonic(), i, None, f"{type(exc).__name__}: {exc}"))
-            self.stop_event.wait(self.pace_s)
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.join(30)
-
-    def outage(self, since: float) -> dict:
-        """What lookups saw from ``since`` (monotonic; the kill): errors, the first failing and
-        the first succeeding lookup after the first failure, the longest time without an
-        answer, and how long after ``since`` the first lookup started after it was answered."""
-        after = [a for a in self.answers if a.ended >= since]
-        failed = [a for a in after if a.got is None]
-        first_fail = failed[0].ended if failed else None
-        ok_after = [a for a in after if a.got is not None and (first_fail is None or a.ended > first_fail)]
-        ends = sorted([since] + [a.ended for a in after if a.got is not None])
-        started_after = [a for a in after if a.started >= since and a.got is not None]
-        return {
-            "errors": len(failed),
-            "error_kinds": sorted({a.error.split(":")[0] for a in failed}),
-            "failing_to_succeeding_s": (ok_after[0].ended - first_fail) if failed and ok_after else None,
-            "longest_without_answer_s": max(b - a for a, b in zip(ends, ends[1:], strict=False)) if len(ends) > 1
-            else None,
-            "first_answer_after_s": (started_after[0].ended - since) if started_after else None,
-            "max_latency_s": max((a.ended - a.started for a in after), default=0.0),
-        }
-
-
-@dataclass
-class HttpMatch:
-    instance_id: str
-    location: str
-    matched_prefix_length: int
-
-
-class HttpClient:
-    """``matches()`` through a controller process's POST /lookup (tests.support.procs.ControllerProc),
-    so :class:`Lookups` and :func:`layouts_match` can drive the HTTP path too."""
-
-    def __init__(self, controller):
-        self.controller = controller
-
-    def matches(self, tokens: list[int]) -> list[HttpMatch]:
-        return [HttpMatch(inst, loc, n) for inst, (loc, n) in self.controller.layout(tokens).items()]
+    ops = None if static else RandomOps([PROFILE.chunk_hashes(p) for p in prompts], seed, admit_p=0.6, max_evict=3)
+    return Engine(name, era, sidecar.pull_url, sidecar.reply_url, profile=PROFILE, ops=ops, heartbeat_s=0.3,
+                  pace_s=0.02, dealer_timeout_ms=60_000, redial=False)
 
 
 def expected_layout(engines: Sequence[Engine], tokens: list[int]) -> dict:
@@ -251,17 +61,15 @@ def expected_layout(engines: Sequence[Engine], tokens: list[int]) -> dict:
     chain = PROFILE.chunk_hashes(tokens)
     out = {}
     for e in engines:
-        n = 0
-        while n < len(chain) and chain[n] in e.held:
-            n += 1
+        n = matched(chain, e.held)
         if n:
-            out[e.instance_id] = (CPU, min(n * PROFILE.chunk_size, len(tokens)))
+            out[e.name] = (CPU, min(n * PROFILE.chunk_size, len(tokens)))
     return out
 
 
 def true_records(engines: Sequence[Engine]) -> set[tuple[str, str, str]]:
     """(chunk hash, instance, location) for every chunk every engine holds."""
-    return {(str(c), e.instance_id, CPU) for e in engines for c in e.held}
+    return {(str(c), e.name, CPU) for e in engines for c in e.held}
 
 
 @dataclass
@@ -311,19 +119,6 @@ def layouts_match(client: Client, engines: Sequence[Engine], prompts: list[list[
             != expected_layout(engines, p)]
 
 
-def wait_until(fn: Callable[[], bool], timeout: float, every: float = 0.2) -> float | None:
-    """Seconds until ``fn()`` was true (None: not within ``timeout``); exceptions count as false."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        try:
-            if fn():
-                return time.monotonic() - t0
-        except (redis.RedisError, OSError, LookupError):  # a failover in progress
-            pass
-        time.sleep(every)
-    return None
-
-
 class Fleet:
     """A sidecar process, three 0.5-era and two 0.3-era engines, a static 0.3-era engine whose
     answers never change, and steady lookups (not started), on one deployment.
@@ -335,11 +130,13 @@ class Fleet:
     def __init__(self, redis_args: Sequence[str], client: Client, registry: redis.Redis,
                  masters: Callable[[], list[redis.Redis]], tmp_path: Path, seed: int):
         self.prompts = make_prompts(seed)
-        self.sidecar = SidecarProc(redis_args, tmp_path / "sidecar.log")
+        self.sidecar = SidecarProc(*redis_args, "--instance-ttl", "30", "--log-level", "INFO",
+                                   pull_url=f"127.0.0.1:{free_port()}", reply_url=f"127.0.0.1:{free_port()}",
+                                   log=tmp_path / "sidecar.log").start()
         self.rc, self.client, self._masters = registry, client, masters
-        self.engines = [Engine(f"e5-{i}", "0.5", self.sidecar, self.prompts, seed + i) for i in range(3)]
-        self.engines += [Engine(f"e3-{i}", "0.3", self.sidecar, self.prompts, seed + 10 + i) for i in range(2)]
-        self.static = Engine("static", "0.3", self.sidecar, self.prompts, seed + 20, static=True)
+        self.engines = [fleet_engine(f"e5-{i}", "0.5", self.sidecar, self.prompts, seed + i) for i in range(3)]
+        self.engines += [fleet_engine(f"e3-{i}", "0.3", self.sidecar, self.prompts, seed + 10 + i) for i in range(2)]
+        self.static = fleet_engine("static", "0.3", self.sidecar, self.prompts, seed + 20, static=True)
         self.static_prompts = self.prompts[:4]
         for e in self.engines:
             e.start_engine()
@@ -364,7 +161,7 @@ class Fleet:
                 tuple(self.static_answer(a.prompt) or ())]
 
     def state(self) -> IndexState:
-        return index_state(self.rc, self._masters, [e.instance_id for e in self.all])
+        return index_state(self.rc, self._masters, [e.name for e in self.all])
 
     def converged(self) -> bool:
         """The chunk sorted sets hold exactly the engines' records and nothing else (retired
@@ -382,7 +179,6 @@ class Fleet:
         for e in self.all:
             e.stop_event.set()
         for e in self.all:
-            e.join(10)
             e.close()
         self.sidecar.stop()
 
@@ -413,10 +209,10 @@ class Fleet:
         restarted = self.engines[0]
         restarted.do("register")
         restarted.do("admit", PROFILE.chunk_hashes(self.during[0]))
-        late5 = Engine("late5", "0.5", self.sidecar, self.prompts, 77).start_engine(
+        late5 = fleet_engine("late5", "0.5", self.sidecar, self.prompts, 77).start_engine(
             PROFILE.chunk_hashes(self.late_prompt))
-        late3 = Engine("late3", "0.3", self.sidecar, self.prompts, 78)
-        late3.sim.register()
+        late3 = fleet_engine("late3", "0.3", self.sidecar, self.prompts, 78)
+        late3.register()
         self.all += [late5, late3]
         self.engines += [late5, late3]
         return late3
@@ -442,7 +238,7 @@ class Fleet:
         for e in self.all:
             assert not e.errors, e.errors
             if e.era == "0.5":
-                assert any(t > killed for t in e.syncs), f"{e.instance_id} was not asked for a full sync"
+                assert e.synced_since(killed), f"{e.name} was not asked for a full sync"
         assert not self.static_wrong() and not self.static_wrong(http)  # lookups failed or waited, never lied
         assert self.state().records == true_records(self.all)
         assert layouts_match(self.client, self.all, self.prompts) == []
@@ -489,8 +285,3 @@ class Fleet:
             assert o["failing_to_succeeding_s"] is None or o["failing_to_succeeding_s"] < 10
             assert o["longest_without_answer_s"] < 10
         self.check_healed(killed, http)
-
-def report(name: str, **numbers) -> None:
-    """Print measured numbers on one line (pytest -s shows them)."""
-    print(f"\n[{name}] " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                                     for k, v in numbers.items()))

@@ -1,4 +1,5 @@
-"""Test helpers: free ports, waiting for eventual results, a sidecar in a thread."""
+"""Test helpers: waiting for eventual results (one place for every wait), a sidecar in a thread,
+the index as the chunk sorted sets say."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import redis
 
 from kvlookup.index.store import Store
 from kvlookup.proc.redis_server import free_port
@@ -22,22 +25,77 @@ def wait_for(fn: Callable[[], Any], expected: Any, timeout: float = 10.0) -> Any
     return value
 
 
-class SidecarThread:
-    """A real Sidecar (real ZMQ sockets on loopback) running in a background thread."""
+def until(fn: Callable[[], Any], timeout: float = 10.0, step: float = 0.02) -> float:
+    """Seconds until ``fn()`` is true; raises TimeoutError after ``timeout``."""
+    start = time.monotonic()
+    while not fn():
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"not true within {timeout} s")
+        time.sleep(step)
+    return time.monotonic() - start
 
-    def __init__(self, store: Store, *, reply: bool = True, **kwargs):
-        self.pull_url = f"127.0.0.1:{free_port()}"
+
+def wait(fn: Callable[[], Any], timeout: float, what: str) -> float:
+    """:func:`until` polling every 20 ms, failing the test (AssertionError naming ``what``)
+    instead of raising TimeoutError."""
+    try:
+        return until(fn, timeout, step=0.02)
+    except TimeoutError:
+        raise AssertionError(f"{what}: not within {timeout} s") from None
+
+
+def wait_until(fn: Callable[[], bool], timeout: float, every: float = 0.2) -> float | None:
+    """Seconds until ``fn()`` was true (None: not within ``timeout``); Redis, OS and lookup
+    errors count as false (a failover in progress)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if fn():
+                return time.monotonic() - t0
+        except (redis.RedisError, OSError, LookupError):
+            pass
+        time.sleep(every)
+    return None
+
+
+class SidecarThread:
+    """A real Sidecar (real ZMQ sockets on loopback) running in a background thread.
+
+    Its LMCache PULL socket is on ``pull_url`` (a free port by default; None: no PULL socket),
+    its ROUTER on a free port unless ``reply=False``; ``kwargs`` go to Sidecar (``vllm=``
+    sources, ``heartbeat_s`` ...). Use it as a context manager, or :meth:`start` and :meth:`close`."""
+
+    def __init__(self, store: Store, *, reply: bool = True, pull_url: str | None | bool = True, **kwargs):
+        self.pull_url = f"127.0.0.1:{free_port()}" if pull_url is True else pull_url or None
         self.reply_url = f"127.0.0.1:{free_port()}" if reply else None
         self.sidecar = Sidecar(store, self.pull_url, self.reply_url, **kwargs)
         self.thread = threading.Thread(target=self.sidecar.run, daemon=True)
 
-    def __enter__(self) -> SidecarThread:
+    def start(self, settle_s: float = 0.0) -> SidecarThread:
+        """Start the thread; wait ``settle_s`` (SUB sockets connecting: a PUB drops what it sends before)."""
         self.thread.start()
+        time.sleep(settle_s)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def ingest(self, instance_id: str):
+        """The vLLM ingest of ``instance_id``."""
+        return self.sidecar.vllm.ingests[instance_id]
+
+    def close(self) -> None:
         self.sidecar.stop()
         self.thread.join(5)
+
+    def __enter__(self) -> SidecarThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def vllm_sidecar(r, *sources, pull_url: str | None = None) -> SidecarThread:
+    """A started Sidecar with vLLM ``sources`` (and optionally an LMCache PULL socket), no
+    ROUTER, heartbeats every 0.5 s, its SUB sockets given 0.2 s to connect."""
+    return SidecarThread(Store(r), reply=False, pull_url=pull_url, vllm=sources, heartbeat_s=0.5).start(settle_s=0.2)
 
 
 def index_view(r, hashes) -> dict[tuple[str, str], set[int]]:

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.support.procs import ROOT
@@ -93,12 +92,3 @@ def keepers_of(data_dir: Path) -> list[int]:
 def kill9(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
-
-def until(fn, timeout: float = 10.0, step: float = 0.02) -> float:
-    """Seconds until ``fn()`` is true; raises TimeoutError after ``timeout``."""
-    start = time.monotonic()
-    while not fn():
-        if time.monotonic() - start > timeout:
-            raise TimeoutError(f"not true within {timeout} s")
-        time.sleep(step)
-    return time.monotonic() - start

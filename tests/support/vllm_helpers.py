@@ -11,11 +11,16 @@ import signal
 import subprocess
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
+from kvlookup.hashing.namespace import Namespace
 from kvlookup.proc.redis_server import free_port
+
+if TYPE_CHECKING:
+    from kvlookup.sidecar.vllm_ingest import VllmIngest
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "vllm"  # written by tests/compat/vllm_publisher.py golden
@@ -55,6 +60,45 @@ def payload(*events: dict, ts: float = 1700000000.5, rank: int = 0, form: str = 
     """msgpack batch ``[ts, events, rank]``; form "array" encodes events positionally."""
     evs = [as_array(e) for e in events] if form == "array" else list(events)
     return msgspec.msgpack.encode([ts, evs, rank])
+
+
+class Stream:
+    """One rank's publisher: seqs, a replay buffer, delivery straight into an ingest."""
+
+    def __init__(self, rank: int = 0, buffer: int = 10_000):
+        self.rank, self.seq, self.buffer, self.size = rank, 0, [], buffer
+        self.replays: list[int] = []
+
+    def send(self, ingest: VllmIngest | None, *events, deliver: bool = True, form: str = "map") -> int:
+        seq, data = self.seq, payload(*events, rank=self.rank, form=form)
+        self.seq += 1
+        self.buffer = (self.buffer + [(seq, data)])[-self.size:]
+        if deliver and ingest is not None:
+            ingest.handle_live(self.rank, [b"kv@pod-a", seq.to_bytes(8, "big"), data])
+        return seq
+
+    def replay(self, rank: int, start: int):
+        assert rank == self.rank
+        self.replays.append(start)
+        return [(s, p) for s, p in self.buffer if s >= start]
+
+    def restart(self) -> None:
+        self.seq, self.buffer = 0, []
+
+
+def layout(client, tokens, *fields: str, model_name: str | None = None, **namespace) -> dict:
+    """Instance -> (location, matched prefix length, then each of ``fields`` of the match:
+    ``locations``, ``ranks`` ...) of ``client.matches(tokens)``; ``namespace``: its lora_name,
+    cache_salt."""
+    found = client.matches(tokens, namespace=Namespace(**namespace), model_name=model_name)
+    return {m.instance_id: (m.location, m.matched_prefix_length, *(getattr(m, f) for f in fields)) for m in found}
+
+
+def detail(client, tokens) -> dict:
+    """Instance -> ``Match.detail()`` of a lookup of ``tokens`` with the reusable lengths added."""
+    matches = client.matches(tokens)
+    matches = client.add_reusable(tokens, matches)
+    return {m.instance_id: m.detail() for m in matches}
 
 
 class LoopbackPublisher:

@@ -1,0 +1,143 @@
+"""Prefix lookups over the LMCache MP directory: per live MP instance the matched prefix of a
+prompt (``POST /lookup``) and why it is short (``/lookup/explain``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvlookup.hashing import mp as mphash
+from kvlookup.index import keys as K
+from kvlookup.index.mp_queries import MPQueries
+from kvlookup.index.mp_values import chunk_b64
+
+
+class MPLookup(MPQueries):
+    """Prefix matches and explanations of :class:`kvlookup.index.mp.MPDirectory`."""
+
+    def prefix_matches(self, tokens: Sequence[int], model_name: str, world_size: int = 1,
+                       cache_salt: str = "", now: float | None = None) -> list[tuple[str, int, dict[str, int]]]:
+        """For ``POST /lookup``: per live MP instance ``(instance_id, matched_prefix_length,
+        tokens per location)`` where location is ``<tier>/<backend>``.
+
+        A chunk counts for an instance when every rank ``0..world_size-1`` of it is placed by
+        that instance (or in a shared pool the instance's config batches declared); the match
+        is the longest run of counted chunks from token 0. Instances not heard within the
+        timeout count for nothing. ValueError for token ids MP cannot hash.
+        """
+        cs = self.chunk_size()
+        hashes = mphash.chunk_hashes_hex(tokens, cs)
+        ranks = [mphash.kv_rank(world_size, r) for r in range(world_size)]
+        sids = self.space_ids([f"{model_name}\t{cache_salt}\t{kr}\t0" for kr in ranks])
+        live = self.live_instances(now)
+        if not hashes or None in sids or not live:
+            return []
+        refs = [(K.mp_bucket(h), f"{chunk_b64(h)}.{sid}") for h in hashes for sid in sids]
+        recs = self.records(refs)
+        pmap = self.placements(r for r in recs if r)
+        shared_by = self._shared_pools(live)
+        n = len(ranks)
+        # per instance: per chunk, the locations every rank holds (None: some rank lacks it)
+        run: dict[str, int] = {inst: 0 for inst in live}
+        locs: dict[str, dict[str, int]] = {inst: {} for inst in live}
+        open_ = set(live)
+        for c in range(len(hashes)):
+            held: dict[str, list[set[str]]] = {}
+            for r in range(n):
+                rec = recs[c * n + r]
+                for tb, ep, _ in rec.placements if rec else ():
+                    p = pmap[(tb, ep)]
+                    loc = f"{p['tier']}/{p['backend']}"
+                    owners = shared_by.get((p["tier"], p["backend"]), ()) if p["shared"] else (p["instance_id"],)
+                    for inst in owners:
+                        if inst in open_:
+                            held.setdefault(inst, [set() for _ in range(n)])[r].add(loc)
+            for inst in list(open_):
+                per_rank = held.get(inst)
+                if not per_rank or not all(per_rank):
+                    open_.discard(inst)
+                    continue
+                run[inst] = c + 1
+                common = set.intersection(*per_rank) or per_rank[0]
+                for loc in common:
+                    locs[inst][loc] = locs[inst].get(loc, 0) + cs
+            if not open_:
+                break
+        return [(inst, run[inst] * cs, locs[inst]) for inst in live if run[inst]]
+
+    #: chunk sizes tried when explaining a miss (another fleet's size stored the prompt)
+    OTHER_CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+    def explain(self, tokens: Sequence[int], model_name: str, world_size: int = 1, cache_salt: str = "",
+                now: float | None = None) -> dict:
+        """``/lookup/explain`` for MP instances: per MP instance known to the directory (registered,
+        with a cursor, or departed) its matched prefix and the causes that can shorten it:
+        ``departed`` (deregistered or timed out), ``not_live`` (no heartbeat within the timeout),
+        ``incarnation_changed`` (it restarted: its L1 placements were dropped), ``gap`` (a seq jump
+        or dropped events: the index may be incomplete for it), ``other_namespace`` (chunk 0 of the
+        prompt is stored by it under another model_name, cache_salt or world size) and
+        ``other_chunk_size`` (stored at another chunk size)."""
+        now = time.time() if now is None else now
+        cs = self.chunk_size()
+        found = {inst: n for inst, n, _ in self.prefix_matches(tokens, model_name, world_size, cache_salt, now)}
+        live = self.live_instances(now)
+        registered = {i["instance_id"] for i in self.instances()}
+        cursors, departed = self.cursors(), self.departed()
+        hashes = mphash.chunk_hashes_hex(tokens, cs)
+        first = self._chunk0_placements(hashes[0]) if hashes else []
+        out: dict[str, dict] = {}
+        for inst in sorted(registered | set(cursors) | set(departed) | set(found)):
+            causes: list[dict] = []
+            if inst in departed:
+                causes.append({"cause": "departed", **departed[inst]})
+            elif inst not in live:
+                causes.append({"cause": "not_live", "timeout_s": self.instance_timeout_s})
+            cur = cursors.get(inst)
+            if cur and cur["gap_detected"]:
+                causes.append({"cause": "gap", "missing_batches": cur["missing_batches"],
+                               "events_dropped": cur["events_dropped"], "incarnation": cur["incarnation"]})
+            mine = [(space, p) for space, p in first if p["instance_id"] == inst]
+            if cur and any(p["tier"] == "l2" and p["incarnation"] < cur["incarnation"] for _, p in mine):
+                causes.append({"cause": "incarnation_changed", "incarnation": cur["incarnation"]})
+            wanted = {(model_name, cache_salt, world_size)}
+            others = sorted({sp for sp, _ in mine} - wanted)
+            causes += [{"cause": "other_namespace", "model_name": m, "cache_salt": s, "world_size": w}
+                       for m, s, w in others]
+            if not found.get(inst) and not mine:
+                causes += [{"cause": "other_chunk_size", "chunk_size": size}
+                           for size in self._sizes_holding(tokens, inst, cs)]
+            out[inst] = {"matched_prefix_length": found.get(inst, 0), "causes": causes}
+        return {"model_name": model_name, "world_size": world_size, "cache_salt": cache_salt, "chunk_size": cs,
+                "chunks": len(hashes), "instances": out}
+
+    def _chunk0_placements(self, h: str) -> list[tuple[tuple[str, str, int], dict]]:
+        """Every placement of chunk ``h`` in any space: ((model, salt, world size), placement)."""
+        spaces = self.all_spaces()
+        refs = [(K.mp_bucket(h), f"{chunk_b64(h)}.{sid}") for sid in spaces]
+        recs = self.records(refs)
+        pmap = self.placements(r for r in recs if r)
+        out = []
+        for sid, rec in zip(spaces, recs, strict=True):
+            if rec:
+                m, salt, kr, _ = spaces[sid].split("\t")
+                out += [((m, salt, mphash.world_size_of(int(kr))), pmap[(tb, ep)]) for tb, ep, _ in rec.placements]
+        return out
+
+    def _sizes_holding(self, tokens: Sequence[int], inst: str, bound: int) -> list[int]:
+        out = []
+        for size in self.OTHER_CHUNK_SIZES:
+            if size != bound and len(tokens) >= size:
+                h = mphash.chunk_hashes_hex(tokens[:size], size)[0]
+                if any(p["instance_id"] == inst for _, p in self._chunk0_placements(h)):
+                    out.append(size)
+        return out
+
+    def _shared_pools(self, live: dict[str, float]) -> dict[tuple[str, str], list[str]]:
+        """(tier, backend) of each shared pool -> the live instances whose capacity declares it."""
+        out: dict[tuple[str, str], list[str]] = {}
+        for inst, decl in self.capacity().items():
+            if inst in live:
+                for m in decl["modules"]:
+                    if m["shared"]:
+                        out.setdefault((m["tier"], m["backend"]), []).append(inst)
+        return out

@@ -1,0 +1,118 @@
+"""The LMCache MP directory's key endpoints: ``POST /directory/lookup``, the keys of a token
+sequence, ``GET /directory/keys`` (walks the key pages ``keys.mp_page_key``) and ``GET
+/directory/stats`` (``keys.mp_stats_key``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvlookup.hashing import mp as mphash
+from kvlookup.index import keys as K
+from kvlookup.index.mp_records import MPRecords
+from kvlookup.index.mp_values import (
+    canon,
+    chunk_b64,
+    chunk_hex,
+    key_dict,
+    parse_record,
+    parse_tokens,
+    placement_dict,
+    space_text,
+)
+from kvlookup.wire import lmcache_mp as W
+
+
+class MPQueries(MPRecords):
+    """The key endpoints of :class:`kvlookup.index.mp.MPDirectory`."""
+
+    def lookup_keys(self, keys: Sequence[W.EncodedObjectKey]) -> list[dict]:
+        """``POST /directory/lookup`` results for object keys (validated), in order: one pipelined
+        read of every key's record and its chunk's token binding (shown for every key of a chunk,
+        stored or not, as the coordinator does)."""
+        sids = self.space_ids([space_text(k) for k in keys])
+        refs = [(K.mp_bucket(canon(k.chunk_hash_hex)), chunk_b64(k.chunk_hash_hex)) for k in keys]
+        pipe = self.r.pipeline(transaction=False)
+        for (bucket, b64), sid in zip(refs, sids, strict=True):
+            pipe.hmget(K.mp_chunks_key(bucket), [f"{b64}.{sid or 0}", b64])  # space 0 never exists
+        got = pipe.execute()
+        recs = [parse_record(v) if v else None for v, _ in got]
+        tokens = [parse_tokens(t)[0] for _, t in got]
+        pmap = self.placements(r for r in recs if r)
+        out = []
+        for key, rec, toks in zip(keys, recs, tokens, strict=True):
+            if rec is None:
+                out.append({"key": key_dict(key), "placements": [], "token_ids": toks, "access_count": 0})
+                continue
+            pls = sorted((dict(pmap[(tb, ep)], size_bytes=sz) for tb, ep, sz in rec.placements),
+                         key=lambda p: (p["instance_id"], p["tier"], p["backend"]))
+            out.append({"key": key_dict(key), "placements": [placement_dict(p) for p in pls],
+                        "token_ids": toks, "access_count": rec.access_count})
+        return out
+
+    def keys_for_tokens(self, token_ids: Sequence[int], model_name: str, world_size: int = 1,
+                        cache_salt: str = "") -> tuple[int, list[W.EncodedObjectKey]]:
+        """(complete chunks, object keys) the coordinator resolves for a token sequence: chunk-major, then
+        rank, in group 0; then stored keys of the same chunks in other groups."""
+        hashes = mphash.chunk_hashes_hex(token_ids, self.chunk_size())
+        ranks = [mphash.kv_rank(world_size, r) for r in range(world_size)]
+        keys = [W.EncodedObjectKey(chunk_hash_hex=h, model_name=model_name, kv_rank=kr, cache_salt=cache_salt)
+                for h in hashes for kr in ranks]
+        extra = [(sid, int(g), int(kr)) for sid, text in self.all_spaces(fresh=False).items()
+                 for m, s, kr, g in [text.split("\t")] if m == model_name and s == cache_salt and g != "0"
+                 and int(kr) in ranks]
+        if extra:
+            refs = [(h, sid, g, kr) for h in hashes for sid, g, kr in extra]
+            recs = self.records([(K.mp_bucket(h), f"{chunk_b64(h)}.{sid}") for h, sid, _, _ in refs])
+            keys += [W.EncodedObjectKey(chunk_hash_hex=h, model_name=model_name, kv_rank=kr, object_group_id=g,
+                                        cache_salt=cache_salt)
+                     for (h, _, g, kr), rec in zip(refs, recs, strict=True) if rec]
+        return len(hashes), keys
+
+    def list_keys(self, tier: str = "all", instance_id: str = "", backend: str = "", offset: int = 0,
+                  limit: int = 1000) -> dict:
+        """``GET /directory/keys``: {total, keys: [{key, placements (matching), num_tokens, access_count}]},
+        insertion order (walks the key pages: O(keys), like the coordinator)."""
+        top = int(self.r.hget(K.mp_stats_key(), "kseq") or 0)
+        pipe = self.r.pipeline(transaction=False)
+        pages = range(top // K.MP_PAGE + 1)
+        for p in pages:
+            pipe.hgetall(K.mp_page_key(p))
+        refs: list[tuple[int, str]] = []
+        for p, page in zip(pages, pipe.execute(), strict=True):
+            refs += sorted((p * K.MP_PAGE + int(slot), ref) for slot, ref in page.items())
+        bh = K.MP_BUCKET_HEX
+        recs = self.records([(ref[:bh], ref[bh:]) for _, ref in refs])
+        pmap = self.placements(r for r in recs if r)
+        spaces = self.all_spaces()
+        rows = []
+        for (_, ref), rec in zip(refs, recs, strict=True):
+            if rec is None:
+                continue
+            pls = [dict(pmap[(tb, ep)], size_bytes=sz) for tb, ep, sz in rec.placements]
+            pls = [p for p in pls if (tier == "all" or p["tier"] == tier)
+                   and (not instance_id or p["instance_id"] == instance_id)
+                   and (not backend or p["backend"] == backend)]
+            if pls:
+                rows.append((ref, rec, pls))
+        page_rows = rows[offset:offset + limit]
+        tokens = self.token_bindings([(ref[:bh], ref[bh:].rsplit(".", 1)[0]) for ref, _, _ in page_rows])
+        out = []
+        for (ref, rec, pls), (toks, _) in zip(page_rows, tokens, strict=True):
+            b64, sid = ref[bh:].rsplit(".", 1)
+            model, salt, kr, group = spaces[sid].split("\t")
+            key = {"chunk_hash_hex": chunk_hex(b64), "model_name": model, "kv_rank": int(kr),
+                   "object_group_id": int(group), "cache_salt": salt}
+            out.append({"key": key, "placements": [placement_dict(p) for p in pls], "num_tokens": len(toks),
+                        "access_count": rec.access_count})
+        return {"total": len(rows), "keys": out}
+
+    def stats(self) -> dict:
+        """``GET /directory/stats`` (``blend`` counts what kvlookup's blend index holds)."""
+        s = self.r.hgetall(K.mp_stats_key())
+        n = {k: int(v) for k, v in s.items()}
+        by_inst = {k[4:]: v for k, v in n.items() if k.startswith("l1k:") and v}
+        return {"num_keys": n.get("keys", 0), "num_placements": n.get("placements", 0),
+                "l1_keys_by_instance": dict(sorted(by_inst.items())),
+                "blend": {"num_contents": 0, "num_chunks": 0, "num_claims": 0, "num_namespaces": 0, "table_size": 0},
+                "l1_count": n.get("l1_count", 0), "l1_size_bytes": n.get("l1_bytes", 0),
+                "l2_count": n.get("l2_count", 0), "l2_size_bytes": n.get("l2_bytes", 0)}

@@ -1,0 +1,77 @@
+"""Reads of the LMCache MP directory's records: interned names (spaces, tiers, epochs, instance
+numbers; immutable, so kept once read), object key records and token bindings in the chunk
+buckets (``keys.mp_names_key``, ``keys.mp_chunks_key``; formats in kvlookup.index.mp_values).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+from kvlookup.index import keys as K
+from kvlookup.index.mp_registry import UNBOUND_RECHECK_S, MPRegistry
+from kvlookup.index.mp_values import Record, parse_record, parse_tokens
+
+
+class MPRecords(MPRegistry):
+    """Names and records of :class:`kvlookup.index.mp.MPDirectory`."""
+
+    def _reverse(self, kind: str, ids: Iterable[str]) -> dict[str, str]:
+        want = {i for i in ids if f"r:{kind}{i}" not in self._names}
+        if want:
+            order = sorted(want)
+            for i, text in zip(order, self.r.hmget(K.mp_names_key(), [f"r:{kind}{i}" for i in order]), strict=True):
+                if text is not None:
+                    self._names[f"r:{kind}{i}"] = text
+        return {i: self._names.get(f"r:{kind}{i}", "") for i in ids}
+
+    def space_ids(self, texts: Sequence[str]) -> list[str | None]:
+        """Interned ids of space texts (None where never stored)."""
+        missing = [t for t in texts if f"n:s{t}" not in self._names]
+        if missing:
+            for t, sid in zip(missing, self.r.hmget(K.mp_names_key(), [f"n:s{t}" for t in missing]), strict=True):
+                if sid is not None:
+                    self._names[f"n:s{t}"] = sid
+        return [self._names.get(f"n:s{t}") for t in texts]
+
+    def all_spaces(self, fresh: bool = True) -> dict[str, str]:
+        """space id -> space text of every space ever stored (fresh=False: a list up to
+        :data:`UNBOUND_RECHECK_S` old will do; spaces are only ever added)."""
+        at, known = self._spaces
+        if not fresh and time.monotonic() - at < UNBOUND_RECHECK_S:
+            return known
+        ids = (self.r.hget(K.mp_names_key(), "sps") or "").split(",")
+        spaces = {i: t for i, t in self._reverse("s", [i for i in ids if i]).items()}
+        self._spaces = (time.monotonic(), spaces)
+        return spaces
+
+    def placements(self, recs: Iterable[Record]) -> dict[tuple[str, str], dict]:
+        """(tb, epoch) -> a placement dict skeleton (instance_id, incarnation, tier, backend, shared)."""
+        pairs = {(tb, ep) for r in recs for tb, ep, _ in r.placements}
+        tbs = self._reverse("t", {tb for tb, _ in pairs})
+        eps = self._reverse("e", {ep for _, ep in pairs})
+        iids = self._reverse("i", {eps[ep].split("\t")[0] for _, ep in pairs if eps[ep]})
+        out = {}
+        for tb, ep in pairs:
+            tier, backend, shared = tbs[tb].split("\t")
+            iid, inc = eps[ep].split("\t")
+            out[(tb, ep)] = {"instance_id": iids[iid], "incarnation": int(inc), "tier": tier, "backend": backend,
+                             "shared": shared == "1"}
+        return out
+
+    def records(self, refs: Sequence[tuple[str, str]]) -> list[Record | None]:
+        """The records of (bucket, field) refs, in order (one pipelined HGET each)."""
+        if not refs:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for bucket, fld in refs:
+            pipe.hget(K.mp_chunks_key(bucket), fld)
+        return [parse_record(v) if v else None for v in pipe.execute()]
+
+    def token_bindings(self, refs: Sequence[tuple[str, str]]) -> list[tuple[list[int], int]]:
+        if not refs:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for bucket, b64 in refs:
+            pipe.hget(K.mp_chunks_key(bucket), b64)
+        return [parse_tokens(v) for v in pipe.execute()]

@@ -1,0 +1,182 @@
+"""The LMCache MP directory's instances: registrations, heartbeats and departures, the gate
+cursors, declared capacity, the fleet's chunk size, the ingest counters (kvlookup.index.mp
+composes it; keys ``keys.mp_instances_key`` .. ``keys.mp_config_key``, Lua in
+kvlookup.index.mp_scripts). Errors: redis.RedisError passes through (the HTTP layer answers 503).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from kvlookup.hashing import mp as mphash
+from kvlookup.index import keys as K
+from kvlookup.index import mp_scripts as S
+from kvlookup.wire import lmcache_mp as W
+
+#: How long an unbound chunk size, and the list of spaces, are trusted before Redis is asked again (s).
+UNBOUND_RECHECK_S = 1.0
+#: LMCache's coordinator defaults: --instance-timeout 30 s, --chunk-size 256.
+DEFAULT_INSTANCE_TIMEOUT_S = 30.0
+DEFAULT_CHUNK_SIZE = mphash.DEFAULT_CHUNK_SIZE
+
+
+class ChunkSizeConflict(ValueError):
+    """The fleet is bound to another chunk size (the coordinator answers 409)."""
+
+
+class MPRegistry:
+    """The registry part of :class:`kvlookup.index.mp.MPDirectory` (same arguments)."""
+
+    def __init__(self, redis, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 instance_timeout_s: float = DEFAULT_INSTANCE_TIMEOUT_S, replica_acks: int = 0,
+                 replica_timeout_ms: int = 500):
+        self.r = redis
+        #: before a write is acknowledged, wait (WAIT) until this many replicas of the {mp} master
+        #: have it (0: don't wait): a master killed right after an answer then loses nothing
+        self.replica_acks = replica_acks
+        self.replica_timeout_ms = replica_timeout_ms
+        self.short_acks = 0
+        self.configured_chunk_size = chunk_size
+        self.instance_timeout_s = instance_timeout_s
+        self._apply = redis.register_script(S.MP_APPLY)
+        self._depart = redis.register_script(S.MP_DEPART)
+        self._register = redis.register_script(S.MP_REGISTER)
+        self._heartbeat = redis.register_script(S.MP_HEARTBEAT)
+        self._bind = redis.register_script(S.MP_BIND_CHUNK)
+        self._names: dict[str, str] = {}  # immutable interned names (ids never change)
+        self._bound = 0
+        self._unbound_at = -1e9
+        self._spaces: tuple[float, dict[str, str]] = (-1e9, {})
+
+    def _replicated(self) -> None:
+        """WAIT for ``replica_acks`` replicas of the ``{mp}`` master (counted in ``short_acks`` when fewer answer)."""
+        if not self.replica_acks:
+            return
+        args = ("WAIT", self.replica_acks, self.replica_timeout_ms)
+        if hasattr(self.r, "get_node_from_key"):  # Redis Cluster: the master of the {mp} slot
+            got = self.r.execute_command(*args, target_nodes=self.r.get_node_from_key(K.MP))
+        else:
+            got = self.r.execute_command(*args)
+        if int(got) < self.replica_acks:
+            self.short_acks += 1
+
+    def chunk_size(self) -> int:
+        """The bound chunk size (kept once read: a binding never changes), or the configured one
+        while none is bound (asked again after :data:`UNBOUND_RECHECK_S`)."""
+        if self._bound:
+            return self._bound
+        now = time.monotonic()
+        if now - self._unbound_at < UNBOUND_RECHECK_S:
+            return self.configured_chunk_size
+        bound = self.r.hget(K.mp_config_key(), "chunk_size")
+        if bound:
+            self._bound = int(bound)
+            return self._bound
+        self._unbound_at = now
+        return self.configured_chunk_size
+
+    def bind_chunk_size(self, chunk_size: int) -> int:
+        """Bind the fleet's chunk size once; ChunkSizeConflict for another size or one below the configured minimum."""
+        bound = self.r.hget(K.mp_config_key(), "chunk_size")
+        if bound is None and chunk_size < self.configured_chunk_size:
+            raise ChunkSizeConflict(f"Chunk size {chunk_size} is smaller than the coordinator's configured "
+                                    f"minimum {self.configured_chunk_size}")
+        got = int(self._bind(keys=[K.mp_config_key()], args=[chunk_size]))
+        self._bound = got
+        if got != chunk_size:
+            raise ChunkSizeConflict(f"Coordinator is already bound to chunk size {got}; use a separate "
+                                    f"coordinator for a fleet requiring chunk size {chunk_size}")
+        return got
+
+    def register(self, req: W.RegisterRequest, now: float | None = None) -> tuple[str, bool]:
+        """``POST /instances``: (instance_id, re_registered). ChunkSizeConflict from ``chunk_size``."""
+        now = time.time() if now is None else now
+        instance_id = req.instance_id or f"mp-{uuid.uuid4().hex}"
+        if req.chunk_size is not None:
+            self.bind_chunk_size(req.chunk_size)
+        info = {"instance_id": instance_id, "ip": req.ip, "http_port": req.http_port, "registration_time": now,
+                "metadata": req.metadata, "p2p_advertised_url": req.p2p_advertised_url, "mq_port": req.mq_port}
+        existed = self._register(keys=[K.mp_instances_key(), K.mp_heartbeats_key(), K.mp_departed_key()],
+                                 args=[instance_id, json.dumps(info), int(now * 1000)])
+        self._replicated()
+        return instance_id, bool(existed)
+
+    def heartbeat(self, instance_id: str, now: float | None = None) -> bool:
+        """``PUT /instances/{id}/heartbeat``: False for an unknown id (404)."""
+        now = time.time() if now is None else now
+        return bool(self._heartbeat(keys=[K.mp_heartbeats_key(), K.mp_instances_key()],
+                                    args=[instance_id, int(now * 1000)]))
+
+    def deregister(self, instance_id: str, now: float | None = None) -> None:
+        """``DELETE /instances/{id}``: registration, L1 placements, cursor and capacity go (any id)."""
+        now = time.time() if now is None else now
+        self._depart(keys=K.mp_script_keys(), args=[instance_id, int(now * 1000), "1", ""])
+        self._replicated()
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Depart every instance silent for ``instance_timeout_s`` (its capacity stays); the ids reaped."""
+        now = time.time() if now is None else now
+        cutoff = int((now - self.instance_timeout_s) * 1000)
+        gone = []
+        for inst in self.r.zrangebyscore(K.mp_heartbeats_key(), "-inf", f"({cutoff}"):
+            if self._depart(keys=K.mp_script_keys(), args=[inst, int(now * 1000), "0", cutoff]):
+                gone.append(inst)
+        return gone
+
+    def instances(self) -> list[dict]:
+        """``GET /instances``: every registration, as the coordinator lists it."""
+        out = []
+        for _, raw in sorted(self.r.hgetall(K.mp_instances_key()).items()):
+            info = json.loads(raw)
+            out.append({k: info[k] for k in ("instance_id", "ip", "http_port", "registration_time", "metadata",
+                                              "p2p_advertised_url", "mq_port")})
+        return out
+
+    def heartbeats(self) -> dict[str, float]:
+        """instance_id -> last registration or heartbeat (unix ms) of every registered instance."""
+        return dict(self.r.zrange(K.mp_heartbeats_key(), 0, -1, withscores=True))
+
+    def live_instances(self, now: float | None = None) -> dict[str, float]:
+        """instance_id -> last heartbeat (unix s) of instances heard within the timeout."""
+        now = time.time() if now is None else now
+        cutoff = (now - self.instance_timeout_s) * 1000
+        return {m: s / 1000 for m, s in self.r.zrangebyscore(K.mp_heartbeats_key(), cutoff, "+inf", withscores=True)}
+
+    def cursors(self) -> dict[str, dict]:
+        """instance_id -> gate cursor {incarnation, last_seq, gap_detected, events_dropped, missing_batches,
+        delivery_delay_s}."""
+        out = {}
+        for inst, raw in self.r.hgetall(K.mp_cursors_key()).items():
+            f = raw.split("\t")
+            out[inst] = {"incarnation": int(f[0]), "last_seq": int(f[1]), "gap_detected": f[2] == "1",
+                         "events_dropped": int(f[4]), "missing_batches": int(f[5]),
+                         "delivery_delay_s": int(f[6]) / 1000 if len(f) > 6 and f[6] else None}
+        return out
+
+    def departed(self) -> dict[str, dict]:
+        """instance_id -> {incarnation, reason (deregistered | timed_out), at (unix s)} of departed instances."""
+        out = {}
+        for inst, raw in self.r.hgetall(K.mp_departed_key()).items():
+            inc, reason, at = raw.split("\t")
+            out[inst] = {"incarnation": int(inc), "reason": reason, "at": int(at) / 1000}
+        return out
+
+    def capacity(self) -> dict[str, dict]:
+        """instance_id -> {incarnation, revision, modules: [{tier, backend, shared, capacity_bytes}]}."""
+        out = {}
+        for inst, raw in self.r.hgetall(K.mp_capacity_key()).items():
+            inc, rev, mods = raw.split("\t", 2)
+            modules = []
+            for m in filter(None, mods.split(";")):
+                tier, backend, shared, cap = m.split(",")
+                modules.append({"tier": tier, "backend": backend, "shared": shared == "1", "capacity_bytes": int(cap)})
+            out[inst] = {"incarnation": int(inc), "revision": int(rev), "modules": modules}
+        return out
+
+    def counters(self) -> dict[str, int]:
+        """Ingest counters: batches_applied/duplicate/stale/missing, events_dropped."""
+        s = self.r.hgetall(K.mp_stats_key())
+        return {k: int(s.get(k, 0)) for k in ("batches_applied", "batches_duplicate", "batches_stale",
+                                              "batches_missing", "events_dropped")}
