@@ -24,7 +24,6 @@ heartbeat.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import redis
@@ -32,7 +31,7 @@ import redis
 from kvlookup import metrics
 from kvlookup.index import staleness
 from kvlookup.index.failover import MasterWatch
-from kvlookup.index.store import ADMIT, EVICT, NotRegistered, PendingApply, Refused, Store, chunk_text
+from kvlookup.index.store import ADMIT, EVICT, NotRegistered, Refused, Store, chunk_text
 from kvlookup.sidecar.admission import InstancePolicy
 from kvlookup.sidecar.opqueue import Batch, OpQueue
 from kvlookup.wire import lmcache as proto
@@ -41,9 +40,6 @@ from kvlookup.wire.errors import WireError
 text = chunk_text
 
 log = logging.getLogger(__name__)
-
-#: Messages that only queue chunk ops (every other one waits for the write in flight).
-OP_TAGS = frozenset({"KVAdmitMsg", "KVEvictMsg", "BatchedKVOperationMsg", "FullSyncBatchMsg"})
 
 #: Non-connection Redis errors (BUSY, OOM, READONLY...) tolerated for the head of the queue
 #: before it is dropped and counted, so a persistent error cannot wedge the sidecar.
@@ -92,8 +88,6 @@ class LMCacheIngest:
         self.heartbeat_url = heartbeat_url
         self.observer: Observer = observer or Unobserved()
         self.queue = OpQueue()
-        self._inflight: tuple[PendingApply, list[Batch], list[Batch]] | None = None  # see flush(overlap=)
-        self._inflight_ops = 0
         self._registered: set[tuple[str, int]] = set()  # known registered (cache; NotRegistered resets)
         self._synced: set[tuple[str, int]] = set()  # registered or full-synced by this process
         self._gaps: set[tuple[str, int]] = set()  # skipped a seq: its next heartbeat asks a full sync
@@ -129,8 +123,6 @@ class LMCacheIngest:
                 log.exception("failed to handle %s", tag)
 
     def _on_push(self, tag: str, msg: Any) -> None:
-        if tag not in OP_TAGS:
-            self.settle()  # a registry message comes after every write before it
         if tag == "KVAdmitMsg" or tag == "KVEvictMsg":
             admit = tag == "KVAdmitMsg"
             self._add(msg.instance_id, msg.worker_id, msg.location, ((text(msg.key), ADMIT if admit else EVICT),),
@@ -160,13 +152,12 @@ class LMCacheIngest:
 
     @property
     def queued_ops(self) -> int:
-        """Chunk operations queued or in flight, not known written yet (folded per chunk and holder)."""
-        return self.queue.queued_ops + self._inflight_ops
+        """Chunk operations queued, not written yet (folded per chunk and holder)."""
+        return self.queue.queued_ops
 
     def drop_queued(self, instance_id: str, worker_id: int, location: str | None = None) -> int:
         """Drop the queued ops of a worker (of one location, when given): its holder is being
         retired, so they are moot. Returns the ops dropped."""
-        self.settle()  # a write in flight comes first
         gone = self.queue.drop(instance_id, worker_id, location)
         for b in gone:
             metrics.count_ops(b.ops, "superseded")
@@ -178,13 +169,8 @@ class LMCacheIngest:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def flush(self, budget: int | None = None, overlap: bool = False) -> int:
+    def flush(self, budget: int | None = None) -> int:
         """Write up to ``budget`` queued ops (all when None), oldest first; returns ops taken.
-
-        overlap: leave this slice's write in flight (sent, its reply not read): the next flush,
-        or anything that must come after it (:meth:`settle`: every registry message), reads
-        it first, so the sidecar decodes the next frames while Redis applies the slice. One
-        slice at most is in flight; :attr:`queued_ops` counts it until its reply is read.
 
         On a Redis error the ops stay queued and the error propagates; the service loop backs
         off and calls flush again. Connection errors are retried until Redis is back; other
@@ -193,29 +179,12 @@ class LMCacheIngest:
         is written again (:meth:`after_failover`).
         """
         if self.masters.replaced() or self._failed_over:
-            self._finish_inflight()
             self.after_failover()
-        self._finish_inflight()
         taken = self.queue.take(budget)
         if not taken:
             return 0
-        self._guarded(taken, (lambda: self._send(taken)) if overlap else (lambda: self._write(taken)))
-        return sum(len(b.ops) for b in taken)
-
-    def settle(self) -> None:
-        """Read the reply of the write in flight, if any (before a registry change, which must
-        come after it). A Redis error other than a lost connection leaves its ops queued and is
-        not raised here (the next flush meets it again)."""
         try:
-            self._finish_inflight()
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise
-        except redis.RedisError:
-            pass
-
-    def _guarded(self, taken: list[Batch], write: Callable[[], None]) -> None:
-        try:
-            write()
+            self._write(taken)
             self._redis_failures = 0
         except (redis.ConnectionError, redis.TimeoutError):
             self.queue.put_back(taken)
@@ -229,54 +198,25 @@ class LMCacheIngest:
             for b in taken:
                 metrics.count_ops(b.ops, "redis_error")
             log.error("dropped %d batches after %d Redis errors: %s", len(taken), MAX_REDIS_FAILURES, exc)
+        return sum(len(b.ops) for b in taken)
 
     def _write(self, taken: list[Batch]) -> None:
         writable = [b for b in taken if self._writable(b)]
         try:
             self.store.apply([(b.instance_id, b.worker_id, b.location, b.ops) for b in writable])
         except NotRegistered:  # a worker left the registry since we looked: sort them out one by one
-            self._one_by_one(writable)
+            self._registered.clear()
+            for b in writable:
+                if self._writable(b):
+                    try:
+                        self.store.apply([(b.instance_id, b.worker_id, b.location, b.ops)])
+                    except NotRegistered:
+                        metrics.count_ops(b.ops, "unregistered")
+                        continue
+                    metrics.count_ops(b.ops, "applied")
             return
         for b in writable:
             metrics.count_ops(b.ops, "applied")
-
-    def _send(self, taken: list[Batch]) -> None:
-        writable = [b for b in taken if self._writable(b)]
-        try:
-            pending = self.store.apply_start([(b.instance_id, b.worker_id, b.location, b.ops) for b in writable])
-        except NotRegistered:  # a worker left the registry since we looked: sort them out one by one
-            self._one_by_one(writable)
-            return
-        self._inflight = (pending, taken, writable)
-        self._inflight_ops = sum(len(b.ops) for b in taken)
-
-    def _finish_inflight(self) -> None:
-        if self._inflight is None:
-            return
-        pending, taken, writable = self._inflight
-        self._inflight, self._inflight_ops = None, 0
-
-        def finish() -> None:
-            try:
-                pending.finish()
-            except NotRegistered:
-                self._one_by_one(writable)
-                return
-            for b in writable:
-                metrics.count_ops(b.ops, "applied")
-
-        self._guarded(taken, finish)
-
-    def _one_by_one(self, writable: list[Batch]) -> None:
-        self._registered.clear()
-        for b in writable:
-            if self._writable(b):
-                try:
-                    self.store.apply([(b.instance_id, b.worker_id, b.location, b.ops)])
-                except NotRegistered:
-                    metrics.count_ops(b.ops, "unregistered")
-                    continue
-                metrics.count_ops(b.ops, "applied")
 
     def _writable(self, b: Batch) -> bool:
         """Is the batch's worker registered? A 0.3-era admit registers it; else it is dropped."""
@@ -380,7 +320,6 @@ class LMCacheIngest:
             return proto.encode(proto.ErrorMsg(error=refused))
         metrics.MESSAGES.labels(tag).inc()
         try:
-            self.settle()  # a request comes after every write before it
             self.observer.seen(conn, msg.instance_id, msg.worker_id)
             return proto.encode(self._on_request(tag, msg))
         except (redis.ConnectionError, redis.TimeoutError) as exc:

@@ -279,7 +279,7 @@ class Sidecar:
                 self.sockets.handlers[sock](sock)
         else:  # vLLM only: no socket here to wait on (zmq's poll of none returns at once)
             self._stop.wait(wait_ms / 1000)
-        self._written += self.lmcache.flush(self.limits.slice_ops, overlap=True)  # read at the next turn
+        self._written += self.lmcache.flush(self.limits.slice_ops)
         self._purge(BUSY_PURGE_BUDGET if self.lmcache.queued_ops else PURGE_BUDGET)
         self._after_burst()
         self.last_turn = time.monotonic()

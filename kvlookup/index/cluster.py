@@ -19,7 +19,7 @@ from redis.cluster import RedisCluster
 from kvlookup.index import keys, scripts
 from kvlookup.index.cluster_io import ClusterIO
 from kvlookup.index.io import purge_step, raise_errors
-from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches, Pending
+from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches
 from kvlookup.index.staged import HolderCache, StagedLookup
 
 #: (holder, bucket) pairs a ClusterRecords remembers as named in their holder's bucket set.
@@ -37,10 +37,6 @@ class ClusterRecords:
         self.marked: set[tuple[str, int]] = set()  # (holder id, bucket) its bucket set names
 
     # -- writes ------------------------------------------------------------------------------
-
-    def apply_start(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> Pending:
-        ok = self.apply(writes, score, then)  # three round trips: nothing to overlap
-        return Pending(lambda: ok)
 
     def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
         # a holder counts while it is described and not retired (the same test as APPLY_OPS)

@@ -49,45 +49,24 @@ class SingleIO:
     def execute(self, commands: Sequence[tuple]) -> list:
         """Results in order; a command error is returned as its ResponseError. Raises
         redis.ConnectionError / TimeoutError when the server is unreachable."""
-        return self.receive(self.send(commands))
-
-    def send(self, commands: Sequence[tuple]) -> Sent:
-        """Send ``commands`` without waiting for their replies (:meth:`receive` reads them), on a
-        connection of their own: what else is sent meanwhile goes on another one."""
-        if not commands:
-            return Sent(None, commands)
-        pool = self.r.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command([b"".join(hiredis.pack_command(c) for c in commands)], check_health=False)
-        except BaseException:
-            conn.disconnect()
-            pool.release(conn)
-            raise
-        return Sent(conn, commands)
-
-    def receive(self, sent: Sent) -> list:
-        """The replies of a :meth:`send`, as :meth:`execute` returns them (a script the server
-        lost is loaded and its calls sent again)."""
-        commands = sent.commands
-        out = self._read(sent)
+        out = self._once(commands)
         lost = [i for i, res in enumerate(out) if isinstance(res, NoScriptError) and commands[i][1] in self._scripts]
         if lost:
             for sha in {commands[i][1] for i in lost}:
                 self.r.script_load(self._scripts[sha])
-            for i, res in zip(lost, self._read(self.send([commands[i] for i in lost])), strict=True):
+            for i, res in zip(lost, self._once([commands[i] for i in lost]), strict=True):
                 out[i] = res
         return out
 
-    def _read(self, sent: Sent) -> list:
-        conn = sent.conn
-        if conn is None:
+    def _once(self, commands: Sequence[tuple]) -> list:
+        if not commands:
             return []
-        sent.conn = None
         pool = self.r.connection_pool
+        conn = pool.get_connection()
         try:
+            conn.send_packed_command([b"".join(hiredis.pack_command(c) for c in commands)], check_health=False)
             out: list = []
-            for _ in sent.commands:
+            for _ in commands:
                 try:
                     out.append(conn.read_response())
                 except ResponseError as exc:
@@ -98,21 +77,6 @@ class SingleIO:
             raise
         finally:
             pool.release(conn)
-
-    def abandon(self, sent: Sent) -> None:
-        """Drop a :meth:`send` whose replies will not be read (the connection is closed)."""
-        if sent.conn is not None:
-            sent.conn.disconnect()
-            self.r.connection_pool.release(sent.conn)
-            sent.conn = None
-
-
-class Sent:
-    """Commands sent by :meth:`SingleIO.send` whose replies are still to be read (conn: None
-    once read, or when nothing was sent)."""
-
-    def __init__(self, conn, commands: Sequence[tuple]):
-        self.conn, self.commands = conn, commands
 
 
 def script_sha(script: str) -> str:

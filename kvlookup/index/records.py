@@ -13,7 +13,7 @@ its keys share one hash slot (kvlookup.index.keys) and kvlookup.index.store runs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -129,14 +129,6 @@ class CommandIO(Protocol):
         number: parse it); a command error is returned as its ResponseError."""
 
 
-class Pending:
-    """A write sent whose outcome is still to be read: :meth:`finish` once (it blocks until the
-    reply came), or :meth:`abandon` when it will never be read."""
-
-    def __init__(self, finish: Callable[[], list[bool]], abandon: Callable[[], None] = lambda: None):
-        self.finish, self.abandon = finish, abandon
-
-
 class Records(Protocol):
     """The record operations a backend provides (one contract suite: tests/contract/ runs the
     semantic tests against every backend)."""
@@ -157,10 +149,6 @@ class Records(Protocol):
         False when the holder was retired (nothing written for it that counts; the caller
         resolves the current holder and writes again). then: plain commands sent after the
         writes, in the same round trip where the backend can (their errors raise)."""
-
-    def apply_start(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> Pending:
-        """:meth:`apply` without waiting for the reply where the backend can: its
-        :meth:`Pending.finish` returns what :meth:`apply` would (and raises what it would)."""
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         """Every group's match over ``chains`` (non-empty), in no particular order."""

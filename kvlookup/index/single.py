@@ -9,19 +9,13 @@ import redis
 
 from kvlookup.index import keys, scripts
 from kvlookup.index.io import SingleIO, parse_matches, purge_step, raise_errors
-from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches, Pending, walk_registry_keys
+from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches, walk_registry_keys
 from kvlookup.index.staged import HolderCache, StagedLookup
 from kvlookup.index.tracking import CachedReads
 
 #: Chunk operations per APPLY_OPS call: a script blocks Redis while it runs, so a huge batch
 #: (a full sync) is applied in slices of this many admits and evicts.
 MAX_OPS_PER_CALL = 5000
-
-
-def _applied(results: list, calls: list[int]) -> list[bool]:
-    """Per write, whether every APPLY_OPS call of it wrote (-1: its holder was retired)."""
-    it = iter(raise_errors(results))
-    return [min(int(next(it)) for _ in range(n)) >= 0 for n in calls]
 
 
 class SingleNodeRecords:
@@ -46,16 +40,6 @@ class SingleNodeRecords:
             self.holder_cache = HolderCache()
 
     def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
-        cmds, calls = self._apply_commands(writes, score)
-        return _applied(self.io.execute([*cmds, *then]), calls)
-
-    def apply_start(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> Pending:
-        cmds, calls = self._apply_commands(writes, score)
-        sent = self.io.send([*cmds, *then])
-        return Pending(lambda: _applied(self.io.receive(sent), calls), lambda: self.io.abandon(sent))
-
-    def _apply_commands(self, writes: Sequence[HolderWrite], score: int) -> tuple[list[tuple], list[int]]:
-        """The APPLY_OPS calls of ``writes`` and how many there are per write."""
         cmds: list[tuple] = []
         calls = []
         head = (keys.holders_key(), keys.dead_holders_key(), keys.records_key())
@@ -75,7 +59,8 @@ class SingleNodeRecords:
                              keys.EVICTED_MAX, keys.EVICTED_TTL_MS))
                 n += 1
             calls.append(n)
-        return cmds, calls
+        results = iter(raise_errors(self.io.execute([*cmds, *then])))
+        return [min(int(next(results)) for _ in range(n)) >= 0 for n in calls]
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         if self.cached is not None:

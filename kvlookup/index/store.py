@@ -24,7 +24,7 @@ from kvlookup import kinds
 from kvlookup.index import keys, scripts
 from kvlookup.index.clock import ServerClock
 from kvlookup.index.failover import Journal
-from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches, Pending, Records
+from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches, Records
 from kvlookup.index.single import SingleNodeRecords
 from kvlookup.kinds import Kind
 
@@ -394,42 +394,6 @@ class Store:
             cached[(location, space)] = hid = str(hid)
         return hid
 
-    def apply_start(
-        self,
-        batches: Iterable[tuple[str, int | str, str, Sequence[tuple[str, int | str]] | dict[str, str]]],
-        *,
-        space: str = "",
-        now_ms: int | None = None,
-        then: Sequence[tuple] = (),
-    ) -> PendingApply:
-        """:meth:`apply`, sent without waiting for the reply (one Redis: the write goes out on a
-        connection of its own; other backends write at once). Raises NotRegistered as
-        :meth:`apply` does, before anything is sent. Its :meth:`PendingApply.finish` returns what
-        :meth:`apply` would; call it before anything else that must come after the write."""
-        return self._start(batches, space, now_ms, then, overlap=True)
-
-    def _start(self, batches: Iterable, space: str, now_ms: int | None, then: Sequence[tuple],
-               overlap: bool) -> PendingApply:
-        score = int(time.time() * 1000) if now_ms is None else now_ms
-        merged: dict[tuple[str, str, str], dict[str, str]] = {}  # one write per holder: backends reorder
-        for inst, wid, loc, ops in batches:
-            if ops:
-                last = merged.setdefault((inst, str(wid), loc), {})
-                if isinstance(ops, dict):
-                    last.update(ops)
-                else:
-                    for op, chunk_hash in ops:
-                        last[chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)] = op  # chunk_text
-        todo = [(*k, ops) for k, ops in merged.items()]
-        writes = self._writes(todo, space)
-        start = getattr(self.records, "apply_start", None) if overlap else None
-        if start is not None:
-            pending = start(writes, score, then)
-        else:
-            ok = self.records.apply(writes, score, then) if then else self.records.apply(writes, score)
-            pending = Pending(lambda: ok)
-        return PendingApply(self, pending, todo, writes, space, score)
-
     def apply(
         self,
         batches: Iterable[tuple[str, int | str, str, Sequence[tuple[str, int | str]] | dict[str, str]]],
@@ -447,29 +411,39 @@ class Store:
         written). then: plain commands to send once with the first write (same round trip on
         one Redis; sidecar.vllm_apply's engine map writes), also when there are no ops.
         """
-        return self._start(batches, space, now_ms, then, overlap=False).finish()
-
-    def _writes(self, todo: list, space: str) -> list[HolderWrite]:
-        return [HolderWrite(self.holder_id(inst, wid, loc, space), space,
-                            [h for h, op in ops.items() if op == ADMIT],
-                            [h for h, op in ops.items() if op != ADMIT])
-                for inst, wid, loc, ops in todo]
-
-    def _settle(self, score: int, todo: list, writes: list[HolderWrite], ok: list[bool],
-                space: str) -> tuple[int, list]:
-        """After a write: (ops applied, the batches of holders retired meanwhile, to write again
-        under the current holder: each retired holder id is forgotten and, when unknown, retired)."""
-        applied = sum(len(b[3]) for b, good in zip(todo, ok, strict=True) if good)
-        if self.journal is not None:
-            self._journal(score, todo, writes, ok)
-        retry = [b for b, good in zip(todo, ok, strict=True) if not good]
-        for inst, wid, loc, _ops in retry:
-            hid = self._holders.get((inst, wid), {}).pop((loc, space), None)
-            if hid is not None:  # retired; or unknown, and then its records would be left behind
-                self._scripts["RETIRE_UNKNOWN"](
-                    keys=[keys.holders_key(), keys.dead_holders_key(), keys.registry_version_key()],
-                    args=[hid, keys.holder_value(inst, wid, loc, space), score])
-        return applied, retry
+        score = int(time.time() * 1000) if now_ms is None else now_ms
+        merged: dict[tuple[str, str, str], dict[str, str]] = {}  # one write per holder: backends reorder
+        for inst, wid, loc, ops in batches:
+            if ops:
+                last = merged.setdefault((inst, str(wid), loc), {})
+                if isinstance(ops, dict):
+                    last.update(ops)
+                else:
+                    for op, chunk_hash in ops:
+                        last[chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)] = op  # chunk_text
+        todo = [(*k, ops) for k, ops in merged.items()]
+        applied = 0
+        for _attempt in range(3):
+            writes = [HolderWrite(self.holder_id(inst, wid, loc, space), space,
+                                  [h for h, op in ops.items() if op == ADMIT],
+                                  [h for h, op in ops.items() if op != ADMIT])
+                      for inst, wid, loc, ops in todo]
+            ok = self.records.apply(writes, score, then) if then else self.records.apply(writes, score)
+            then = ()
+            applied += sum(len(b[3]) for b, good in zip(todo, ok, strict=True) if good)
+            if self.journal is not None:
+                self._journal(score, todo, writes, ok)
+            retry = [b for b, good in zip(todo, ok, strict=True) if not good]
+            if not retry:
+                return applied
+            for inst, wid, loc, _ops in retry:
+                hid = self._holders.get((inst, wid), {}).pop((loc, space), None)
+                if hid is not None:  # retired; or unknown, and then its records would be left behind
+                    self._scripts["RETIRE_UNKNOWN"](
+                        keys=[keys.holders_key(), keys.dead_holders_key(), keys.registry_version_key()],
+                        args=[hid, keys.holder_value(inst, wid, loc, space), score])
+            todo = retry
+        raise RuntimeError(f"holders kept being retired while applying {len(todo)} batches")
 
     # -- after a failover -----------------------------------------------------------------
 
@@ -583,31 +557,3 @@ def chunk_text(chunk_hash: int | str) -> str:
     """A chunk key's one identity, whatever its wire type: int and str with the same digits are
     the same chunk (decimal for LMCache 0.3.3+ ints, hex for 0.3.0-0.3.2 digests)."""
     return chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)
-
-
-class PendingApply:
-    """A :meth:`Store.apply_start` write: :meth:`finish` reads its outcome (and writes the
-    batches of holders retired meanwhile again, at once); :meth:`abandon` drops it unread."""
-
-    def __init__(self, store: Store, pending: Pending, todo: list, writes: list[HolderWrite], space: str,
-                 score: int):
-        self.store, self.pending, self.todo, self.writes = store, pending, todo, writes
-        self.space, self.score = space, score
-        self.n_ops = sum(len(b[3]) for b in todo)
-
-    def finish(self) -> int:
-        """The folded ops applied. Raises what :meth:`Store.apply` raises."""
-        store, space, score = self.store, self.space, self.score
-        applied, todo = store._settle(score, self.todo, self.writes, self.pending.finish(), space)
-        for _attempt in range(2):
-            if not todo:
-                return applied
-            writes = store._writes(todo, space)
-            done, todo = store._settle(score, todo, writes, store.records.apply(writes, score), space)
-            applied += done
-        if not todo:
-            return applied
-        raise RuntimeError(f"holders kept being retired while applying {len(todo)} batches")
-
-    def abandon(self) -> None:
-        self.pending.abandon()
