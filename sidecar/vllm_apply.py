@@ -17,8 +17,12 @@ cannot serve them as its own.
 
 An event that does not add up (see :data:`REASONS`) is rejected whole: counted, logged, and
 nothing of it is written, so no guessed record ever reaches the index. Round trips per batch:
-one HMGET of the engine map fields it mentions, one pipelined apply per space, one pipeline of
-map writes.
+one pipelined apply per space, the engine map and rank field writes riding in the last one
+(``Store.apply(then=)``). This sidecar is the only writer of its ranks' engine maps, so it keeps
+a :class:`Mirror` of each: once it emptied a map itself (a fresh start, a clear) the mirror is
+the whole map and a batch reads nothing; a stream resumed after a restart reads its map once when
+it has at most ``MIRROR_LOAD_MAX`` fields, and else asks (one HMGET per batch) for the fields the
+mirror does not know.
 """
 
 from __future__ import annotations
@@ -114,6 +118,66 @@ class RankContext:
     legacy_space: str = ""
     #: the rank's state in Redis (its engine map and rank fields); None: made from store
     ranks_state: VllmRanks | None = None
+    #: the rank's engine map as this sidecar read and wrote it; None: read every batch
+    mirror: Mirror | None = None
+
+
+#: A mirror holding more engine map fields than this is emptied and becomes partial (a cache).
+MIRROR_MAX = 1_000_000
+#: A partial mirror reads the whole map once (HGETALL) when it has at most this many fields.
+MIRROR_LOAD_MAX = 50_000
+
+
+class Mirror:
+    """A rank's engine map (field -> raw value) as this sidecar read and wrote it. ``complete``:
+    it is the whole map (this sidecar emptied the map and wrote every field since), so a field it
+    lacks is absent; else it only caches what was read (None: read absent). The sidecar is the
+    map's only writer; a write that failed makes it partial and empty (:meth:`forget`)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, str | None] = {}
+        self.complete = False
+        self.load_tried = False
+
+    def load(self, ranks: VllmRanks, rank: int) -> None:
+        """Once: read the whole map when it is small (then complete)."""
+        self.load_tried = True
+        if ranks.engine_map_size(rank) <= MIRROR_LOAD_MAX:
+            self.entries = dict(ranks.engine_map(rank))
+            self.complete = True
+
+    def emptied(self) -> None:
+        """The map was just unlinked: empty, and complete."""
+        self.entries.clear()
+        self.complete = True
+
+    def forget(self) -> None:
+        """Not sure what the map holds any more (a write failed): empty and partial, read again."""
+        self.entries.clear()
+        self.complete = False
+        self.load_tried = False
+
+    def known(self, fields: set[str]) -> dict[str, str | None]:
+        """What the mirror says of ``fields`` (every one of them when complete)."""
+        e = self.entries
+        if self.complete:
+            return {f: e.get(f) for f in fields}
+        return {f: e[f] for f in fields if f in e}
+
+    def update(self, values: dict[str, str | None]) -> None:
+        """Fields as written (None: deleted) or read."""
+        if len(self.entries) + len(values) > MIRROR_MAX:
+            self.entries.clear()
+            self.complete = False
+        e = self.entries
+        if self.complete:
+            for f, v in values.items():
+                if v is None:
+                    e.pop(f, None)
+                else:
+                    e[f] = v
+        else:
+            e.update(values)
 
 
 class BatchApplier:
@@ -316,27 +380,34 @@ class BatchApplier:
         for ev in events:
             if isinstance(ev, BlockRemoved):
                 wanted.update(engine_field(h, g) for h in ev.block_hashes for g in groups)
+        mirror = self.ctx.mirror
+        raw: dict[str, str | None] = {}
+        if mirror is not None and wanted:
+            if not mirror.complete and not mirror.load_tried:
+                mirror.load(self.ranks, self.ctx.rank)
+            raw = mirror.known(wanted)
+            wanted.difference_update(raw)
         if wanted:
             order = list(wanted)
-            values = self.ranks.engine_entries(self.ctx.rank, order)
-            self.fetched = {f: Entry.parse(v) for f, v in zip(order, values, strict=True)}
+            got = dict(zip(order, self.ranks.engine_entries(self.ctx.rank, order), strict=True))
+            raw.update(got)
+            if mirror is not None:
+                mirror.update(got)
+        self.fetched = {f: Entry.parse(v) for f, v in raw.items()}
 
     # -- writes ---------------------------------------------------------------------------
 
     def flush(self, persist: dict[str, str | int]) -> None:
-        """Write pending chunk ops, engine map changes and ``persist`` fields."""
+        """Write pending chunk ops, engine map changes and ``persist`` fields: one round trip per
+        space written (the map and rank fields ride in the last one), or one when there are no ops."""
         ctx = self.ctx
         by_space: dict[str, list] = {}
         for (medium, space), ops in self.ops.items():
             if ops:
                 by_space.setdefault(space, []).append((ctx.instance_id, ctx.rank, medium, ops))
-        for space, batches in by_space.items():
-            self._apply(batches, space)
         self.ops = {}
         sets = {f: e.format() for f, e in self.changed.items() if e is not None}
         dels = [f for f, e in self.changed.items() if e is None]
-        self.fetched.update(self.changed)
-        self.changed = {}
         persist = dict(persist)
         block_sizes = None
         if self.new_chains and ctx.chains:
@@ -348,17 +419,26 @@ class BatchApplier:
         if self.session:
             persist.update(rank_fields(ctx.rank, session=self.session))
             self.session = None
-        self.ranks.write(ctx.rank, sets, dels, block_sizes=block_sizes, persist=persist,
-                              min_block_size=min(bs for bs, _ in ctx.chains) if block_sizes else None)
+        then = self.ranks.write_commands(ctx.rank, sets, dels, block_sizes=block_sizes, persist=persist,
+                                         min_block_size=min(bs for bs, _ in ctx.chains) if block_sizes else None)
+        spaces = list(by_space.items())
+        for i, (space, batches) in enumerate(spaces):
+            self._apply(batches, space, then if i == len(spaces) - 1 else ())
+        if not spaces:
+            self.ranks.send(then)
+        self.fetched.update(self.changed)
+        if ctx.mirror is not None:  # the map as written: only now may the mirror say so
+            ctx.mirror.update({**sets, **dict.fromkeys(dels)})
+        self.changed = {}
 
-    def _apply(self, batches: list, space: str) -> None:
+    def _apply(self, batches: list, space: str, then: Sequence[tuple]) -> None:
         try:
-            self.ctx.store.apply(batches, space=space)
+            self.ctx.store.apply(batches, space=space, then=then)
         except NotRegistered:
             ctx = self.ctx
             log.warning("%s rank %d was deregistered; registering it again", ctx.instance_id, ctx.rank)
             ctx.register()
-            self.ctx.store.apply(batches, space=space)
+            self.ctx.store.apply(batches, space=space, then=then)
         for batch in batches:
             metrics.count_ops(batch[3], "applied")
 

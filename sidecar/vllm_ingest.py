@@ -37,7 +37,7 @@ from kvlookup import kinds, metrics
 from kvlookup.index.store import Store
 from kvlookup.index.vllm_groups import GroupSpec
 from kvlookup.index.vllm_ranks import VllmRanks, prefix_space, rank_fields
-from kvlookup.sidecar.vllm_apply import BatchApplier, RankContext
+from kvlookup.sidecar.vllm_apply import BatchApplier, Mirror, RankContext
 from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import decode_batch, parse_live
 
@@ -57,6 +57,8 @@ class RankState:
     chains: set[tuple[int, int]] = field(default_factory=set)  # prefix chains (block size, lookahead)
     groups: dict[int, GroupSpec] = field(default_factory=dict)  # KV cache groups learned from stores
     legacy_space: str = ""  # space of engine map entries written without one
+    #: the rank's engine map as this sidecar read and wrote it (sidecar.vllm_apply.Mirror)
+    mirror: Mirror = field(default_factory=Mirror)
 
 
 def digest(payload: bytes) -> str:
@@ -96,19 +98,48 @@ class VllmIngest:
 
     def handle_live(self, rank: int, frames: list[bytes]) -> None:
         """One live SUB message of ``rank``. Never raises except for Redis outages."""
-        try:
-            _topic, seq, payload = parse_live(frames)
-        except WireError as exc:
-            self._reject(exc.reason, str(exc))
+        self.handle_live_many(rank, [frames])
+
+    def handle_live_many(self, rank: int, messages: list[list[bytes]]) -> None:
+        """Live SUB messages of ``rank`` that arrived together, in order. A run of them that
+        continues the rank's stream one seq after another (the normal case) is written as one
+        batch (its events in order, one write; the seq and digest of its last are persisted);
+        anything else (a first contact, a gap, a duplicate, an engine restart, a bad frame) goes
+        one by one. Never raises except for Redis outages."""
+        run: list[tuple[int, bytes]] = []
+        for frames in messages:
+            try:
+                _topic, seq, payload = parse_live(frames)
+            except WireError as exc:
+                self._guarded(rank, run)
+                run = []
+                self._reject(exc.reason, str(exc))
+                continue
+            metrics.MESSAGES.labels("vllm_batch").inc()
+            st = self.ranks.get(rank)
+            if st is not None and st.contacted and st.last is not None and seq > st.live_high \
+                    and seq == (run[-1][0] if run else st.last) + 1:
+                st.live_high = seq
+                run.append((seq, payload))
+                continue
+            self._guarded(rank, run)
+            run = []
+            self._guarded(rank, [(seq, payload)], single=True)
+        self._guarded(rank, run)
+
+    def _guarded(self, rank: int, run: list[tuple[int, bytes]], single: bool = False) -> None:
+        if not run:
             return
-        metrics.MESSAGES.labels("vllm_batch").inc()
         try:
-            self._on_live(rank, seq, payload)
+            if single:
+                self._on_live(rank, *run[0])
+            else:
+                self._apply_run(rank, self.ranks[rank], run)
         except (redis.ConnectionError, redis.TimeoutError):
-            raise  # the loop waits; the lost message shows up as a gap and is replayed
+            raise  # the loop waits; the lost messages show up as a gap and are replayed
         except Exception:
-            self._reject("handler_error", f"rank {rank} seq {seq}")
-            log.exception("failed to apply %s rank %d seq %d", self.instance_id, rank, seq)
+            self._reject("handler_error", f"rank {rank} seq {run[0][0]}..{run[-1][0]}")
+            log.exception("failed to apply %s rank %d seq %d..%d", self.instance_id, rank, run[0][0], run[-1][0])
 
     # -- sequence -------------------------------------------------------------------------
 
@@ -263,18 +294,28 @@ class VllmIngest:
     # -- writes ---------------------------------------------------------------------------
 
     def _apply(self, rank: int, st: RankState, seq: int, payload: bytes) -> None:
+        self._apply_run(rank, st, [(seq, payload)])
+
+    def _apply_run(self, rank: int, st: RankState, run: list[tuple[int, bytes]]) -> None:
+        """Apply consecutive batches as one (their events in order, one write)."""
+        seq, payload = run[-1]
         d = digest(payload)
         persist = rank_fields(rank, seq=seq, digest=d)
         ctx = RankContext(self.store, self.instance_id, rank, lambda: self._wipe(rank, st),
                           lambda: self._register_rank(rank), self.rejected, self.skipped,
                           chains=st.chains, groups=st.groups, legacy_space=st.legacy_space,
-                          ranks_state=self.ranks_state)
+                          ranks_state=self.ranks_state, mirror=st.mirror)
+        events: list = []
+        for s, p in run:
+            try:
+                events += decode_batch(p).events
+            except WireError as exc:
+                self._reject(exc.reason, f"rank {rank} seq {s}: {exc}")
         try:
-            events = decode_batch(payload).events
-        except WireError as exc:
-            self._reject(exc.reason, f"rank {rank} seq {seq}: {exc}")
-            events = ()
-        BatchApplier(ctx).run(events, persist)
+            BatchApplier(ctx).run(events, persist)
+        except BaseException:
+            st.mirror.forget()  # a write may have failed half way: read the map again
+            raise
         st.legacy_space = ctx.legacy_space
         st.last, st.last_digest = seq, d
 
@@ -289,8 +330,10 @@ class VllmIngest:
     def _wipe(self, rank: int, st: RankState) -> None:
         """New epoch for the rank (its records stop counting), empty engine map, no learned
         chains or groups."""
+        st.mirror.forget()  # until the map is gone
         self._register_rank(rank)
         self.ranks_state.wipe(rank, st.groups)
+        st.mirror.emptied()
         st.chains.clear()
         st.groups.clear()
         st.legacy_space = ""

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: A replay longer than this many batches is not vLLM's (it buffers ``buffer_steps`` = 10,000).
 MAX_REPLAY_BATCHES = 10_000
+#: Live messages of one rank read together (and written as one batch when consecutive).
+MAX_BATCHES_PER_READ = 8
 #: A whole replay may take this many per-reply timeouts.
 TOTAL_TIMEOUTS = 5
 #: When a SUB socket (re)connects, catch up after each of these delays (seconds).
@@ -208,7 +210,10 @@ class VllmLoop:
 
         def handler(sock: zmq.Socket) -> None:
             self.down.pop(key, None)
-            ingest.handle_live(rs.rank, sock.recv_multipart(copy=True))
+            msgs = [sock.recv_multipart(copy=True)]
+            while len(msgs) < MAX_BATCHES_PER_READ and sock.poll(0):
+                msgs.append(sock.recv_multipart(copy=True))
+            ingest.handle_live_many(rs.rank, msgs)  # consecutive batches: one write
 
         def on_event(event: int, _fd: int, _endpoint: str) -> None:
             if event == zmq.EVENT_DISCONNECTED:

@@ -26,17 +26,15 @@ class MPQueries(MPRecords):
     """The key endpoints of :class:`kvlookup.index.mp.MPDirectory`."""
 
     def lookup_keys(self, keys: Sequence[W.EncodedObjectKey]) -> list[dict]:
-        """``POST /directory/lookup`` results for object keys (validated), in order: one pipelined
-        read of every key's record and its chunk's token binding (shown for every key of a chunk,
+        """``POST /directory/lookup`` results for object keys (validated), in order: one read
+        (:meth:`bucket_fields`) of every key's record and its chunk's token binding (shown for every key of a chunk,
         stored or not, as the coordinator does)."""
         sids = self.space_ids([space_text(k) for k in keys])
         refs = [(K.mp_bucket(canon(k.chunk_hash_hex)), chunk_b64(k.chunk_hash_hex)) for k in keys]
-        pipe = self.r.pipeline(transaction=False)
-        for (bucket, b64), sid in zip(refs, sids, strict=True):
-            pipe.hmget(K.mp_chunks_key(bucket), [f"{b64}.{sid or 0}", b64])  # space 0 never exists
-        got = pipe.execute()
-        recs = [parse_record(v) if v else None for v, _ in got]
-        tokens = [parse_tokens(t)[0] for _, t in got]
+        flat = self.bucket_fields([(bucket, (f"{b64}.{sid or 0}", b64))  # space 0 never exists
+                                   for (bucket, b64), sid in zip(refs, sids, strict=True)])
+        recs = [parse_record(v) if v else None for v in flat[0::2]]
+        tokens = [parse_tokens(t)[0] for t in flat[1::2]]
         pmap = self.placements(r for r in recs if r)
         out = []
         for key, rec, toks in zip(keys, recs, tokens, strict=True):

@@ -45,6 +45,7 @@ class MPRegistry:
         self._register = redis.register_script(S.MP_REGISTER)
         self._heartbeat = redis.register_script(S.MP_HEARTBEAT)
         self._bind = redis.register_script(S.MP_BIND_CHUNK)
+        self._read_fields = redis.register_script(S.MP_READ_FIELDS)
         self._names: dict[str, str] = {}  # immutable interned names (ids never change)
         self._bound = 0
         self._unbound_at = -1e9

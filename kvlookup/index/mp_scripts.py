@@ -398,3 +398,18 @@ MP_BIND_CHUNK = """
 redis.call('HSETNX', KEYS[1], 'chunk_size', ARGV[1])
 return tonumber(redis.call('HGET', KEYS[1], 'chunk_size'))
 """
+
+#: Read fields of chunk buckets in one call (a /directory/lookup of a 32k-token prompt reads 128
+#: buckets: one command instead of 128 pipelined ones). KEYS[i] a chunk bucket (repeats allowed);
+#: ARGV[1] n, the fields per key; ARGV[2 + (i-1)*n .. 1 + i*n] its fields. Returns the values in
+#: order, '' for a missing field. ``no-writes``: it runs on a replica and while writes are refused.
+MP_READ_FIELDS = """#!lua flags=no-writes
+local n = tonumber(ARGV[1])
+local out = {}
+for i = 1, #KEYS do
+  local base = 1 + (i - 1) * n
+  local got = redis.call('HMGET', KEYS[i], unpack(ARGV, base + 1, base + n))
+  for j = 1, n do out[#out + 1] = got[j] or '' end
+end
+return out
+"""

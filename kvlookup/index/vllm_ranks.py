@@ -88,26 +88,50 @@ class VllmRanks:
         """The engine map's values of ``fields`` (``keys.engine_field``), None where absent."""
         return self.r.hmget(keys.engine_map_key(self.instance_id, rank), list(fields))
 
-    def write(self, rank: int, map_sets: Mapping[str, str], map_dels: Iterable[str], *,
-              block_sizes: str | None = None, min_block_size: int | None = None,
-              persist: Mapping[str, str | int] | None = None) -> None:
-        """One round trip: engine map fields set and deleted, the rank's block sizes (the walk's
+    def engine_map_size(self, rank: int) -> int:
+        """How many fields the rank's engine map has (HLEN)."""
+        return int(self.r.hlen(keys.engine_map_key(self.instance_id, rank)))
+
+    def engine_map(self, rank: int) -> dict[str, str]:
+        """The rank's whole engine map (HGETALL; callers bound it with :meth:`engine_map_size`)."""
+        return self.r.hgetall(keys.engine_map_key(self.instance_id, rank))
+
+    def write_commands(self, rank: int, map_sets: Mapping[str, str], map_dels: Iterable[str], *,
+                       block_sizes: str | None = None, min_block_size: int | None = None,
+                       persist: Mapping[str, str | int] | None = None) -> list[tuple]:
+        """The commands of :meth:`write`, to send in another round trip (``Store.apply(then=)``):
+        engine map fields set and deleted, the rank's block sizes (the walk's
         ``keys.block_sizes_key`` and the instance's ``block_size``) when they changed, and the
         rank fields in ``persist``."""
-        pipe = self.r.pipeline(transaction=False)
+        cmds: list[tuple] = []
         map_key = keys.engine_map_key(self.instance_id, rank)
         dels = list(map_dels)
         if map_sets:
-            pipe.hset(map_key, mapping=dict(map_sets))
+            cmds.append(("HSET", map_key, *[x for kv in map_sets.items() for x in kv]))
         if dels:
-            pipe.hdel(map_key, *dels)
+            cmds.append(("HDEL", map_key, *dels))
         if block_sizes is not None:
-            pipe.hset(keys.block_sizes_key(), keys.worker_member(self.instance_id, rank), block_sizes)
-            pipe.hset(self.instance_key, "block_size", min_block_size or 0)
+            cmds.append(("HSET", keys.block_sizes_key(), keys.worker_member(self.instance_id, rank), block_sizes))
+            cmds.append(("HSET", self.instance_key, "block_size", min_block_size or 0))
         if persist:
-            pipe.hset(self.instance_key, mapping=dict(persist))
-        if len(pipe):
-            pipe.execute()
+            cmds.append(("HSET", self.instance_key, *[x for kv in persist.items() for x in kv]))
+        return cmds
+
+    def write(self, rank: int, map_sets: Mapping[str, str], map_dels: Iterable[str], *,
+              block_sizes: str | None = None, min_block_size: int | None = None,
+              persist: Mapping[str, str | int] | None = None) -> None:
+        """One round trip: the commands of :meth:`write_commands`."""
+        self.send(self.write_commands(rank, map_sets, map_dels, block_sizes=block_sizes,
+                                      min_block_size=min_block_size, persist=persist))
+
+    def send(self, cmds: Sequence[tuple]) -> None:
+        """Send plain commands in one pipeline (nothing when there are none)."""
+        if not cmds:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for cmd in cmds:
+            pipe.execute_command(*cmd)
+        pipe.execute()
 
     def wipe(self, rank: int, groups: Iterable[int]) -> None:
         """Empty the rank's engine map and forget its rank fields and ``groups``' fields."""

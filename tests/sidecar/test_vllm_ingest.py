@@ -9,7 +9,7 @@ from kvlookup.client import Client, VllmChains
 from kvlookup.hashing import vllm as vh
 from kvlookup.index import keys
 from kvlookup.index.store import Store
-from kvlookup.sidecar.vllm_ingest import VllmIngest
+from kvlookup.sidecar.vllm_ingest import VllmIngest, digest
 from tests.support.vllm_helpers import Stream, cleared, layout, removed, stored
 
 A = list(range(1000, 1032))  # 2 blocks of 16
@@ -224,3 +224,56 @@ def test_block_sizes_of_gone_ranks_leave_the_walk(store, r):
     store.deregister_worker("odd", 0)
     assert chains.block_sizes() == [16]
     assert r.hgetall(keys.block_sizes_key()) == {"0\tusual": "16"}
+
+
+def _calls(r, name: str) -> int:
+    """Calls of command ``name`` the one Redis has served."""
+    return int(r.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+@pytest.mark.single_node  # counts commands on the one server
+def test_the_engine_map_is_not_read_per_batch(store, r, client):
+    """A rank this sidecar started fresh keeps its engine map in a mirror: continuing chains,
+    removing and re-storing blocks read nothing of the map; each batch is one round trip of
+    records and map writes. A sidecar resuming the stream reads the map once."""
+    ing, s = VllmIngest(store, "pod-a"), Stream()
+    s.send(ing, stored([H1, H2], A))
+    before = _calls(r, "hmget") + _calls(r, "hgetall")
+    s.send(ing, stored([H3], B, parent=H2))
+    s.send(ing, removed([H3]))
+    s.send(ing, stored([H3], B, parent=H2))
+    s.send(ing, stored([H3], medium="CPU"))  # token-less: resolved from the mirror
+    assert _calls(r, "hmget") + _calls(r, "hgetall") == before
+    assert layout(client, A + B + [7], "locations", "ranks") == {
+        "pod-a": ("GPU", 48, {"GPU": 48, "CPU": 16}, {"0": 48})}
+    assert r.hget(keys.engine_map_key("pod-a", 0), str(H3)).endswith("|CPU,GPU|v16")
+    resumed = VllmIngest(Store(r, instance_ttl_s=0, purge_grace_s=0), "pod-a", replay=s.replay)
+    reads = (_calls(r, "hgetall"), _calls(r, "hmget"))
+    s.send(resumed, removed([H3], medium="CPU"))
+    s.send(resumed, removed([H3]))
+    # first contact reads the persisted rank fields (HGETALL of the instance hash), then the map once
+    assert (_calls(r, "hgetall") - reads[0], _calls(r, "hmget") - reads[1]) == (2, 0)
+    assert layout(client, A + B + [7], "locations", "ranks") == {"pod-a": ("GPU", 32, {"GPU": 32}, {"0": 32})}
+
+
+def test_batches_read_together_are_applied_as_one_and_keep_the_sequence(store, r, client):
+    """Messages the SUB handler read together: a consecutive run is one write (the last seq and
+    digest persisted); a bad frame and a gap are handled as when they come alone."""
+    ing, s = VllmIngest(store, "pod-a"), Stream()
+    s.send(ing, stored([H1], A[:16]))
+    msgs = []
+    for ev in (stored([H2], A[16:], parent=H1), stored([H3], B, parent=H2)):
+        seq = s.send(None, ev, deliver=False)
+        msgs.append([b"kv@pod-a", seq.to_bytes(8, "big"), s.buffer[-1][1]])
+    msgs.append([b"kv@pod-a", b"\x00"])  # a broken frame
+    ing.handle_live_many(0, msgs)
+    assert layout(client, A + B + [7], "locations", "ranks") == {"pod-a": ("GPU", 48, {"GPU": 48}, {"0": 48})}
+    assert r.hget(keys.instance_key("pod-a"), keys.rank_field("seq", 0)) == "2"
+    assert r.hget(keys.instance_key("pod-a"), keys.rank_field("digest", 0)) == digest(s.buffer[-1][1])
+    assert sum(ing.rejected.values()) == 1
+    s.send(None, removed([H3]), deliver=False)  # seq 3 lost
+    seq = s.send(None, removed([H2]), deliver=False)
+    ing.replay = s.replay
+    ing.handle_live_many(0, [[b"kv@pod-a", seq.to_bytes(8, "big"), s.buffer[-1][1]]])  # gap: replays 3..4
+    assert s.replays == [3]
+    assert layout(client, A + B + [7], "locations", "ranks") == {"pod-a": ("GPU", 16, {"GPU": 16}, {"0": 16})}
