@@ -111,3 +111,13 @@ def store(request, r):
     """The index on this test's Redis; on one server also with lookups through cached reads
     (kvlookup.index.tracking, fenced), so the cached walk meets the same contract."""
     return Store(r, purge_grace_s=0, cache_reads="fenced" if request.param == "cached" else False)
+
+
+@pytest.fixture()
+def own_redis(tmp_path):
+    """A valkey of this test's own (no AOF), for tests that reconfigure, signal or measure the
+    server itself (the shared ``redis_url`` server stays untouched)."""
+    server = EmbeddedRedis(tmp_path / "redis", appendonly=False)
+    server.start()
+    yield server
+    server.stop()

@@ -18,7 +18,6 @@ import threading
 import time
 
 import pytest
-import redis
 import zmq
 
 from kvlookup.client import Client
@@ -29,7 +28,7 @@ from kvlookup.index import keys
 from kvlookup.proc.redis_server import EmbeddedRedis, connect, free_port
 from tests.conftest import BACKENDS
 from tests.support.figures import report
-from tests.support.ha_fleet import PROFILE, Fleet
+from tests.support.ha_fleet import PROFILE, Fleet, close_sentinel_fleet
 from tests.support.helpers import wait_until
 from tests.support.lookups import HttpClient, Lookups
 from tests.support.procs import ControllerProc, SidecarProc
@@ -84,14 +83,7 @@ def test_sentinel_lag_window_failover_heals_engines_that_never_heartbeat(tmp_pat
         assert got["converged_after_kill_s"] < 10
         _no_unregistered_drops(f)
     finally:
-        http.stop_event.set()
-        f.close()
-        controller.stop()
-        try:
-            registry.close()
-        except redis.RedisError:
-            pass
-        sentinel.stop()
+        close_sentinel_fleet(http, f, controller, registry, sentinel)
 
 
 # -- a registration while valkey cannot answer ---------------------------------------------

@@ -19,28 +19,20 @@ import pytest
 
 from kvlookup.index.store import ADMIT, Store
 from kvlookup.index.tracking import CachedReads
-from kvlookup.proc.redis_server import EmbeddedRedis, connect, free_port
+from kvlookup.proc.redis_server import connect, free_port
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.support.procs import ROOT, ControllerProc
 
 BOUND = CachedReads.__init__.__defaults__[0]  # max_keys: the copies kept, and Redis's tracking table
 
 
-@pytest.fixture()
-def server(tmp_path):
-    srv = EmbeddedRedis(tmp_path / "redis", appendonly=False)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-def test_random_lookups_leave_the_tracking_table_bounded(server):
-    r = connect(server.url)
+def test_random_lookups_leave_the_tracking_table_bounded(own_redis):
+    r = connect(own_redis.url)
     assert r.config_get("tracking-table-max-keys")["tracking-table-max-keys"] == "1000000"  # valkey's (~160 MiB)
     store = Store(r, instance_ttl_s=0)
     store.register_worker("a", 0, "127.0.0.1", 0)
     store.apply([("a", 0, "LocalCPUBackend", [(ADMIT, SEED_HASH)])])
-    ctl = ControllerProc("--redis-url", server.url, "--instance-ttl", "0", "--workers", "1",
+    ctl = ControllerProc("--redis-url", own_redis.url, "--instance-ttl", "0", "--workers", "1",
                          env={"KVLOOKUP_LOOKUP_CACHE": "on"}).wait_ready()
     try:
         assert ctl.lookup(SEED_TOKENS)["a"] == ["LocalCPUBackend", 12]
@@ -59,10 +51,10 @@ def test_random_lookups_leave_the_tracking_table_bounded(server):
 
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "allkeys-lfu", "allkeys-random"])
-def test_an_eviction_policy_that_can_evict_index_keys_is_refused_at_start(server, policy):
-    connect(server.url).config_set("maxmemory-policy", policy)
+def test_an_eviction_policy_that_can_evict_index_keys_is_refused_at_start(own_redis, policy):
+    connect(own_redis.url).config_set("maxmemory-policy", policy)
     for role in ("controller", "sidecar"):
-        cmd = [sys.executable, "-m", "kvlookup", role, "--redis-url", server.url, "--log-level", "WARNING"]
+        cmd = [sys.executable, "-m", "kvlookup", role, "--redis-url", own_redis.url, "--log-level", "WARNING"]
         if role == "controller":
             cmd += ["--host", "127.0.0.1", "--port", str(free_port())]
         else:
@@ -75,12 +67,12 @@ def test_an_eviction_policy_that_can_evict_index_keys_is_refused_at_start(server
                              "volatile-* policy)")
 
 
-def test_refused_writes_show_in_health_and_lookups_go_on(server):
-    r = connect(server.url)
+def test_refused_writes_show_in_health_and_lookups_go_on(own_redis):
+    r = connect(own_redis.url)
     store = Store(r, instance_ttl_s=0)
     store.register_worker("a", 0, "127.0.0.1", 0)
     store.apply([("a", 0, "LocalCPUBackend", [(ADMIT, SEED_HASH)])])
-    ctl = ControllerProc("--redis-url", server.url, "--instance-ttl", "0", "--workers", "1").wait_ready()
+    ctl = ControllerProc("--redis-url", own_redis.url, "--instance-ttl", "0", "--workers", "1").wait_ready()
     try:
         assert ctl.session.get(f"{ctl.http}/health", timeout=5).json()["components"]["redis writes"] == {
             "state": "up"}

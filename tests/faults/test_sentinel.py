@@ -10,13 +10,12 @@ import threading
 import time
 
 import pytest
-import redis
 
 from kvlookup.client import Client
 from kvlookup.devtools.local_sentinel import LocalSentinel
 from kvlookup.proc.redis_server import connect
 from kvlookup.proc.redis_urls import BlockingSentinelConnectionPool, SentinelURL, parse_sentinel
-from tests.support.ha_fleet import Fleet
+from tests.support.ha_fleet import Fleet, close_sentinel_fleet
 from tests.support.lookups import HttpClient, Lookups
 from tests.support.procs import ROOT, ControllerProc
 
@@ -67,10 +66,4 @@ def test_master_kill9_during_ingest_fails_over_and_converges_exactly(sentinel, t
         assert reap.returncode == 0, reap.stderr
         assert json.loads(reap.stdout.splitlines()[-1]) == {"reaped": [], "purged": 0}
     finally:
-        http.stop_event.set()
-        f.close()
-        controller.stop()
-        try:
-            registry.close()
-        except redis.RedisError:
-            pass
+        close_sentinel_fleet(http, f, controller, registry)  # the fixture stops the Sentinel deployment

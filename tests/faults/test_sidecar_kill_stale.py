@@ -14,14 +14,12 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
-
 from kvlookup.client import Client
 from kvlookup.devtools.workersim import WorkerSim
 from kvlookup.index import keys, staleness
 from kvlookup.index.explain import Explainer
 from kvlookup.index.store import Store
-from kvlookup.proc.redis_server import EmbeddedRedis, connect, free_port
+from kvlookup.proc.redis_server import connect, free_port
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.support.helpers import wait_for
 from tests.support.procs import SidecarProc
@@ -29,23 +27,15 @@ from tests.support.procs import SidecarProc
 CPU = "LocalCPUBackend"
 
 
-@pytest.fixture()
-def server(tmp_path):
-    srv = EmbeddedRedis(tmp_path / "redis", appendonly=False)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
 def _explain(client: Client) -> dict:
     answer = {k: list(v) for k, v in client.lookup(SEED_TOKENS)[1].items()}
     return Explainer(client).explain(SEED_TOKENS, answer)
 
 
-def test_kill9_marks_unhealed_instances_possibly_stale_until_they_heal(server):
-    r = connect(server.url)
+def test_kill9_marks_unhealed_instances_possibly_stale_until_they_heal(own_redis):
+    r = connect(own_redis.url)
     pull, reply = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    sidecar = SidecarProc("--redis-url", server.url, "--sidecar-id", "side-k", pull_url=pull, reply_url=reply)
+    sidecar = SidecarProc("--redis-url", own_redis.url, "--sidecar-id", "side-k", pull_url=pull, reply_url=reply)
     sidecar.start()
     old = WorkerSim("old-era", era="0.3", pull_url=pull)
     new = WorkerSim("new-era", era="0.5", pull_url=pull, reply_url=reply)

@@ -11,10 +11,8 @@ embedded sidecar.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import redis
@@ -22,6 +20,7 @@ import requests
 
 from kvlookup.proc.redis_server import free_port
 from tests.proc.test_secrets import _command_lines
+from tests.support.helpers import stop_group, wait_http_200
 from tests.support.procs import ROOT
 
 SECRET = "emb-pw-4d61b0"
@@ -37,29 +36,6 @@ def _controller(tmp_path, env: dict, *args: str) -> tuple[subprocess.Popen, int]
     return proc, port
 
 
-def _wait_health(proc: subprocess.Popen, port: int) -> None:
-    deadline = time.monotonic() + 40
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the controller exited"
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("controller /health never 200")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-
-
 @pytest.mark.parametrize("how", ["env", "file"])
 def test_the_embedded_redis_requires_its_password_and_never_shows_it(tmp_path, how):
     if how == "env":
@@ -70,7 +46,7 @@ def test_the_embedded_redis_requires_its_password_and_never_shows_it(tmp_path, h
     proc, port = _controller(tmp_path, env, *args)
     data = tmp_path / "data"
     try:
-        _wait_health(proc, port)
+        wait_http_200(f"http://127.0.0.1:{port}/health", proc)
         redis_port = int((data / "redis.port").read_text())
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=redis_port, socket_timeout=2).ping()
@@ -81,7 +57,7 @@ def test_the_embedded_redis_requires_its_password_and_never_shows_it(tmp_path, h
         for name in ("redis.url", "server.lock"):
             assert (data / name).stat().st_mode & 0o777 == 0o600, name
     finally:
-        _stop(proc)
+        stop_group(proc)
     logs = [tmp_path / "controller.log", *data.glob("*.log")]
     assert len(logs) >= 3  # controller, keeper, valkey
     assert not [p.name for p in logs if SECRET in p.read_text(errors="replace")]

@@ -9,14 +9,12 @@ valkey server itself reads ``requirepass`` from its standard input, not its comm
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
-import requests
-
 from kvlookup.proc.redis_server import EmbeddedRedis, free_port
+from tests.support.helpers import stop_group, wait_http_200
 from tests.support.procs import ROOT
 
 SECRET = "pw-9f3a7c1e"
@@ -51,14 +49,7 @@ def test_no_password_in_ps_or_logs(tmp_path):
             [sys.executable, "-m", "kvlookup", "sidecar", "--pull-url", f"tcp://127.0.0.1:{free_port()}",
              "--log-level", "INFO"], env={**os.environ, "KVLOOKUP_REDIS_URL": url},
             cwd=ROOT, stdout=slog, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
+        wait_http_200(f"http://127.0.0.1:{port}/health", procs[0], timeout=30)
         time.sleep(2)  # the embedded sidecar and gunicorn workers are up and have logged
         lines = _command_lines()
         assert any("kvlookup sidecar" in c for c in lines)  # the embedded one and ours run
@@ -68,10 +59,5 @@ def test_no_password_in_ps_or_logs(tmp_path):
         assert SECRET not in logs
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
+            stop_group(p, 15)
         srv.stop()

@@ -13,16 +13,7 @@ import pytest
 import redis
 
 from kvlookup.bench.idle import measure, sidecar_args
-from kvlookup.proc.redis_server import EmbeddedRedis
 from tests.support.procs import SidecarProc
-
-
-@pytest.fixture()
-def own_redis(tmp_path):
-    server = EmbeddedRedis(tmp_path / "redis", appendonly=False)
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.mark.parametrize("kind", ["lmcache", "vllm"])

@@ -292,3 +292,17 @@ class Fleet:
             assert o["longest_without_answer_s"] < 10
         self.check_healed(killed, http)
         return numbers
+
+
+def close_sentinel_fleet(lookups, fleet: Fleet, controller, registry: redis.Redis, sentinel=None) -> None:
+    """Tear down a Sentinel fleet test: its lookups, engines and sidecars, the controller, the
+    registry client (its master may be the killed one) and, when given, the Sentinel deployment."""
+    lookups.stop_event.set()
+    fleet.close()
+    controller.stop()
+    try:
+        registry.close()
+    except redis.RedisError:
+        pass
+    if sentinel is not None:
+        sentinel.stop()

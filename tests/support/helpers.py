@@ -44,6 +44,39 @@ def wait(fn: Callable[[], Any], timeout: float, what: str) -> float:
         raise AssertionError(f"{what}: not within {timeout} s") from None
 
 
+def wait_http_200(url: str, proc=None, timeout: float = 40.0) -> float:
+    """Seconds until GET ``url`` answers 200; AssertionError when ``proc`` (a Popen) exits first,
+    TimeoutError after ``timeout``."""
+    import requests
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        assert proc is None or proc.poll() is None, f"the process serving {url} exited"
+        try:
+            if requests.get(url, timeout=1).status_code == 200:
+                return time.monotonic() - start
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} never answered 200 within {timeout} s")
+
+
+def stop_group(proc, timeout: float = 20.0) -> None:
+    """SIGTERM a Popen started with ``start_new_session`` (its whole process group), SIGKILL
+    after ``timeout``."""
+    import os
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
 def wait_until(fn: Callable[[], bool], timeout: float, every: float = 0.2) -> float | None:
     """Seconds until ``fn()`` was true (None: not within ``timeout``); Redis, OS and lookup
     errors count as false (a failover in progress)."""
