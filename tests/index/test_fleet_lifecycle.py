@@ -34,7 +34,7 @@ def test_silent_instance_is_excluded_at_once_then_reaped_and_purged(r):
     time.sleep(1.0)
     assert client.lookup(SEED_TOKENS)[1] == {"a": HIT}  # excluded the moment its lease ran out
     assert reap(store) == [("b", 0)]
-    assert store.purge() == 1
+    assert wait_for(store.purge, 1, timeout=2) == 1  # retired on Redis's clock, judged on its estimate
     assert r.zrange(keys.chunk_key(SEED_HASH), 0, -1) == ["1"]
     assert r.smembers(keys.instances_key()) == {"a"}
     assert r.smembers(keys.ip_index_key("127.0.0.1")) == {"8001:a"}
@@ -54,7 +54,7 @@ def test_stale_heartbeats_reap_the_worker_but_a_silent_non_heartbeating_one_stay
     assert client.lookup(SEED_TOKENS)[1] == {"quiet": HIT}  # excluded at once
     assert reap(store, now=now) == [("hb", 0)]
     assert not store.is_registered("hb", 0) and store.is_registered("quiet", 0)
-    assert store.purge() == 1
+    assert wait_for(store.purge, 1, timeout=2) == 1  # retired on Redis's clock, judged on its estimate
     store.register_worker("hb", 0)  # it comes back: a new epoch, nothing old counts
     store.heartbeat_worker("hb", 0)
     assert reap(store) == []
@@ -72,7 +72,7 @@ def test_reregistration_starts_a_new_epoch(r):
     assert store.register_worker("i", 0) == 2  # rank 0's engine restarted with a cold cache
     assert client.lookup(SEED_TOKENS)[1] == {}
     assert r.hget(keys.worker_key("i", 0), "epoch") == "2"
-    assert store.purge() == 1
+    assert wait_for(store.purge, 1, timeout=2) == 1  # retired on Redis's clock, judged on its estimate
     assert r.zcard(keys.chunk_key(SEED_HASH)) == 1
     _admit(store, "i", 0)
     assert client.lookup(SEED_TOKENS)[1] == {"i": HIT}
