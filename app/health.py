@@ -41,11 +41,9 @@ def redis_check(app: Flask) -> list[Component]:
     start = time.perf_counter()
     try:
         client.ping()
-    except redis.ResponseError as exc:
+    except redis.RedisError as exc:
         if not str(exc).startswith("MISCONF"):
             return [("redis", {"state": "down", "error": str(exc)}, False)]
-    except redis.RedisError as exc:
-        return [("redis", {"state": "down", "error": str(exc)}, False)]
     return [("redis", {"state": "up", "ms": round((time.perf_counter() - start) * 1000, 3)}, True), *_writes(client)]
 
 

@@ -59,6 +59,19 @@ def write_refusal(client) -> str | None:
     return None
 
 
+def writes_refused(client) -> bool:
+    """Does Redis refuse a write now (:func:`write_refusal`)? No answer at all is not a refusal
+    (False): that is an outage, which the lease clock judges. A refusal is logged."""
+    try:
+        refusal = write_refusal(client)
+    except redis.RedisError:
+        return False
+    if refusal is not None:
+        log.warning("Redis refuses writes (%s): liveness is judged as of the last lease renewal until it "
+                    "writes again", refusal)
+    return refusal is not None
+
+
 class ServerClock:
     """``now()`` / ``now_ms()``: Redis server time (unix s / ms), estimated locally.
 
@@ -96,24 +109,14 @@ class ServerClock:
         """Freeze at the last renewal when renewals have stopped and a write is refused; thaw
         THAW_S after writes work again (a probe each measurement while frozen)."""
         if self.frozen_at_ms is None:
-            if stopped_at is not None and self._writes_refused():
+            if stopped_at is not None and writes_refused(self._client):
                 self.frozen_at_ms = stopped_at
-        elif self._writes_refused():
+        elif writes_refused(self._client):
             self._writes_back_at = None
         elif self._writes_back_at is None:
             self._writes_back_at = time.monotonic()
         elif time.monotonic() - self._writes_back_at > THAW_S:
             self.frozen_at_ms = self._writes_back_at = None
-
-    def _writes_refused(self) -> bool:
-        try:
-            refusal = write_refusal(self._client)
-        except redis.RedisError:
-            return False
-        if refusal:
-            log.warning("Redis refuses writes (%s): liveness is judged as of the last lease renewal until it "
-                        "writes again", refusal)
-        return refusal is not None
 
     def lease_now_ms(self) -> int:
         """The time leases and heartbeats are judged at (unix ms): :meth:`now_ms`, or the last

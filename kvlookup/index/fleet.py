@@ -12,11 +12,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import redis
-
 from kvlookup import kinds
 from kvlookup.index import keys
-from kvlookup.index.clock import write_refusal
+from kvlookup.index.clock import RENEWALS_STOPPED_MS, writes_refused
 from kvlookup.index.store import Store
 from kvlookup.kinds import Kind
 
@@ -170,9 +168,10 @@ def reap(store: Store, now: float | None = None, every_s: float | None = None) -
     that follow each other within that plus the outage gap are its own evidence that Redis
     answered (needed where no sidecar renews any more).
     """
-    if every_s is not None and _writes_refused(store):
-        return []  # no reaping, and no watching, while nobody can renew
     clock = store.lease_clock()
+    if every_s is not None and clock[0] - clock[1] > RENEWALS_STOPPED_MS and writes_refused(store.r):
+        store.reaper_run = None  # the passes are no evidence while nobody can renew: the watched run ends
+        return []
     watched = _watched_since(store, clock[0], every_s)
     if now is not None:
         clock = (int(now * 1000), *clock[1:])
@@ -199,18 +198,6 @@ def reap(store: Store, now: float | None = None, every_s: float | None = None) -
             reaped.append((inst, _wid(wid)))
             log.info("reaped worker %s/%s", inst, wid)
     return reaped
-
-
-def _writes_refused(store: Store) -> bool:
-    """A periodic reaper's probe: while Redis refuses writes (a full disk, OOM) no sidecar can
-    renew, so the passes are no evidence: the watched run ends (it starts again after)."""
-    try:
-        refused = write_refusal(store.r) is not None
-    except redis.RedisError:
-        refused = False  # no answer: the lease clock read fails next, as in any outage
-    if refused:
-        store.reaper_run = None
-    return refused
 
 
 def _watched_since(store: Store, now_ms: int, every_s: float | None) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvlookup import kinds
-from kvlookup.index import keys
+from kvlookup.index import instances, keys
 
 
 def unclean_stop(r, sidecar_id: str) -> dict | None:
@@ -47,13 +47,8 @@ def mark(r, instance_ids: Iterable[str], since_ms: int, reason: str) -> list[str
 def mark_unhealed(r, instance_ids: Iterable[str], since_ms: int, reason: str) -> list[str]:
     """:func:`mark` the instances whose kind does not heal by replay (``Kind.replays``)."""
     ids = sorted(instance_ids)
-    if not ids:
-        return []
-    pipe = r.pipeline(transaction=False)
-    for inst in ids:
-        pipe.hget(keys.instance_key(inst), "kind")
-    return mark(r, [i for i, kind in zip(ids, pipe.execute(), strict=True) if not kinds.of(kind).replays],
-                since_ms, reason)
+    unhealed = [i for i, f in zip(ids, instances.facts(r, ids), strict=True) if not kinds.of(f.kind).replays]
+    return mark(r, unhealed, since_ms, reason)
 
 
 def clear(r, instance_id: str) -> bool:
