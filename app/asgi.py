@@ -63,6 +63,9 @@ class AsgiController:
     def __init__(self, flask_app: Flask, route: LookupRoute, max_bytes: int, timeout_s: float,
                  bind_host: str = "0.0.0.0"):
         self.route = route
+        #: POST /events and /directory/lookup (kvlookup.app.coordinator.FastPaths), answered
+        #: in the thread pool without the WSGI bridge
+        self.mp = flask_app.extensions.get("kvlookup", {}).get("mp_fast")
         self.bind_host = bind_host  # the Flask app checks Host itself (app.create_app)
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
@@ -83,8 +86,13 @@ class AsgiController:
         except ApiError as exc:  # the rest of the body is never read: the connection closes
             return await send_json(send, exc.status, {"error": exc.message}, [("Connection", "close")])
         path = scope["path"]
-        if self.route.serves(path) and not host_allowed(_text(_header(scope, b"host")), self.bind_host):
+        mp = self.mp is not None and self.mp.serves(scope["method"], path)
+        if (mp or self.route.serves(path)) and not host_allowed(_text(_header(scope, b"host")), self.bind_host):
             return await send_json(send, 421, {"error": "Host is not this controller's (bound to loopback)"})
+        if mp:
+            status, raw = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self.mp.respond,
+                                                                           path, data)
+            return await send_bytes(send, status, raw)
         if not self.route.serves(path):
             return await self.wsgi(cast(asgi_typing.HTTPScope, _with_length(scope, len(data))),
                                    cast(asgi_typing.Receive, _replay(data)), cast(asgi_typing.Send, send))
@@ -159,6 +167,13 @@ async def send_json(send: Send, status: int, body: dict | msgspec.Raw | None,
     if body is not None:
         head.append((b"content-length", str(len(data)).encode()))
     head += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers or ()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def send_bytes(send: Send, status: int, data: bytes) -> None:
+    """Answer with ``data``, already JSON."""
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": data})
 

@@ -127,35 +127,86 @@ def bind_chunk_size():
 
 @bp.post("/events")
 def events():
-    req = _decode(W.CacheEventsRequest)
+    status, body = apply_events(directory(), request.get_data())
+    return Response(body, status=status, mimetype="application/json")
+
+
+def apply_events(d: MPDirectory, data: bytes) -> tuple[int, bytes]:
+    """``POST /events`` from the raw body to (status, JSON answer): ``{"applied", "duplicates",
+    "stale"}``; 422 naming the field for a bad body, 413 over the limits (nothing applied)."""
+    try:
+        req = W.decode(data, W.CacheEventsRequest)
+    except W.MPBodyError as exc:
+        return _fail(422, f"invalid request: {exc}")
     entries = sum(len(b.entries) for b in req.batches)
     if len(req.batches) > MAX_BATCHES or entries > MAX_ENTRIES:
-        return _error(413, f"{len(req.batches)} batches with {entries} entries: more than the limits "
-                           f"({MAX_BATCHES} batches, {MAX_ENTRIES} entries) of one request; send fewer at a time")
+        return _fail(413, f"{len(req.batches)} batches with {entries} entries: more than the limits "
+                          f"({MAX_BATCHES} batches, {MAX_ENTRIES} entries) of one request; send fewer at a time")
     start = time.time()
-    out = directory().apply(req.batches, now=start)
+    out = d.apply(req.batches, now=start)
     mp_metrics.observe_events(req.batches, out, start)
-    return jsonify(out)
+    return 200, json_bytes(out)
 
 
 @bp.post("/directory/lookup")
 def lookup():
-    req = _decode(W.DirectoryLookupRequest)
-    d = directory()
+    status, body = directory_lookup(directory(), request.get_data())
+    return Response(body, status=status, mimetype="application/json")
+
+
+def directory_lookup(d: MPDirectory, data: bytes) -> tuple[int, bytes]:
+    """``POST /directory/lookup`` from the raw body to (status, JSON answer): the keys form, or
+    the tokens form (``model_name`` required; 400 over :data:`MAX_LOOKUP_TOKENS` ids or a bad
+    salt); 422 ``{"error", "detail"}`` naming the field for a bad body."""
+    try:
+        req = W.decode(data, W.DirectoryLookupRequest)
+    except W.MPBodyError as exc:
+        return _fail(422, f"invalid request: {exc}")
     if bool(req.keys) == bool(req.token_ids):
-        return _error(422, "invalid request: supply exactly one of 'keys' or 'token_ids'")
+        return _fail(422, "invalid request: supply exactly one of 'keys' or 'token_ids'")
     if req.keys:
-        return _json({"chunks": len(req.keys), "results": d.lookup_keys(req.keys)})
+        return 200, json_bytes({"chunks": len(req.keys), "results": d.lookup_keys(req.keys)})
     if req.model_name is None:
-        return _error(422, "invalid request: 'model_name' is required with 'token_ids'")
+        return _fail(422, "invalid request: 'model_name' is required with 'token_ids'")
     if len(req.token_ids) > MAX_LOOKUP_TOKENS:
-        return _error(400, f"'token_ids' has {len(req.token_ids)} ids, more than {MAX_LOOKUP_TOKENS}")
+        return _fail(400, f"'token_ids' has {len(req.token_ids)} ids, more than {MAX_LOOKUP_TOKENS}")
     try:
         W.check_salt(req.cache_salt, "$.cache_salt")
-        chunks, keys = d.keys_for_tokens(req.token_ids, req.model_name, req.world_size, req.cache_salt)
+        return 200, d.lookup_tokens_json(req.token_ids, req.model_name, req.world_size, req.cache_salt)
     except (W.MPBodyError, ValueError) as exc:
-        return _error(400, str(exc))
-    return _json({"chunks": chunks, "results": d.lookup_keys(keys)})
+        return _fail(400, str(exc))
+
+
+def _fail(status: int, message: str) -> tuple[int, bytes]:
+    return status, json_bytes({"error": message, "detail": message})
+
+
+#: The MP paths the ASGI front answers itself (:class:`FastPaths`): the two that carry traffic.
+FAST_PATHS = {"/events": apply_events, "/directory/lookup": directory_lookup}
+
+
+class FastPaths:
+    """``POST /events`` and ``POST /directory/lookup`` without the Flask app (kvlookup.app.asgi
+    calls :meth:`respond` in a worker thread): the same functions as the Flask routes, the same
+    answers, minus ~1.5 ms of WSGI bridging per request on this machine."""
+
+    def __init__(self, d: MPDirectory, reaper: Reaper):
+        self.d, self.reaper = d, reaper
+
+    @staticmethod
+    def serves(method: str, path: str) -> bool:
+        return method == "POST" and path in FAST_PATHS
+
+    def respond(self, path: str, data: bytes) -> tuple[int, bytes]:
+        """(status, JSON body); 503 when Redis is down, as the Flask routes answer."""
+        self.reaper.start_once()
+        try:
+            return FAST_PATHS[path](self.d, data)
+        except redis.RedisError as exc:
+            return _fail(503, f"index unavailable: {exc}")
+        except Exception as exc:  # as the Flask app's handler (kvlookup.app.errors) answers
+            log.exception("unhandled error")
+            return 500, json_bytes({"error": f"internal error: {type(exc).__name__}"})
 
 
 @bp.get("/directory/keys")
@@ -253,7 +304,9 @@ def init_app(app, redis_client, settings) -> MPDirectory:
     registries = app.extensions["kvlookup"].get("metrics_registries") or []
     if len(registries) > 1:  # the fleet registry: gauges read from Redis at scrape time
         registries[1].register(mp_metrics.MPCollector(d))
-    app.extensions["kvlookup"]["mp_reaper"] = Reaper(d, min(10.0, settings.mp_instance_timeout_s / 3))
+    reaper = Reaper(d, min(10.0, settings.mp_instance_timeout_s / 3))
+    app.extensions["kvlookup"]["mp_reaper"] = reaper
+    app.extensions["kvlookup"]["mp_fast"] = FastPaths(d, reaper)
     return d
 
 

@@ -14,12 +14,14 @@ Measured, for each target in turn:
 
 from __future__ import annotations
 
+import http.client
 import os
 import random
 import statistics
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import msgspec
 import requests
@@ -68,27 +70,62 @@ def _bodies(placements: int, batch_entries: int, clients: int, inc: int) -> list
     return per
 
 
-def _ingest(url: str, bodies: list[list[bytes]], batch_entries: int) -> dict:
-    errors: list[str] = []
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` so far (/proc/<pid>/stat; 0 for a pid gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
 
-    def post(mine: list[bytes]) -> None:
-        s = requests.Session()
+
+def _children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (gunicorn's workers)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _post_loop(url: str, mine: list[bytes], errors: list[str]) -> None:
+    """POST each body on one keep-alive connection (http.client: ~0.2 ms a call here, where
+    ``requests`` adds ~2.5 ms), checking each answer applied exactly one batch."""
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    try:
         for body in mine:
-            r = s.post(url + "/events", data=body, headers={"Content-Type": "application/json"}, timeout=120)
-            if r.status_code != 200 or r.json()["applied"] != 1:
-                errors.append(f"{r.status_code} {r.text[:200]}")
+            conn.request("POST", "/events", body=body, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+            if resp.status != 200 or msgspec.json.decode(data)["applied"] != 1:
+                errors.append(f"{resp.status} {data[:200]!r}")
+    finally:
+        conn.close()
 
-    threads = [threading.Thread(target=post, args=(b,)) for b in bodies]
+
+def _ingest(url: str, bodies: list[list[bytes]], batch_entries: int, pids: list[int]) -> dict:
+    """Every emitter's bodies, each emitter on its own connection; placements/s of the whole
+    server, and placements per CPU second of the server's processes (``pids``: the HTTP
+    processes, and Redis for kvlookup), the cost that fixes how far it scales on more cores."""
+    errors: list[str] = []
+    threads = [threading.Thread(target=_post_loop, args=(url, b, errors)) for b in bodies]
+    cpu0 = [_cpu_s([p]) for p in pids]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    cpu = [round(_cpu_s([p]) - c, 2) for p, c in zip(pids, cpu0, strict=True)]
     n = sum(len(b) for b in bodies) * batch_entries
     if errors:
         raise RuntimeError(f"ingest into {url}: {errors[:3]}")
-    return {"placements": n, "seconds": round(wall, 2), "placements_per_s": round(n / wall)}
+    return {"placements": n, "seconds": round(wall, 2), "placements_per_s": round(n / wall),
+            "cpu_s": cpu, "placements_per_cpu_s": round(n / max(sum(cpu), 1e-9))}
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -106,29 +143,78 @@ def _store_prompt(url: str, tokens: list[int], inc: int, seq0: int) -> None:
     assert r.status_code == 200 and r.json()["applied"] == 2, r.text
 
 
-def _timed(session, url: str, body: bytes, n: int) -> dict:
-    for _ in range(min(10, n)):  # warm-up
-        session.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=30)
+def _server_side(d, body: bytes, n: int) -> dict:
+    """kvlookup's own time for one tokens-form /directory/lookup, no HTTP: the route's function
+    (:func:`kvlookup.app.coordinator.directory_lookup`) on a directory over the same Redis."""
+    from kvlookup.app.coordinator import directory_lookup
+
     times = []
-    for _ in range(n):
+    for i in range(n + 5):
         t = time.perf_counter()
-        r = session.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=30)
-        times.append(time.perf_counter() - t)
-        assert r.status_code == 200, r.text[:300]
+        status, _ = directory_lookup(d, body)
+        if i >= 5:
+            times.append(time.perf_counter() - t)
+        assert status == 200
     times.sort()
-    return {"p50_ms": round(statistics.median(times) * 1000, 2),
-            "p99_ms": round(times[min(len(times) - 1, int(len(times) * 0.99))] * 1000, 2), "requests": n}
+    return {"p50_ms": round(statistics.median(times) * 1000, 3),
+            "p99_ms": round(times[min(len(times) - 1, int(len(times) * 0.99))] * 1000, 3)}
 
 
-def run(placements: int = 100_000, batch_entries: int = 500, clients: int = 2,
-        lengths: tuple[int, ...] = (256, 4096, 32768), lookups: int = 200, lmcache_venv: str | None = None) -> dict:
+def _post(url: str, path: str, body: bytes) -> tuple[int, bytes]:
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def _lookups(kv: str, coord: str, tokens: list[int], seconds: float, tmp: Path, first: str) -> dict:
+    """wrk at concurrency 1 on each target in turn (``first`` first): 1 s warm-up, then ``seconds``."""
+    from kvlookup.bench.wrkload import wrk
+
+    n = len(tokens)
+    body = msgspec.json.encode({"token_ids": tokens, "model_name": MODEL, "world_size": 1, "cache_salt": ""})
+    look = msgspec.json.encode({"tokens": tokens, "model_name": MODEL})
+    paths = {}
+    for name, data in (("dir", body), ("look", look)):
+        paths[name] = tmp / f"mp-{name}-{n}.json"
+        paths[name].write_bytes(data)
+    (sa, a), (sb, b) = (_post(t, "/directory/lookup", body) for t in (kv, coord))
+    assert sa == sb == 200 and msgspec.json.decode(a) == msgspec.json.decode(b), \
+        f"/directory/lookup answers differ at {n} tokens"
+    sl, answer = _post(kv, "/lookup", look)
+    got = msgspec.json.decode(answer)["layout_info"].get("bench-holder")
+    assert sl == 200 and got == ["l1/dram", n // 256 * 256], answer[:300]
+    row: dict = {"tokens": n, "body_bytes": len(body), "answer_bytes": len(a)}
+    order = [("kvlookup", kv), ("coordinator", coord)]
+    for name, url in order if first == "kvlookup" else order[::-1]:
+        wrk(url, paths["dir"], 1, 1, tmp, "/directory/lookup")
+        row[name] = wrk(url, paths["dir"], 1, seconds, tmp, "/directory/lookup")
+        assert row[name]["errors"] == 0, row[name]
+    wrk(kv, paths["look"], 1, 1, tmp)
+    row["lookup_kvlookup"] = wrk(kv, paths["look"], 1, seconds, tmp)
+    row["p50_ratio"] = round(row["coordinator"]["p50_ms"] / row["kvlookup"]["p50_ms"], 1)
+    row["p99_ratio"] = round(row["coordinator"]["p99_ms"] / row["kvlookup"]["p99_ms"], 1)
+    return row
+
+
+def run(placements: int = 100_000, batch_entries: int = 500, clients: int = 4,
+        lengths: tuple[int, ...] = (256, 4096, 32768), lookups: int = 200, seconds: float = 3.0,
+        lmcache_venv: str | None = None, gunicorn: str = "uvicorn:2") -> dict:
+    """Ingest (``clients`` emitters, http.client) and lookups (wrk, concurrency 1, ``seconds``
+    per point) on both targets; ``lookups``: in-process repetitions of kvlookup's server-side time."""
+    from kvlookup.index.mp import MPDirectory
+
     py = _lmcache_python(lmcache_venv)
     if py is None:
         raise RuntimeError("bench mp needs a venv with LMCache (--lmcache-venv or KVLOOKUP_LMCACHE_PYTHON)")
     inc = int(time.time())
     with Procs() as procs:
         redis_url = procs.start_redis()
-        kv = procs.start_controller(redis_url, "uvicorn:2")
+        kv = procs.start_controller(redis_url, gunicorn)
         port = free_port()
         coord = f"http://127.0.0.1:{port}"
         cproc = procs.spawn("mp-coordinator", [str(py), "-m", "lmcache.v1.mp_coordinator", "--host", "127.0.0.1",
@@ -136,43 +222,36 @@ def run(placements: int = 100_000, batch_entries: int = 500, clients: int = 2,
         wait_http(coord + "/healthz", "mp-coordinator", procs, timeout=90)
         bodies = _bodies(placements, batch_entries, clients, inc)
         r = connect(redis_url)
+        kv_pids = _children(procs.pid("kvlookup-controller")) + [procs.redis[0].proc.pid]
         out: dict = {"placements": placements, "batch_entries": batch_entries, "clients": clients,
-                     "lmcache": _version(py), "gunicorn": "uvicorn:2",
+                     "lmcache": _version(py), "gunicorn": gunicorn, "seconds_per_point": seconds,
                      "loadavg_start": [round(x, 1) for x in os.getloadavg()]}
         mem0, rss0 = r.info("memory")["used_memory"], _rss(cproc.pid)
         progress.note("  mp: ingest kvlookup")
-        out["ingest_kvlookup"] = _ingest(kv, bodies, batch_entries)
+        out["ingest_kvlookup"] = _ingest(kv, bodies, batch_entries, kv_pids)
         progress.note("  mp: ingest coordinator")
-        out["ingest_coordinator"] = _ingest(coord, bodies, batch_entries)
+        out["ingest_coordinator"] = _ingest(coord, bodies, batch_entries, [cproc.pid])
         out["ingest_ratio"] = round(out["ingest_kvlookup"]["placements_per_s"]
                                     / out["ingest_coordinator"]["placements_per_s"], 1)
+        out["ingest_cpu_ratio"] = round(out["ingest_kvlookup"]["placements_per_cpu_s"]
+                                        / out["ingest_coordinator"]["placements_per_cpu_s"], 1)
         time.sleep(1)
         out["redis_bytes_per_placement"] = round((r.info("memory")["used_memory"] - mem0) / placements, 1)
         out["coordinator_rss_bytes_per_placement"] = round((_rss(cproc.pid) - rss0) / placements, 1)
         rows = []
+        reg = msgspec.json.encode({"instance_id": "bench-holder", "ip": "127.0.0.1", "http_port": 1})
         for target in (kv, coord):
-            requests.post(target + "/instances", json={"instance_id": "bench-holder", "ip": "127.0.0.1",
-                                                       "http_port": 1}, timeout=10)
+            assert _post(target, "/instances", reg)[0] == 200
+        d = MPDirectory(r)
         for i, n in enumerate(lengths):
             tokens = _prompt(n, i)
             for target in (kv, coord):
                 _store_prompt(target, tokens, inc, 1 + 2 * i)
                 requests.put(target + "/instances/bench-holder/heartbeat", timeout=10)
-            body = msgspec.json.encode({"token_ids": tokens, "model_name": MODEL, "world_size": 1, "cache_salt": ""})
-            s = requests.Session()
-            row = {"tokens": n}
-            a, b = (s.post(t + "/directory/lookup", data=body, headers={"Content-Type": "application/json"}).json()
-                    for t in (kv, coord))
-            assert a == b, f"/directory/lookup answers differ at {n} tokens"
             progress.note(f"  mp: /directory/lookup at {n} tokens")
-            row["kvlookup"] = _timed(s, kv + "/directory/lookup", body, lookups)
-            row["coordinator"] = _timed(s, coord + "/directory/lookup", body, lookups)
-            look = msgspec.json.encode({"tokens": tokens, "model_name": MODEL})
-            answer = s.post(kv + "/lookup", data=look, headers={"Content-Type": "application/json"}).json()
-            assert answer["layout_info"].get("bench-holder") == ["l1/dram", n // 256 * 256], answer
-            row["lookup_kvlookup"] = _timed(s, kv + "/lookup", look, lookups)
-            row["p50_ratio"] = round(row["coordinator"]["p50_ms"] / row["kvlookup"]["p50_ms"], 1)
-            row["p99_ratio"] = round(row["coordinator"]["p99_ms"] / row["kvlookup"]["p99_ms"], 1)
+            row = _lookups(kv, coord, tokens, seconds, procs.tmp, "kvlookup" if i % 2 == 0 else "coordinator")
+            row["kvlookup_server_side"] = _server_side(d, msgspec.json.encode(
+                {"token_ids": tokens, "model_name": MODEL, "world_size": 1, "cache_salt": ""}), lookups)
             rows.append(row)
         out["lookups"] = rows
         out["loadavg_end"] = [round(x, 1) for x in os.getloadavg()]

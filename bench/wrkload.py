@@ -35,12 +35,12 @@ end
 """
 
 
-def wrk(url: str, body_path: Path, concurrency: int, seconds: float, tmp: Path) -> dict:
-    """One wrk run: req/s, p50/p99 (ms), errors."""
+def wrk(url: str, body_path: Path, concurrency: int, seconds: float, tmp: Path, path: str = "/lookup") -> dict:
+    """One wrk run of POSTs of ``body_path`` to ``url + path``: req/s, p50/p99 (ms), errors."""
     script = tmp / f"post-{body_path.stem}.lua"
     script.write_text(LUA.format(body=body_path))
     cmd = ["wrk", "-t", str(min(concurrency, 4)), "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s",
-           "-s", str(script), url + "/lookup"]
+           "-s", str(script), url + path]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
     m = re.search(r"RESULT (\d+) (\d+) ([\d.]+) ([\d.]+) ([\d.]+)", out.stdout)
     if not m:

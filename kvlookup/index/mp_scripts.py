@@ -202,6 +202,21 @@ end
 local i = 4
 local applied, dup, stale = 0, 0, 0
 local kseq = nil  -- key ids: read once, written back once
+-- a store batch's new key pages and L1 set members, one command per key at the batch's end
+-- (nothing in the batch reads them back; a later batch's fence does, after the flush)
+local pbuf, lbuf = {}, {}
+local function later(buf, key, a, b)
+  local t = buf[key]
+  if not t then t = {}; buf[key] = t end
+  t[#t + 1] = a
+  if b then t[#t + 1] = b end
+end
+local function written(buf, cmd)
+  for key, t in pairs(buf) do
+    for j = 1, #t, 4000 do redis.call(cmd, key, unpack(t, j, math.min(#t, j + 3999))) end
+    buf[key] = nil
+  end
+end
 local function gate(inst, inc, seq, tier, dropped, ts)
   local dep = redis.call('HGET', DEP, inst)
   if dep then
@@ -282,20 +297,18 @@ for _ = 1, nb do
         if etype == 'store' then
           local sid = string.find(space, '\t', 1, true) and intern('s', space) or space
           local field = chunk .. '.' .. sid
-          local v = redis.call('HGET', bkey, field)
-          if not v then  -- a new key (the common case): no record to read back
-            if not kseq then kseq = tonumber(redis.call('HGET', STATS, 'kseq') or '0') end
+          if not kseq then kseq = tonumber(redis.call('HGET', STATS, 'kseq') or '0') end
+          local kid = fmt(kseq + 1)  -- taken only if the key is new (the common case: one call)
+          if redis.call('HSETNX', bkey, field, kid .. ',0|' .. tb .. ',' .. ep .. ',' .. fmt(size)) == 1 then
             kseq = kseq + 1
-            local kid = fmt(kseq)
-            redis.call('HSET', pkey(kseq), fmt(kseq % PAGE), bucket .. field)
-            redis.call('HSET', bkey, field, kid .. ',0|' .. tb .. ',' .. ep .. ',' .. fmt(size))
+            later(pbuf, pkey(kseq), fmt(kseq % PAGE), bucket .. field)
             if is_l1 then
-              redis.call('SADD', lkey(iid, fmt(kseq % L1B)), kid)
+              later(lbuf, lkey(iid, fmt(kseq % L1B)), kid)
               new_l1 = new_l1 + 1
             end
             new_keys, new_bytes = new_keys + 1, new_bytes + size
           else
-            local kid, acc, pl = parse(v)
+            local kid, acc, pl = parse(redis.call('HGET', bkey, field))
             local before = l1_iids(pl)
             local found = false
             for j = 1, #pl do
@@ -335,6 +348,7 @@ for _ = 1, nb do
           end
         end
       end
+      written(pbuf, 'HSET'); written(lbuf, 'SADD')
       if new_keys > 0 then
         add('keys', new_keys); add('placements', new_keys)
         add(tier .. '_count', new_keys); add(tier .. '_bytes', new_bytes)

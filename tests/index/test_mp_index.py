@@ -216,3 +216,27 @@ def test_mp_script_keys_and_prefixes_are_pinned():
     assert K.mp_page_prefix() + "3" == K.mp_page_key(3)
     assert K.mp_l1_prefix() + "7:255" == K.mp_l1_key(7, 255)
     assert {slot_of(k) for k in K.mp_script_keys()} == {slot_of(K.MP)}
+
+
+def test_tokens_lookup_json_is_the_general_answer(d):
+    """The fragment-built tokens-form answer (POST /directory/lookup's fast path) is byte for
+    byte what lookup_keys(keys_for_tokens(...)) encodes: two ranks, L1 and L2, a shared pool,
+    a token binding, an access count, a chunk held by one rank only, and a chunk held by none."""
+    import msgspec
+
+    toks = list(range(1000, 2024))  # 4 chunks
+    h = mphash.chunk_hashes_hex(toks)
+    r0, r1 = mphash.kv_rank(2, 0), mphash.kv_rank(2, 1)
+    post(d, batch(1, entries=[entry(h[0], rank=r0, tokens=toks[:256], offset=0), entry(h[0], rank=r1),
+                              entry(h[1], rank=r0), entry(h[1], rank=r1), entry(h[2], rank=r0)]),
+         batch(2, tier="l2", backend="fs", entries=[entry(h[0], rank=r0, size=7), entry(h[1], rank=r1)]),
+         batch(3, tier="l2", backend="nixl", shared=True, entries=[entry(h[0], rank=r1, size=9)]),
+         batch(1, inst="mp-test-2", entries=[entry(h[0], rank=r0, size=5)]),
+         batch(4, etype="access", tier="l1", backend="dram", entries=[entry(h[0], rank=r0)]))
+    for ws, salt in ((2, ""), (1, ""), (2, "other")):
+        chunks, keys = d.keys_for_tokens(toks + [1, 2], MODEL, ws, salt)
+        want = msgspec.json.encode({"chunks": chunks, "results": d.lookup_keys(keys)}) + b"\n"
+        assert d.lookup_tokens_json(toks + [1, 2], MODEL, ws, salt) == want
+    got = msgspec.json.decode(d.lookup_tokens_json(toks, MODEL, 2))
+    assert got["chunks"] == 4 and [len(x["placements"]) for x in got["results"]] == [3, 2, 1, 2, 1, 0, 0, 0]
+    assert got["results"][0]["access_count"] == 1 and got["results"][0]["token_ids"] == toks[:256]
