@@ -289,21 +289,29 @@ for _ = 1, nb do
       local is_l1 = tier == 'l1'
       local new_keys, new_bytes, new_l1 = 0, 0, 0
       if tb then epinfo[ep] = iid end
+      local sfx = tb and (',0|' .. tb .. ',' .. ep .. ',')  -- a new record is <key id> .. sfx .. <size>
+      local pnames, lnames = {}, {}  -- page number / L1 bucket -> its key name, made once a batch
       for rec in string.gmatch(packed, '[^\\30]+') do
-        local bucket, chunk, space, size, tokens =
+        local bucket, chunk, space, size_s, tokens =
           string.match(rec, '^([^\\31]*)\\31([^\\31]*)\\31([^\\31]*)\\31([^\\31]*)\\31(.*)$')
-        size = tonumber(size)
+        local size = tonumber(size_s)
         local bkey = ckey(bucket)
         if etype == 'store' then
           local sid = string.find(space, '\t', 1, true) and intern('s', space) or space
           local field = chunk .. '.' .. sid
           if not kseq then kseq = tonumber(redis.call('HGET', STATS, 'kseq') or '0') end
           local kid = fmt(kseq + 1)  -- taken only if the key is new (the common case: one call)
-          if redis.call('HSETNX', bkey, field, kid .. ',0|' .. tb .. ',' .. ep .. ',' .. fmt(size)) == 1 then
+          if redis.call('HSETNX', bkey, field, kid .. sfx .. size_s) == 1 then
             kseq = kseq + 1
-            later(pbuf, pkey(kseq), fmt(kseq % PAGE), bucket .. field)
+            local pg = math.floor(kseq / PAGE)
+            local pk = pnames[pg]
+            if not pk then pk = KPFX .. fmt(pg); pnames[pg] = pk end
+            later(pbuf, pk, fmt(kseq % PAGE), bucket .. field)
             if is_l1 then
-              later(lbuf, lkey(iid, fmt(kseq % L1B)), kid)
+              local lb = kseq % L1B
+              local lk = lnames[lb]
+              if not lk then lk = lkey(iid, fmt(lb)); lnames[lb] = lk end
+              later(lbuf, lk, kid)
               new_l1 = new_l1 + 1
             end
             new_keys, new_bytes = new_keys + 1, new_bytes + size

@@ -46,7 +46,7 @@ class ChunkSizeRequest(Struct):
     chunk_size: Annotated[int, Meta(ge=1)]
 
 
-class EncodedObjectKey(Struct, kw_only=True):
+class EncodedObjectKey(Struct, kw_only=True, gc=False):
     """An MP object key: ``chunk_hash_hex`` (hex of the chunk digest), ``model_name``,
     ``kv_rank`` (packed, :func:`kvlookup.hashing.mp.kv_rank`), ``object_group_id``, ``cache_salt``."""
 
@@ -57,7 +57,7 @@ class EncodedObjectKey(Struct, kw_only=True):
     cache_salt: str = ""
 
 
-class CacheEventEntry(Struct, kw_only=True):
+class CacheEventEntry(Struct, kw_only=True, gc=False):
     """One key of a batch: ``size_bytes`` (store), ``token_ids``/``token_offset`` (store, when known; -1 unknown)."""
 
     key: EncodedObjectKey
@@ -66,7 +66,7 @@ class CacheEventEntry(Struct, kw_only=True):
     token_offset: Annotated[int, Meta(ge=-1)] = -1
 
 
-class CacheEventBatch(Struct, kw_only=True):
+class CacheEventBatch(Struct, kw_only=True, gc=False):
     """One batch of one emitter: one event type on one (tier, backend, shared), numbered
     ``(incarnation, seq)``. ``dropped_events`` (0.5.7): events the emitter lost so far."""
 
