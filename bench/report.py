@@ -351,27 +351,42 @@ def _mp_section(mp: dict | None) -> list[str]:
     if not mp:
         return []
     k, c = mp["ingest_kvlookup"], mp["ingest_coordinator"]
-    rows = [[f"{r['tokens']:,}", f"{r['kvlookup']['p50_ms']} / {r['kvlookup']['p99_ms']}",
-             f"{r['coordinator']['p50_ms']} / {r['coordinator']['p99_ms']}", f"{r['p50_ratio']}x / {r['p99_ratio']}x",
-             f"{r['lookup_kvlookup']['p50_ms']} / {r['lookup_kvlookup']['p99_ms']}"] for r in mp["lookups"]]
+    wrk_note = "wrk, concurrency 1" if "seconds_per_point" in mp else "concurrency 1"
+    rows = []
+    for r in mp["lookups"]:
+        row = [f"{r['tokens']:,}", f"{r['kvlookup']['p50_ms']} / {r['kvlookup']['p99_ms']}",
+               f"{r['coordinator']['p50_ms']} / {r['coordinator']['p99_ms']}", f"{r['p50_ratio']}x / {r['p99_ratio']}x"]
+        side = r.get("kvlookup_server_side")
+        row.append(f"{side['p50_ms']} / {side['p99_ms']}" if side else "-")
+        row.append(f"{r['lookup_kvlookup']['p50_ms']} / {r['lookup_kvlookup']['p99_ms']}")
+        rows.append(row)
+    ingest = [["POST /events placements/s (whole server)", f"{k['placements_per_s']:,}", f"{c['placements_per_s']:,}",
+               f"{mp['ingest_ratio']}x"]]
+    if "placements_per_cpu_s" in k:
+        ingest.append(["placements per CPU second (server processes)",
+                       f"{k['placements_per_cpu_s']:,} (HTTP workers {k['cpu_s'][:-1]} s + Redis {k['cpu_s'][-1]} s)",
+                       f"{c['placements_per_cpu_s']:,} ({c['cpu_s'][0]} s, one process)", f"{mp['ingest_cpu_ratio']}x"])
+    ingest.append(["memory per placement (B)", f"{mp['redis_bytes_per_placement']} (Redis used_memory)",
+                   f"{mp['coordinator_rss_bytes_per_placement']} (process RSS)", ""])
     return ["## LMCache multiprocess (MP) coordinator paths", "",
             f"kvlookup's controller (gunicorn {mp['gunicorn']}, one Redis) and LMCache {mp['lmcache']}'s MP "
-            "coordinator (`python -m lmcache.v1.mp_coordinator`) in turn, fed the same pre-encoded bytes "
-            f"(bench/mp.py): {mp['placements']:,} L1 placements in `store` batches of {mp['batch_entries']} "
-            f"entries from {mp['clients']} emitters; then one instance holding each prompt in L1 and L2, and "
-            "`/directory/lookup` (tokens form) at concurrency 1 on both; the answers are checked identical first. "
-            "`/lookup` (kvlookup only: the coordinator has no prefix answer) is asked the same prompt with "
-            "`model_name`. Reproduce: `kvlookup bench mp` (needs `KVLOOKUP_LMCACHE_PYTHON`)."
+            "coordinator (`python -m lmcache.v1.mp_coordinator`, one process) in turn, fed the same pre-encoded "
+            f"bytes (bench/mp.py): {mp['placements']:,} L1 placements in `store` batches of {mp['batch_entries']} "
+            f"entries from {mp['clients']} emitters, each on its own keep-alive connection (http.client); then one "
+            f"instance holding each prompt in L1 and L2, and `/directory/lookup` (tokens form) on both ({wrk_note}, "
+            f"{mp.get('seconds_per_point', '-')} s per point after a 1 s warm-up, the two targets in alternating "
+            "order); the answers are checked identical first. kvlookup's server-side time is the route's own "
+            "function (`kvlookup.app.coordinator.directory_lookup`: decode, hash, one Redis read, encode) timed in "
+            "the benchmark process on the same Redis. `/lookup` (kvlookup only: the coordinator has no prefix answer) "
+            "is asked the same prompt with `model_name`. Reproduce: `kvlookup bench mp` (needs "
+            "`KVLOOKUP_LMCACHE_PYTHON`)."
             + (f" Load average (1/5/15 min) at the start {mp['loadavg_start']}, at the end {mp['loadavg_end']}: "
                "other jobs shared the 2 cores, so absolute times are inflated and noisy; compare the columns."
                if mp.get("loadavg_start") else ""), "",
-            _table(["", "kvlookup", "MP coordinator", "ratio"],
-                   [["POST /events placements/s", f"{k['placements_per_s']:,}", f"{c['placements_per_s']:,}",
-                     f"{mp['ingest_ratio']}x"],
-                    ["memory per placement (B)", f"{mp['redis_bytes_per_placement']} (Redis used_memory)",
-                     f"{mp['coordinator_rss_bytes_per_placement']} (process RSS)", ""]]), "",
+            _table(["", "kvlookup", "MP coordinator", "ratio"], ingest), "",
             _table(["prompt tokens", "kvlookup /directory/lookup p50 / p99 ms", "coordinator p50 / p99 ms",
-                    "p50 / p99 ratio", "kvlookup /lookup p50 / p99 ms"], rows), ""]
+                    "p50 / p99 ratio", "kvlookup server-side p50 / p99 ms", "kvlookup /lookup p50 / p99 ms"], rows),
+            ""]
 
 
 def render(res: dict, results_path: Path) -> Path:

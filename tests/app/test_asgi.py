@@ -169,3 +169,43 @@ def test_a_hung_redis_never_holds_the_event_loop(tmp_path):
         os.kill(server.proc.pid, signal.SIGCONT)
         ctrl.stop()
         server.stop()
+
+
+def test_mp_fast_paths_answer_as_the_flask_routes(ctrl):
+    """POST /events and /directory/lookup are answered by the ASGI front itself (no WSGI
+    bridge): the coordinator's bodies, a 422 naming the field, a chunked body, the Host check."""
+    from kvlookup.hashing import mp as mphash
+
+    tokens = list(range(1000, 1256))
+    key = {"chunk_hash_hex": mphash.chunk_hashes_hex(tokens)[0], "model_name": "m", "kv_rank": 16777472,
+           "object_group_id": 0, "cache_salt": ""}
+    events = json.dumps({"batches": [{"instance_id": "mp-1", "incarnation": 1, "seq": 1, "event_type": "store",
+                                      "tier": "l1", "backend": "dram",
+                                      "entries": [{"key": key, "size_bytes": 7}]}]}).encode()
+    status, body = _json(_raw(ctrl.port, _chunked("/events", events)))
+    assert (status, body) == ("HTTP/1.1 200 OK", {"applied": 1, "duplicates": 0, "stale": 0})
+    look = json.dumps({"token_ids": tokens, "model_name": "m"}).encode()
+    status, body = _json(_raw(ctrl.port, _chunked("/directory/lookup", look)))
+    assert status == "HTTP/1.1 200 OK"
+    assert body == {"chunks": 1, "results": [{"key": key, "placements": [
+        {"instance_id": "mp-1", "incarnation": 1, "tier": "l1", "backend": "dram", "size_bytes": 7, "shared": False}],
+        "token_ids": [], "access_count": 0}]}
+    status, body = _json(_raw(ctrl.port, _chunked("/events", b'{"batches": [{"instance_id": "x"}]}')))
+    assert status == "HTTP/1.1 422 Unprocessable Entity"
+    assert "$.batches[0]" in body["error"] and body["detail"] == body["error"]
+    foreign = (b"POST /events HTTP/1.1\r\nHost: evil.example\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(events), events))
+    status, body = _json(_raw(ctrl.port, foreign))
+    assert status == "HTTP/1.1 421 Misdirected Request"
+
+
+def test_mp_fast_paths_answer_503_without_redis(own_redis):
+    proc = ControllerProc("--redis-url", own_redis.url, "--workers", "1", "--instance-ttl", "0")
+    try:
+        proc.wait_ready()
+        own_redis.stop()
+        look = json.dumps({"token_ids": list(range(256)), "model_name": "m"}).encode()
+        status, body = _json(_raw(proc.port, _chunked("/directory/lookup", look), timeout=30))
+        assert status == "HTTP/1.1 503 Service Unavailable" and body["error"].startswith("index unavailable")
+    finally:
+        proc.stop()
