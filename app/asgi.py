@@ -1,7 +1,10 @@
 """The controller as an ASGI app (served by uvicorn workers under gunicorn, the default).
 
 ``/lookup`` and ``/lookup/explain`` are answered here, in the worker's event loop, by the same
-:class:`app.lookup.LookupRoute` as under WSGI; every other path goes to the Flask app through
+:class:`app.lookup.LookupRoute` as under WSGI; the LMCache MP coordinator's two traffic paths,
+``POST /events`` and ``POST /directory/lookup``, are answered here too, in the thread pool, by the
+functions the Flask routes call (:class:`app.coordinator.FastPaths`: the WSGI bridge cost ~1.5 ms
+a request, more than a 256-token directory lookup); every other path goes to the Flask app through
 a2wsgi (a thread pool), so the control API, the dashboard and /health behave as under
 gunicorn's WSGI workers. Why: uvicorn's C HTTP parser and libuv loop answer a request in
 ~0.18 ms where gunicorn's gevent worker takes ~0.33 ms on this machine (an empty app, wrk c=1),
