@@ -38,7 +38,7 @@ def chunk_hashes(tokens: Sequence[int], chunk_size: int = DEFAULT_CHUNK_SIZE) ->
     if n == 0:
         return []
     try:
-        packed = array("I", tokens[: n * chunk_size])
+        packed = array("I", tokens if len(tokens) == n * chunk_size else tokens[: n * chunk_size])
     except OverflowError:
         raise ValueError("token ids must be 0 <= id < 2**32 for the MP chunk hash") from None
     if sys.byteorder == "little":
