@@ -72,6 +72,27 @@ def targets(res: dict) -> list[tuple[str, str, bool | None]]:
         rows.append(("records balance across masters, Mooncake trace: max/mean <= 1.2",
                      f"keys {bal['keys_max_mean']}, memory {bal['memory_max_mean']}",
                      max(bal["keys_max_mean"], bal["memory_max_mean"]) <= 1.2))
+    rows += _mp_targets(res.get("mp"))
+    return rows
+
+
+def _mp_targets(mp: dict | None) -> list[tuple[str, str, bool | None]]:
+    """Issue 19's targets against LMCache's MP coordinator (bench/mp.py, one run)."""
+    if not mp:
+        return []
+    k, c = mp["ingest_kvlookup"], mp["ingest_coordinator"]
+    rows: list[tuple[str, str, bool | None]] = [(
+        "MP ingest: POST /events placements/s >= 10x the MP coordinator's (same run)",
+        f"{k['placements_per_s']:,} vs {c['placements_per_s']:,}/s whole server ({mp['ingest_ratio']}x); per CPU "
+        f"second {mp.get('ingest_cpu_ratio', '-')}x", mp["ingest_ratio"] >= 10)]
+    row = next((r for r in mp["lookups"] if r["tokens"] == 32768), None)
+    if row:
+        rows.append(("MP /directory/lookup at 32k tokens >= 5x faster than the coordinator at p50 and p99",
+                     f"p50 {row['kvlookup']['p50_ms']} vs {row['coordinator']['p50_ms']} ms ({row['p50_ratio']}x), "
+                     f"p99 {row['kvlookup']['p99_ms']} vs {row['coordinator']['p99_ms']} ms ({row['p99_ratio']}x)",
+                     row["p50_ratio"] >= 5 and row["p99_ratio"] >= 5))
+    rows.append(("MP: <= 150 B of Redis memory per placement", f"{mp['redis_bytes_per_placement']} B",
+                 mp["redis_bytes_per_placement"] <= 150))
     return rows
 
 
