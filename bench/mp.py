@@ -128,6 +128,14 @@ def _ingest(url: str, bodies: list[list[bytes]], batch_entries: int, pids: list[
             "cpu_s": cpu, "placements_per_cpu_s": round(n / max(sum(cpu), 1e-9))}
 
 
+def _sum_ingest(parts: list[dict]) -> dict:
+    """One target's ingest rounds added up."""
+    n, wall = sum(p["placements"] for p in parts), sum(p["seconds"] for p in parts)
+    cpu = [round(sum(c), 2) for c in zip(*(p["cpu_s"] for p in parts), strict=True)]
+    return {"placements": n, "seconds": round(wall, 2), "placements_per_s": round(n / wall), "cpu_s": cpu,
+            "placements_per_cpu_s": round(n / max(sum(cpu), 1e-9)), "rounds": parts}
+
+
 def _prompt(n: int, seed: int) -> list[int]:
     rnd = random.Random(seed)
     return [rnd.randrange(0, 128000) for _ in range(n)]
@@ -171,8 +179,9 @@ def _post(url: str, path: str, body: bytes) -> tuple[int, bytes]:
         conn.close()
 
 
-def _lookups(kv: str, coord: str, tokens: list[int], seconds: float, tmp: Path, first: str) -> dict:
-    """wrk at concurrency 1 on each target in turn (``first`` first): 1 s warm-up, then ``seconds``."""
+def _lookups(kv: str, coord: str, tokens: list[int], seconds: float, tmp: Path, first: str, rounds: int) -> dict:
+    """wrk at concurrency 1 on each target: 1 s warm-up each, then ``rounds`` rounds of ``seconds``
+    on each in turn (``first`` first in even rounds); the medians over the rounds."""
     from kvlookup.bench.wrkload import wrk
 
     n = len(tokens)
@@ -190,10 +199,16 @@ def _lookups(kv: str, coord: str, tokens: list[int], seconds: float, tmp: Path, 
     assert sl == 200 and got == ["l1/dram", n // 256 * 256], answer[:300]
     row: dict = {"tokens": n, "body_bytes": len(body), "answer_bytes": len(a)}
     order = [("kvlookup", kv), ("coordinator", coord)]
-    for name, url in order if first == "kvlookup" else order[::-1]:
+    for _, url in order:
         wrk(url, paths["dir"], 1, 1, tmp, "/directory/lookup")
-        row[name] = wrk(url, paths["dir"], 1, seconds, tmp, "/directory/lookup")
-        assert row[name]["errors"] == 0, row[name]
+    runs: dict[str, list[dict]] = {"kvlookup": [], "coordinator": []}
+    for i in range(rounds):  # rounds in turn, who goes first alternating: a change of load hits both
+        for name, url in order if (i % 2 == 0) == (first == "kvlookup") else order[::-1]:
+            runs[name].append(wrk(url, paths["dir"], 1, seconds, tmp, "/directory/lookup"))
+            assert runs[name][-1]["errors"] == 0, runs[name][-1]
+    for name, got in runs.items():
+        row[name] = {k: statistics.median(g[k] for g in got) for k in ("req_s", "p50_ms", "p99_ms", "errors")}
+        row[name]["rounds"] = got
     wrk(kv, paths["look"], 1, 1, tmp)
     row["lookup_kvlookup"] = wrk(kv, paths["look"], 1, seconds, tmp)
     row["p50_ratio"] = round(row["coordinator"]["p50_ms"] / row["kvlookup"]["p50_ms"], 1)
@@ -202,10 +217,11 @@ def _lookups(kv: str, coord: str, tokens: list[int], seconds: float, tmp: Path, 
 
 
 def run(placements: int = 100_000, batch_entries: int = 500, clients: int = 4,
-        lengths: tuple[int, ...] = (256, 4096, 32768), lookups: int = 200, seconds: float = 3.0,
-        lmcache_venv: str | None = None, gunicorn: str = "uvicorn:2") -> dict:
+        lengths: tuple[int, ...] = (256, 4096, 32768), lookups: int = 200, seconds: float = 2.0,
+        rounds: int = 3, lmcache_venv: str | None = None, gunicorn: str = "uvicorn:2") -> dict:
     """Ingest (``clients`` emitters, http.client) and lookups (wrk, concurrency 1, ``seconds``
-    per point) on both targets; ``lookups``: in-process repetitions of kvlookup's server-side time."""
+    per round) on both targets, ``rounds`` rounds each, the targets in turn; ``lookups``:
+    in-process repetitions of kvlookup's server-side time."""
     from kvlookup.index.mp import MPDirectory
 
     py = _lmcache_python(lmcache_venv)
@@ -224,13 +240,17 @@ def run(placements: int = 100_000, batch_entries: int = 500, clients: int = 4,
         r = connect(redis_url)
         kv_pids = _children(procs.pid("kvlookup-controller")) + [procs.redis[0].proc.pid]
         out: dict = {"placements": placements, "batch_entries": batch_entries, "clients": clients,
-                     "lmcache": _version(py), "gunicorn": gunicorn, "seconds_per_point": seconds,
+                     "lmcache": _version(py), "gunicorn": gunicorn, "seconds_per_point": seconds, "rounds": rounds,
                      "loadavg_start": [round(x, 1) for x in os.getloadavg()]}
         mem0, rss0 = r.info("memory")["used_memory"], _rss(cproc.pid)
-        progress.note("  mp: ingest kvlookup")
-        out["ingest_kvlookup"] = _ingest(kv, bodies, batch_entries, kv_pids)
-        progress.note("  mp: ingest coordinator")
-        out["ingest_coordinator"] = _ingest(coord, bodies, batch_entries, [cproc.pid])
+        parts: dict[str, list[dict]] = {"kvlookup": [], "coordinator": []}
+        for i in range(rounds):  # each emitter's bodies in rounds, the targets in turn, so load shifts hit both
+            part = [b[len(b) * i // rounds:len(b) * (i + 1) // rounds] for b in bodies]
+            turn = [("kvlookup", kv, kv_pids), ("coordinator", coord, [cproc.pid])]
+            for name, url, pids in turn if i % 2 == 0 else turn[::-1]:
+                progress.note(f"  mp: ingest {name}, round {i + 1}/{rounds}")
+                parts[name].append(_ingest(url, part, batch_entries, pids))
+        out["ingest_kvlookup"], out["ingest_coordinator"] = (_sum_ingest(parts[k]) for k in parts)
         out["ingest_ratio"] = round(out["ingest_kvlookup"]["placements_per_s"]
                                     / out["ingest_coordinator"]["placements_per_s"], 1)
         out["ingest_cpu_ratio"] = round(out["ingest_kvlookup"]["placements_per_cpu_s"]
@@ -249,7 +269,8 @@ def run(placements: int = 100_000, batch_entries: int = 500, clients: int = 4,
                 _store_prompt(target, tokens, inc, 1 + 2 * i)
                 requests.put(target + "/instances/bench-holder/heartbeat", timeout=10)
             progress.note(f"  mp: /directory/lookup at {n} tokens")
-            row = _lookups(kv, coord, tokens, seconds, procs.tmp, "kvlookup" if i % 2 == 0 else "coordinator")
+            row = _lookups(kv, coord, tokens, seconds, procs.tmp, "kvlookup" if i % 2 == 0 else "coordinator",
+                           rounds)
             row["kvlookup_server_side"] = _server_side(d, msgspec.json.encode(
                 {"token_ids": tokens, "model_name": MODEL, "world_size": 1, "cache_salt": ""}), lookups)
             rows.append(row)

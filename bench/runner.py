@@ -41,7 +41,7 @@ QUICK = {
     "holders": dict(lengths=(1024, 32768), holder_counts=(8, 1024), seconds=0.5),
     "fresh": dict(lengths=(12, 1024), concurrencies=(1, 16), seconds=1.0),
     "vllm-ingest": dict(blocks=20_000),
-    "mp": dict(placements=20_000, lookups=50, seconds=1.0),
+    "mp": dict(placements=20_000, lookups=50, seconds=1.0, rounds=1),
 }
 FULL = {
     "compare": dict(requests=12031, instances=8, cpu_chunks=8192, disk_chunks=24576, agree_sample=1500,
