@@ -19,6 +19,7 @@ import zmq
 
 from kvlookup import metrics
 from kvlookup.index.store import Store
+from kvlookup.sidecar.admission import OwnershipGate
 from kvlookup.sidecar.sockets import Limits, SocketSet
 from kvlookup.sidecar.turns import run_turns
 from kvlookup.sidecar.vllm_discovery import Discovered, DiscoveryError, RankSource, discover
@@ -171,6 +172,8 @@ class VllmLoop:
         self.store = Store(store.r, instance_ttl_s=store.instance_ttl_ms / 1000,
                            worker_ttl_s=store.worker_ttl_ms / 1000, purge_grace_s=store.purge_grace_ms / 1000,
                            records=store.records)
+        self.store.shared_ownership = store.shared_ownership
+        self.ownership = OwnershipGate(self.store.other_writer, sidecar_id)  # this thread's own (issue 20 item 10)
         self.sockets = sockets or SocketSet(zmq.Context.instance(), Limits())
         self.grace_s = grace_s
         self.ingests: dict[str, VllmIngest] = {}
@@ -195,7 +198,8 @@ class VllmLoop:
             self.replays[iid] = replay
         ingest = self.ingests.get(iid)
         if ingest is None:
-            ingest = self.ingests[iid] = VllmIngest(self.store, iid, replay, owner=self.sidecar_id)
+            ingest = self.ingests[iid] = VllmIngest(self.store, iid, replay, owner=self.sidecar_id,
+                                                         gate=self.ownership)
         ingest.replay = replay
         ingest.set_model(source.model)
         self.sources[iid] = source
@@ -308,7 +312,7 @@ class VllmLoop:
         now = time.monotonic()
         for key in [k for k, at in self.down.items() if at <= now]:
             del self.down[key]
-            if self.store.is_registered(*key):
+            if self.store.is_registered(*key) and not self.ownership.other(key[0]):  # never another's rank
                 log.warning("vLLM %s rank %d: its event stream stayed disconnected %.0fs; recording it gone",
                             key[0], key[1], self.grace_s)
                 self.store.suspect(*key, self.store.clock.now_ms())

@@ -294,6 +294,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s,
                   max_workers_per_instance=settings.max_workers_per_instance)
     store.model = settings.model
+    store.shared_ownership = settings.shared_instance_ownership
     if why := _refused_redis(settings, store.r):
         print(f"kvlookup sidecar: error: {why}", file=sys.stderr)
         return 1

@@ -243,6 +243,15 @@ class Settings:
             "claims the listed instances (`kvl:v2:{r}:claims`): while its lease holds, every other sidecar "
             "(the controller's embedded one included, whatever its own list) refuses messages for them the same "
             "way. When `instance_id` is set too it must be in the list")
+    shared_instance_ownership: bool = setting(
+        False, readers=(SIDECAR, EMBEDDED),
+        help="let this sidecar write for instances another live sidecar wrote for first (default: refused)",
+        doc="by default the first sidecar to write for an instance owns it while its lease holds "
+            "(`kvl:v2:{r}:owners`, 5 s after a kill -9, at once after a clean stop): every other sidecar refuses "
+            "messages for it (`ErrorMsg` to a request, counted in `kvlookup_rejected_frames_total"
+            "{reason=\"instance_owned\"}`). Set it on every sidecar that serves workers of one instance "
+            "together (a multi-node instance whose workers talk to their own node's sidecar). Claims "
+            "(`allowed_instance_ids`) and LMCache MP registrations are never shared")
     # -- vLLM (sidecar) ---------------------------------------------------------------------------
     vllm_endpoint: str | None = setting(
         None, readers=(SIDECAR,),
