@@ -290,7 +290,13 @@ class LMCacheIngest:
         key = (b.instance_id, b.worker_id)
         if key in self._registered:
             return True
-        if self.store.is_registered(*key):
+        if self.store.is_registered(*key):  # registered through another sidecar (one killed, say): its now
+            try:
+                self.store.own(self.sidecar_id, key[0])
+            except Refused as exc:  # another writer holds it after all (the policy's answer was a second old)
+                self._refused("KVAdmitMsg", exc)
+                metrics.count_ops(b.ops, "unregistered")
+                return False
             self._registered.add(key)
             return True
         if key in self._held and self._heal(key):

@@ -101,7 +101,7 @@ class Sidecar:
         self.gate = PeerGate(self.ctx, peers)  # one ZAP handler per context: every bound socket asks it
         self.gate.start()
         self.sockets = SocketSet(self.ctx, self.limits, guard=self.gate.guard)
-        self.pinned = tuple(instance_ids) + tuple(v.instance_id for v in vllm)
+        self.pinned = tuple(dict.fromkeys((*instance_ids, *(v.instance_id for v in vllm))))
         ttl_s = store.instance_ttl_ms / 1000
         self.heartbeat_s = heartbeat_s or (min(1.0, max(0.1, ttl_s / 3)) if ttl_s > 0 else 1.0)
         self.liveness = Liveness(store, self.sidecar_id, grace_s=grace_s, timeout_s=probe_timeout_s,

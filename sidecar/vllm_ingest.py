@@ -211,7 +211,7 @@ class VllmIngest:
                 self._reject(exc.reason, str(exc))
                 outcome = "refused"
         metrics.CATCHUPS.labels(outcome).inc()
-        if outcome not in ("current", "no_answer"):
+        if outcome not in ("current", "no_answer", "refused"):
             log.info("%s rank %d: catch-up on connect: %s (last seq %s)", self.instance_id, rank, outcome,
                      self.ranks[rank].last)
         return outcome

@@ -201,3 +201,40 @@ def test_the_controllers_embedded_sidecar_refuses_another_sidecars_instance(r, r
     finally:
         ctl.stop()
         a.stop()
+
+
+def test_a_vllm_sidecar_for_another_sidecars_instance_writes_nothing_until_it_is_free(r, redis_args):
+    from kvlookup.client import Client, VllmChains
+    from tests.support.vllm_helpers import LoopbackPublisher, layout, payload, stored
+
+    tokens = list(range(1000, 1032))
+    client = Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
+    a = _sidecar(redis_args, "A")
+    assert _register(a.reply_url, "inst")["type"] == "RegisterRetMsg"  # A wrote for it first
+    pub = LoopbackPublisher()
+    v = _sidecar(redis_args, "V", "--instance-id", "inst", "--vllm-endpoint", pub.endpoint,
+                 "--vllm-replay-endpoint", pub.replay_endpoint)
+    try:
+        assert wait_for(lambda: _metric(v, "instance_owned", "sidecar"), 1.0) == 1.0  # its pin was refused
+        for _ in range(3):
+            pub.publish(payload(stored([1, 2], tokens)))
+        assert wait_for(lambda: _metric(v, "instance_owned", "vllm") >= 3, True) is True
+        assert layout(client, tokens) == {}  # nothing of V's written: A's worker has no records
+        assert r.hget(keys.worker_key("inst", 0), "epoch") == "1"
+        assert r.hget(keys.owners_key(), "inst") == "A"
+
+        a.stop()  # A signs off: the instance is free, V takes it at its next batch and rebuilds from replay
+        start = time.monotonic()
+
+        def answer() -> dict:
+            pub.publish(payload(stored([3], tokens[:16])))
+            time.sleep(0.2)
+            return layout(client, tokens)
+
+        assert wait_for(answer, {"inst": ("GPU", 32)}, timeout=10) == {"inst": ("GPU", 32)}
+        print(f"vLLM sidecar took the instance {time.monotonic() - start:.1f} s after the owner's stop")
+        assert r.hget(keys.owners_key(), "inst") == "V"
+    finally:
+        v.stop()
+        a.kill()
+        pub.close()
