@@ -63,7 +63,7 @@ class OtherWriter(Refused):
 
     def __init__(self, instance_id: str, who: str):
         self.instance_id, self.who = instance_id, who
-        kind, _, other = who.partition(":")
+        kind = who.partition(":")[0]
         self.reason = {"claim": "instance_claimed", "owner": "instance_owned"}.get(kind, "instance_mp")
         super().__init__(describe_writer(instance_id, who))
 
@@ -376,7 +376,9 @@ class Store:
 
     def own(self, sidecar_id: str, instance_id: str) -> None:
         """Make ``sidecar_id`` the owner of an instance (the sidecar renewing its lease) and
-        renew the lease; a previous owner stops renewing it."""
+        renew the lease; a previous owner stops renewing it. OtherWriter (nothing written) when
+        another writer holds the instance: a live claimer, a live first owner (unless
+        ``shared_ownership``), an LMCache MP registration (scripts.OWN checks it atomically)."""
         for _ in range(MAX_RETRIES):
             prev = self.r.hget(keys.owners_key(), instance_id) or ""
             mine = keys.sidecar_instances_key(sidecar_id)
