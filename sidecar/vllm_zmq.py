@@ -46,6 +46,17 @@ REDISCOVER_TRIES = 30
 REDISCOVER_TIMEOUT_S = 1.0
 
 
+def ipv6(sock: zmq.Socket, url: str) -> None:
+    """libzmq reaches an IPv6 literal (``tcp://[fd00::5]:5557``) only with ZMQ_IPV6 on."""
+    if "[" in url:
+        sock.setsockopt(zmq.IPV6, 1)
+
+
+def subscribe(sock: zmq.Socket, url: str, topic: str) -> None:
+    ipv6(sock, url)
+    sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+
+
 class ReplayClient:
     """Asks vLLM's replay ROUTER for buffered batches, synchronously.
 
@@ -104,6 +115,7 @@ class ReplayClient:
                 return None
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            ipv6(sock, url)
             sock.connect(url)
             self.socks[rank] = sock
         return sock
@@ -226,7 +238,7 @@ class VllmLoop:
 
         sock = self.sockets.add(zmq.SUB, handler, bind=rs.endpoint if rs.bind else None,
                                 connect=None if rs.bind else rs.endpoint, on_event=on_event,
-                                setup=lambda s: s.setsockopt(zmq.SUBSCRIBE, rs.topic.encode()))
+                                setup=lambda s: subscribe(s, rs.endpoint, rs.topic))
         if rs.replay_endpoint:
             self.catchups[key] = [0.0]  # at start: whatever was published while no sidecar listened
         return sock
@@ -248,8 +260,9 @@ class VllmLoop:
                 continue
             source = self.sources[iid]
             url = source.vllm_url or ""
+            own = frozenset(rs.endpoint for rs in source.ranks if rs.bind)
             try:
-                found = discover(url, timeout_s=REDISCOVER_TIMEOUT_S)
+                found = discover(url, timeout_s=REDISCOVER_TIMEOUT_S, own=own)
             except DiscoveryError as exc:
                 if tries + 1 >= REDISCOVER_TRIES:
                     log.warning("vLLM %s: %s; keeping its last endpoints", iid, exc)

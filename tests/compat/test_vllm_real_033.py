@@ -12,8 +12,10 @@ import pytest
 from kvlookup.client import Client, VllmChains
 from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.vllm_zmq import VllmSource
+from tests.sidecar.test_vllm_discovery import MODEL, FakeVllmServer
 from tests.sidecar.test_vllm_hybrid import FULL, MAMBA, SW, WORKED_HELD, A, P
 from tests.support.helpers import vllm_sidecar, wait_for
+from tests.support.procs import SidecarProc
 from tests.support.vllm_helpers import RealPublisher, detail, layout, real_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
@@ -160,3 +162,44 @@ def test_sidecar_restarted_while_engine_published(r, client):
             1, {}, {"pod-a": ("GPU", 32, {"GPU": 32})})
     finally:
         pod.close()
+
+
+def test_vllm_url_alone_with_publishers_on_port_0(r, redis_args):
+    """``--vllm-url`` in front of vLLM's own publishers started as ``tcp://*:0`` (the OS picks each
+    port; ``/kv_event_sources`` is how a consumer learns them). What they report is vLLM's resolved
+    KVEventsConfig: a concrete address it *bound* (kv_events.py ``_bind``), so the sidecar connects.
+    Every DP rank, lookups scoped by the model, and an engine restart on new ports followed."""
+    def engine() -> list[RealPublisher]:
+        return [RealPublisher(V, "tcp://*:0", "tcp://*:0", dp_rank=rank, topic="kv@pod") for rank in (0, 1)]
+
+    def sources(pubs: list[RealPublisher]) -> dict:
+        return {str(rank): p.config for rank, p in enumerate(pubs)}
+
+    pubs = engine()
+    server = FakeVllmServer(sources(pubs))
+    client = Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
+    inst = server.url.removeprefix("http://")
+    sc = None
+    try:
+        assert [(p.config["endpoint"].rpartition(":")[0], p.config["replay_endpoint"].rpartition(":")[0],
+                 p.config["topic"]) for p in pubs] == [("tcp://127.0.0.1", "tcp://127.0.0.1", "kv@pod")] * 2
+        pubs[0].send({"stored": {"token_ids": A[:16], "block_size": 16}})  # before the sidecar listens
+        sc = SidecarProc(*redis_args, "--vllm-url", server.url).start()
+        pubs[1].send({"stored": {"token_ids": A, "block_size": 16}})
+        want = {inst: ("GPU", 32, {"0": 16, "1": 32})}
+        assert wait_for(lambda: layout(client, A, "ranks", model_name=MODEL), want) == want
+        assert layout(client, A, "ranks", model_name="another-model") == {}
+        for p in pubs:  # the engine restarts: new ports
+            assert p.close() == 0
+        pubs = engine()
+        server.sources = sources(pubs)
+        pubs[1].send({"stored": {"token_ids": B, "block_size": 16}})
+        want = {inst: ("GPU", 16, {"1": 16})}
+        assert wait_for(lambda: layout(client, B, "ranks", model_name=MODEL), want, timeout=10.0) == want
+        assert layout(client, A, "ranks") == {}  # the restarted engine's cache is empty
+    finally:
+        if sc is not None:
+            sc.stop()
+        server.close()
+        for p in pubs:
+            p.close()

@@ -6,13 +6,15 @@
     .venv-vllm/bin/python tests/compat/vllm_publisher.py golden --vllm-src ... --out DIR [--int-hashes 0]
 
 ``serve`` builds vLLM's own ``ZmqEventPublisher`` through ``EventPublisherFactory.create
-(KVEventsConfig(...))`` as the engine does, prints ``{"ready": true, "vllm_version": ...}`` once
-bound, then publishes one ``KVEventBatch`` per stdin line and answers ``{"published": seq,
-"batch": {...}}`` after vLLM's publisher thread sent it (``{"error": ...}`` for a bad line;
-``{"quit": true}`` or EOF stops it, through vLLM's ``shutdown()``). Block hashes are vLLM's own
-(``hash_block_tokens`` with ``get_hash_fn_by_name("sha256")``, ``init_none_hash`` under
-PYTHONHASHSEED=0, ``maybe_convert_block_hash``); in the answer they are ints, or "hex:..."
-strings with ``--int-hashes 0`` (bytes hashes).
+(KVEventsConfig(...))`` as the engine does, prints ``{"ready": true, "vllm_version": ...,
+"config": ...}`` once bound (``config``: the publisher's resolved KVEventsConfig on 0.33+, what
+``/kv_event_sources`` serves; ``tcp://*:0`` binds ``VLLM_HOST_IP``), then publishes one
+``KVEventBatch`` per stdin line and answers ``{"published": seq, "batch": {...}}`` after vLLM's
+publisher thread sent it (``{"error": ...}`` for a bad line; ``{"quit": true}`` or EOF stops it,
+through vLLM's ``shutdown()``). Block hashes are vLLM's own (``hash_block_tokens`` with
+``get_hash_fn_by_name("sha256")``, ``init_none_hash`` under PYTHONHASHSEED=0,
+``maybe_convert_block_hash``); in the answer they are ints, or "hex:..." strings with
+``--int-hashes 0`` (bytes hashes).
 
 Lines (one batch each):
   {"stored": {"token_ids": [...], "block_size": 16, "prefix_token_ids"?: [...],
@@ -181,6 +183,17 @@ def shutdown(pub) -> None:
         os._exit(1)
 
 
+def resolved_config(pub) -> dict | None:
+    """vLLM 0.33+: the publisher's resolved KVEventsConfig (what the engine hands the API server at
+    its handshake and ``GET /kv_event_sources`` serves: ports offset by the rank, ``tcp://*:0``
+    resolved to the node IP and port it bound), as JSON; None before 0.33."""
+    import dataclasses
+
+    get = getattr(pub, "get_publisher_config", None)
+    config = get() if get is not None else None
+    return dataclasses.asdict(config) if config is not None else None
+
+
 def say(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
 
@@ -195,7 +208,7 @@ def setup(args):
 def serve(args) -> int:
     v, events = setup(args)
     pub = publisher(v, args)
-    say({"ready": True, "vllm_version": v.version, "standins": v.standins})
+    say({"ready": True, "vllm_version": v.version, "standins": v.standins, "config": resolved_config(pub)})
     seq = 0
     try:
         for raw in sys.stdin:

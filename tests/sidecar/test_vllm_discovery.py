@@ -16,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvlookup.client import Client, VllmChains
-from kvlookup.sidecar.vllm_discovery import DiscoveryError, discover
+from kvlookup.proc.redis_server import free_port
+from kvlookup.sidecar.vllm_discovery import DiscoveryError, _reachable, discover
 from tests.support.helpers import wait_for
 from tests.support.procs import ROOT, SidecarProc
 from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, layout, payload, stored
@@ -78,12 +79,38 @@ def test_discover_reads_every_rank_and_the_model():
         assert [(rs.rank, rs.endpoint, rs.replay_endpoint, rs.topic, rs.bind) for rs in found.ranks] == [
             (r, f"tcp://127.0.0.1:{p.port}", f"tcp://127.0.0.1:{p.replay_port}", "kv@pod", False)
             for r, p in enumerate(pubs)]
-        server.sources = {"0": {**events_config(pubs[0]), "endpoint": "tcp://10.1.2.3:5557"}}  # vLLM connects
+        free = free_port()
+        server.sources = {"0": {**events_config(pubs[0]), "endpoint": f"tcp://127.0.0.1:{free}"}}  # vLLM connects
         assert discover(server.url).ranks[0].bind is True
     finally:
         server.close()
         for p in pubs:
             p.close()
+
+
+def test_bind_or_connect_as_vllm_resolved_the_endpoint():
+    """vLLM binds ``*``, ``::`` and ipc endpoints and connects to the rest (kv_events.py
+    ``_is_bind_endpoint``), but reports ``tcp://*:0`` as the concrete address it bound (``_bind``):
+    a concrete endpoint this host cannot bind (not its address, or a listener on the port) was
+    bound by vLLM; one it can bind is where vLLM connects, and so is one this sidecar binds already."""
+    listener = LoopbackPublisher()  # a port with a listener: what vLLM's tcp://*:0 leaves
+    free = free_port()
+    try:
+        cases = {
+            f"tcp://*:{free}": (f"tcp://pod:{free}", False),
+            f"tcp://0.0.0.0:{free}": (f"tcp://pod:{free}", False),
+            "tcp://[::]:5557": ("tcp://pod:5557", False),
+            "tcp://[fd00::5]:5557": ("tcp://[fd00::5]:5557", False),  # holds "::": vLLM binds
+            "ipc:///tmp/kv": ("ipc:///tmp/kv", False),
+            f"tcp://127.0.0.1:{listener.port}": (f"tcp://127.0.0.1:{listener.port}", False),
+            "tcp://192.0.2.7:5557": ("tcp://192.0.2.7:5557", False),  # not this host's: vLLM bound it
+            f"tcp://127.0.0.1:{free}": (f"tcp://127.0.0.1:{free}", True),  # vLLM connects here
+        }
+        assert {e: _reachable(e, "pod") for e in cases} == cases
+        own = f"tcp://127.0.0.1:{listener.port}"
+        assert _reachable(own, "pod", frozenset({own})) == (own, True)  # the sidecar's own bind, kept
+    finally:
+        listener.close()
 
 
 def test_older_server_one_line_error(redis_args):
