@@ -155,3 +155,25 @@ def test_vllm_url_alone_subscribes_every_rank_scopes_by_model_and_follows_a_rest
         server.close()
         for p in pubs:
             p.close()
+
+
+def test_older_server_with_vllm_endpoint_falls_back_to_it(r, redis_args, tmp_path):
+    """``--vllm-url`` of a server older than 0.33 beside ``--vllm-endpoint``: the one line is logged
+    and the sidecar subscribes to the endpoint given."""
+    server = FakeVllmServer({}, old=True)
+    pub = LoopbackPublisher(topic=b"kv@pod")
+    client = Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
+    sc = SidecarProc(*redis_args, "--log-level", "INFO", "--vllm-url", server.url, "--instance-id", "pod-a",
+                     "--vllm-endpoint", pub.endpoint, "--vllm-replay-endpoint", pub.replay_endpoint,
+                     log=tmp_path / "sidecar.log").start()
+    try:
+        pub.publish(payload(stored([1, 2], A)), send=False)  # caught up from replay at start
+        want = {"pod-a": ("GPU", 32)}
+        assert wait_for(lambda: layout(client, A), want) == want
+        assert [line.split("WARNING", 1)[-1].split(": ", 1)[-1] for line in sc.lines("older than 0.33")] == [
+            f"{server.url}/kv_event_sources answered 404: vLLM older than 0.33 has no /kv_event_sources; "
+            f"give --vllm-endpoint (and --vllm-replay-endpoint) instead; using --vllm-endpoint {pub.endpoint}"]
+    finally:
+        sc.stop()
+        server.close()
+        pub.close()
