@@ -103,14 +103,18 @@ class ReplayClient:
                 broken = True
             if not broken:
                 run.append((seq, payload))
-        log.warning("replay from %s (rank %d, seq %d) gave up after %d batch(es)", self.url, rank, start, len(run))
+        log.warning("replay from %s (rank %d, seq %d) gave up after %d batch(es)", self._url(rank), rank, start,
+                    len(run))
         self._drop(rank)  # late replies must not reach the next request
         return None
+
+    def _url(self, rank: int) -> str | None:
+        return self.urls.get(rank) if self.urls else (with_port_offset(self.url, rank) if self.url else None)
 
     def _socket(self, rank: int) -> zmq.Socket | None:
         sock = self.socks.get(rank)
         if sock is None:
-            url = self.urls.get(rank) if self.urls else (with_port_offset(self.url, rank) if self.url else None)
+            url = self._url(rank)
             if url is None:
                 return None
             sock = self.ctx.socket(zmq.DEALER)

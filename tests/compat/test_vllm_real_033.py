@@ -203,3 +203,31 @@ def test_vllm_url_alone_with_publishers_on_port_0(r, redis_args):
         server.close()
         for p in pubs:
             p.close()
+
+
+def test_restarted_publisher_that_connects_to_a_bound_sidecar(r, client):
+    """vLLM given a concrete address connects its PUB to the sidecar's bound SUB (kv_events.py
+    ``_is_bind_endpoint``): its restart is seen as a new accepted connection, and the batch it
+    published at once is caught up from replay with nothing published after it."""
+    port, rport = free_port(), free_port()
+    source = VllmSource("pod-a", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", bind=True,
+                        replay_timeout_s=1.0)
+    sc = vllm_sidecar(r, source)
+    pub = RealPublisher(V, f"tcp://localhost:{port}", rport)  # no '*' or '::': vLLM connects
+    try:
+        pub.send({"stored": {"token_ids": A, "block_size": 16}})
+        want = {"pod-a": ("GPU", 32, {"GPU": 32})}
+        assert wait_for(lambda: layout(client, A, "locations"), want) == want
+        assert pub.close() == 0
+        pub = RealPublisher(V, f"tcp://localhost:{port}", rport)  # seq back to 0
+        start = time.monotonic()
+        pub.send({"stored": {"token_ids": B, "block_size": 16}})  # right away, then quiet
+        want = ({}, {"pod-a": ("GPU", 16, {"GPU": 16})})
+        both = lambda: (layout(client, A, "locations"), layout(client, B, "locations"))  # noqa: E731
+        assert wait_for(both, want, timeout=3.0) == want
+        assert time.monotonic() - start < 3.0
+        ing = sc.ingest("pod-a")
+        assert (ing.ranks[0].last, dict(ing.resyncs)) == (0, {"engine_restart": 1})
+    finally:
+        sc.close()
+        pub.close()
