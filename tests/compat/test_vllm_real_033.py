@@ -231,3 +231,37 @@ def test_restarted_publisher_that_connects_to_a_bound_sidecar(r, client):
     finally:
         sc.close()
         pub.close()
+
+
+def test_sparse_sliding_window_and_mamba_stores(pod, client):
+    """vLLM 0.33 caches a sliding-window or Mamba group sparsely (Mamba's align mode keeps the
+    last state of a step; sparse retention masks blocks): its BlockStored lists only the kept
+    blocks' hashes while token_ids cover the whole range (v1/core/block_pool.py:277-317). One
+    step of a 100-token prompt, groups cached in index order (the sliding-window group's store
+    comes before full attention's), then a 132-token prompt continuing it after the
+    sliding-window group lost block 5 (the parent of its next store)."""
+    def step(tokens: list[int], start: int, end: int, keep: dict[int, list[int]]) -> list[dict]:
+        rows = []
+        for g, kind in ((0, SW), (1, FULL), (2, MAMBA)):
+            spec = {"token_ids": tokens[16 * start:16 * end], "prefix_token_ids": tokens[:16 * start],
+                    "block_size": 16, "group_idx": g, **kind}
+            if g in keep:
+                spec["keep_blocks"] = keep[g]
+            spec["extra_keys"] = [None] * len(keep.get(g, range(end - start)))
+            rows.append({"stored": spec})
+        return rows
+
+    pod.pub.send({"batch": step(T, 0, 6, {0: [4, 5], 2: [5]})})  # SW keeps its window's tail, Mamba its last state
+    ing = pod.ingest()
+    assert wait_for(lambda: ing.ranks[0].last, 0) == 0
+    got = detail(client, T)["pod-a"]
+    assert (got["matched_prefix_length"], got["reusable_prefix_length"]) == (96, 96)
+    pod.pub.send({"removed": {"token_ids": T[80:96], "prefix_token_ids": T[:80], "block_size": 16, "group_idx": 0}})
+    t2 = T[:96] + list(range(9000, 9036))  # 132 tokens: 8 full blocks
+    pod.pub.send({"batch": step(t2, 6, 8, {2: [1]})})  # SW dense (parent: its evicted block 5), Mamba block 7
+    assert wait_for(lambda: ing.ranks[0].last, 2) == 2
+    got = detail(client, t2)["pod-a"]
+    assert (got["matched_prefix_length"], got["reusable_prefix_length"]) == (128, 128)
+    got = detail(client, T)["pod-a"]  # SW lost block 5: its window of 2 blocks ending at 96 is gone
+    assert (got["matched_prefix_length"], got["reusable_prefix_length"]) == (96, 0)
+    assert (dict(ing.rejected), dict(ing.skipped)) == ({}, {})

@@ -19,6 +19,7 @@ through vLLM's ``shutdown()``). Block hashes are vLLM's own (``hash_block_tokens
 Lines (one batch each):
   {"stored": {"token_ids": [...], "block_size": 16, "prefix_token_ids"?: [...],
               "hash_token_ids"?: [...], "block_hashes"?: [int | "hex:.." | "0x.."], "medium"?: "GPU",
+              "keep_blocks"?: [i, ...] (only these blocks' hashes: a sparse sliding-window/Mamba store),
               "lora_id"?, "lora_name"?, other fields of the version's BlockStored}}
   {"removed": {"token_ids": [...], "block_size": 16, "prefix_token_ids"?} | {"block_hashes": [...]}}
   {"cleared": {}}          {"batch": [{"stored": {...}}, {"cleared": {}}, ...]}
@@ -93,12 +94,15 @@ class Events:
         spec = {"parent_block_hash": None, "lora_id": None, "medium": "GPU", "lora_name": None, **spec}
         prefix = spec.pop("prefix_token_ids", None) or []
         hashed = spec.pop("hash_token_ids", None)
+        keep = spec.pop("keep_blocks", None)
         if spec.get("block_hashes") is None:
             size = int(spec["block_size"])
             _, ext = self.chain(list(prefix) + list(spec["token_ids"] if hashed is None else hashed), size)
             spec["block_hashes"] = ext[len(prefix) // size:]
             if prefix:
                 spec["parent_block_hash"] = ext[len(prefix) // size - 1]
+            if keep is not None:  # null/masked blocks skipped, token_ids kept whole (block_pool.py:277-317)
+                spec["block_hashes"] = [spec["block_hashes"][i] for i in keep]
         else:
             spec["block_hashes"] = [literal_hash(h) for h in spec["block_hashes"]]
             spec["parent_block_hash"] = literal_hash(spec["parent_block_hash"])
