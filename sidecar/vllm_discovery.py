@@ -34,7 +34,14 @@ WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
 
 
 class DiscoveryError(ValueError):
-    """The server could not tell its endpoints; the message is one line for the operator."""
+    """The server could not tell its endpoints; the message is one line for the operator.
+    ``transient``: it did not answer (unreachable, timed out, 5xx: an engine still loading or
+    restarting), so asking again may succeed; else its answer was final (404 of a server older
+    than 0.33, no ZMQ publisher, a body that is not vLLM's)."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 class _EventsConfig(msgspec.Struct):
@@ -149,6 +156,6 @@ def _get(url: str, timeout_s: float, older_hint: bool = False) -> bytes:
         if exc.code == 404 and older_hint:
             raise DiscoveryError(f"{url} answered 404: vLLM older than 0.33 has no /kv_event_sources; "
                                  "give --vllm-endpoint (and --vllm-replay-endpoint) instead") from None
-        raise DiscoveryError(f"{url} answered HTTP {exc.code}") from None
+        raise DiscoveryError(f"{url} answered HTTP {exc.code}", transient=exc.code >= 500) from None
     except (urllib.error.URLError, OSError) as exc:
-        raise DiscoveryError(f"{url}: {getattr(exc, 'reason', exc)}") from None
+        raise DiscoveryError(f"{url}: {getattr(exc, 'reason', exc)}", transient=True) from None

@@ -39,10 +39,12 @@ TOTAL_TIMEOUTS = 5
 #: When a SUB socket (re)connects, catch up after each of these delays (seconds).
 CATCH_UP_DELAYS_S = (0.05, 1.0)
 #: A discovered engine whose SUB connection dropped: read its URL again after this long, then
-#: every REDISCOVER_EVERY_S, at most REDISCOVER_TRIES times, each GET waiting at most the timeout.
+#: every REDISCOVER_EVERY_S for REDISCOVER_TRIES tries, then every REDISCOVER_SLOW_S until it
+#: answers (an engine reloading its model takes minutes), each GET waiting at most the timeout.
 REDISCOVER_AFTER_S = 1.0
 REDISCOVER_EVERY_S = 2.0
 REDISCOVER_TRIES = 30
+REDISCOVER_SLOW_S = 10.0
 REDISCOVER_TIMEOUT_S = 1.0
 
 
@@ -268,11 +270,14 @@ class VllmLoop:
             try:
                 found = discover(url, timeout_s=REDISCOVER_TIMEOUT_S, own=own)
             except DiscoveryError as exc:
-                if tries + 1 >= REDISCOVER_TRIES:
+                if not exc.transient:  # it answered, and not with its endpoints
                     log.warning("vLLM %s: %s; keeping its last endpoints", iid, exc)
                     del self.rediscover[iid]
-                else:
-                    self.rediscover[iid] = (now + REDISCOVER_EVERY_S, tries + 1)
+                    continue
+                if tries + 1 == REDISCOVER_TRIES:
+                    log.warning("vLLM %s: %s; asking again every %.0fs", iid, exc, REDISCOVER_SLOW_S)
+                slow = tries + 1 >= REDISCOVER_TRIES
+                self.rediscover[iid] = (now + (REDISCOVER_SLOW_S if slow else REDISCOVER_EVERY_S), tries + 1)
                 continue
             del self.rediscover[iid]
             new = VllmSource.discovered(iid, url, found, source.replay_timeout_s)

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -18,7 +19,7 @@ import pytest
 from kvlookup.client import Client, VllmChains
 from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.vllm_discovery import DiscoveryError, _reachable, discover
-from tests.support.helpers import wait_for
+from tests.support.helpers import vllm_sidecar, wait_for
 from tests.support.procs import ROOT, SidecarProc
 from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, layout, payload, stored
 
@@ -31,7 +32,7 @@ class FakeVllmServer:
     """/kv_event_sources and /v1/models as vLLM 0.33 serves them; ``sources`` may be changed
     (an engine restarted on other ports); ``old`` answers 404 there, as servers before 0.33."""
 
-    def __init__(self, sources: dict, model: str = MODEL, old: bool = False):
+    def __init__(self, sources: dict, model: str = MODEL, old: bool = False, port: int = 0):
         self.sources, self.model, self.old = sources, model, old
         outer = self
 
@@ -54,7 +55,7 @@ class FakeVllmServer:
             def log_message(self, *args):
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), SourcesHandler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), SourcesHandler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -175,5 +176,63 @@ def test_older_server_with_vllm_endpoint_falls_back_to_it(r, redis_args, tmp_pat
             f"give --vllm-endpoint (and --vllm-replay-endpoint) instead; using --vllm-endpoint {pub.endpoint}"]
     finally:
         sc.stop()
+        server.close()
+        pub.close()
+
+
+def test_sidecar_waits_for_a_server_still_loading(r, redis_args, tmp_path):
+    """At start the vLLM server does not answer yet (its engine is loading the model): the sidecar
+    says so once and asks again until it answers, instead of exiting."""
+    port = free_port()
+    pub = LoopbackPublisher(topic=b"kv@pod")
+    url = f"http://127.0.0.1:{port}"
+    servers: list[FakeVllmServer] = []
+    later = threading.Timer(3.0, lambda: servers.append(FakeVllmServer({"0": events_config(pub)}, port=port)))
+    later.start()
+    sc = SidecarProc(*redis_args, "--vllm-url", url, log=tmp_path / "sidecar.log")
+    client = Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
+    try:
+        sc.start(timeout=30)
+        assert len(sc.lines("waiting for the vLLM server")) == 1
+        pub.publish(payload(stored([1, 2], A)))
+        want = {f"127.0.0.1:{port}": ("GPU", 32)}
+        assert wait_for(lambda: layout(client, A, model_name=MODEL), want) == want
+    finally:
+        later.cancel()
+        later.join()
+        sc.stop()
+        for server in servers:
+            server.close()
+        pub.close()
+
+
+def test_rediscovery_outlasts_a_long_restart(r, monkeypatch):
+    """An engine restart that keeps the server down past the fast retries (a model reload takes
+    minutes) is still followed: the URL is asked again, slower, until it answers."""
+    from kvlookup.sidecar import vllm_zmq
+
+    monkeypatch.setattr(vllm_zmq, "REDISCOVER_AFTER_S", 0.1)
+    monkeypatch.setattr(vllm_zmq, "REDISCOVER_EVERY_S", 0.1)
+    monkeypatch.setattr(vllm_zmq, "REDISCOVER_TRIES", 3)
+    monkeypatch.setattr(vllm_zmq, "REDISCOVER_SLOW_S", 0.5)
+    pub = LoopbackPublisher(topic=b"kv@pod")
+    server = FakeVllmServer({"0": events_config(pub)})
+    port = server.httpd.server_address[1]
+    source = vllm_zmq.VllmSource.discovered("pod-a", server.url, discover(server.url), replay_timeout_s=0.5)
+    sc = vllm_sidecar(r, source)
+    client = Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
+    try:
+        pub.publish(payload(stored([1, 2], A)))
+        assert wait_for(lambda: layout(client, A), {"pod-a": ("GPU", 32)}) == {"pod-a": ("GPU", 32)}
+        pub.close()  # the engine stops, and so does its API server, for longer than the fast retries
+        server.close()
+        time.sleep(2.0)
+        pub = LoopbackPublisher(topic=b"kv@pod")  # back on other ports
+        server = FakeVllmServer({"0": events_config(pub)}, port=port)
+        pub.publish(payload(stored([7], B)), send=False)
+        want = {"pod-a": ("GPU", 16)}
+        assert wait_for(lambda: layout(client, B), want, timeout=5.0) == want
+    finally:
+        sc.close()
         server.close()
         pub.close()
