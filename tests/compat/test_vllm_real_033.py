@@ -15,7 +15,7 @@ from kvlookup.sidecar.vllm_zmq import VllmSource
 from tests.sidecar.test_vllm_discovery import MODEL, FakeVllmServer
 from tests.sidecar.test_vllm_hybrid import FULL, MAMBA, SW, WORKED_HELD, A, P
 from tests.support.helpers import vllm_sidecar, wait_for
-from tests.support.procs import SidecarProc
+from tests.support.procs import ControllerProc, SidecarProc
 from tests.support.vllm_helpers import RealPublisher, detail, layout, real_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
@@ -180,6 +180,12 @@ def test_vllm_url_alone_with_publishers_on_port_0(r, redis_args):
     client = Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
     inst = server.url.removeprefix("http://")
     sc = None
+    ctl = ControllerProc(*redis_args, "--workers", "1").wait_ready()
+
+    def http(tokens: list[int], model: str) -> dict:  # POST /lookup through the real controller
+        body = ctl.session.post(f"{ctl.http}/lookup", json={"tokens": tokens, "model_name": model}, timeout=10).json()
+        return {k: v for k, v in body.items() if k != "event_id"}
+
     try:
         assert [(p.config["endpoint"].rpartition(":")[0], p.config["replay_endpoint"].rpartition(":")[0],
                  p.config["topic"]) for p in pubs] == [("tcp://127.0.0.1", "tcp://127.0.0.1", "kv@pod")] * 2
@@ -189,6 +195,8 @@ def test_vllm_url_alone_with_publishers_on_port_0(r, redis_args):
         want = {inst: ("GPU", 32, {"0": 16, "1": 32})}
         assert wait_for(lambda: layout(client, A, "ranks", model_name=MODEL), want) == want
         assert layout(client, A, "ranks", model_name="another-model") == {}
+        assert wait_for(lambda: http(A, MODEL), {inst: ["GPU", 32]}) == {inst: ["GPU", 32]}
+        assert http(A, "another-model") == {}
         for p in pubs:  # the engine restarts: new ports
             assert p.close() == 0
         pubs = engine()
@@ -200,6 +208,7 @@ def test_vllm_url_alone_with_publishers_on_port_0(r, redis_args):
     finally:
         if sc is not None:
             sc.stop()
+        ctl.stop()
         server.close()
         for p in pubs:
             p.close()

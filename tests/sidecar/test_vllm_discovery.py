@@ -20,7 +20,7 @@ from kvlookup.client import Client, VllmChains
 from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.vllm_discovery import DiscoveryError, _reachable, discover
 from tests.support.helpers import vllm_sidecar, wait_for
-from tests.support.procs import ROOT, SidecarProc
+from tests.support.procs import ROOT, ControllerProc, SidecarProc
 from tests.support.vllm_helpers import LoopbackPublisher, dp_publishers, layout, payload, stored
 
 A = list(range(1000, 1032))
@@ -133,6 +133,7 @@ def test_vllm_url_alone_subscribes_every_rank_scopes_by_model_and_follows_a_rest
     pubs = dp_publishers(topic=b"kv@pod")
     server = FakeVllmServer({str(rank): events_config(p) for rank, p in enumerate(pubs)})
     sc = SidecarProc(*redis_args, "--vllm-url", server.url).start()
+    ctl = ControllerProc(*redis_args, "--workers", "1").wait_ready()
     client = Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
     inst = server.url.removeprefix("http://")
     try:
@@ -142,6 +143,12 @@ def test_vllm_url_alone_subscribes_every_rank_scopes_by_model_and_follows_a_rest
         assert wait_for(lambda: layout(client, A, "ranks", model_name=MODEL), want) == want
         assert layout(client, A, "ranks", model_name="another-model") == {}
         assert layout(client, A, "ranks") == want  # no model named: every instance
+        def http(model: str) -> dict:  # POST /lookup through the real controller
+            got = ctl.session.post(f"{ctl.http}/lookup", json={"tokens": A, "model_name": model}, timeout=10).json()
+            return {k: v for k, v in got.items() if k != "event_id"}
+
+        assert wait_for(lambda: http(MODEL), {inst: ["GPU", 32]}) == {inst: ["GPU", 32]}
+        assert http("another-model") == {}
         # the engine restarts on other ports: the sidecar reads /kv_event_sources again
         for p in pubs:
             p.close()
@@ -153,6 +160,7 @@ def test_vllm_url_alone_subscribes_every_rank_scopes_by_model_and_follows_a_rest
         assert layout(client, A, "ranks") == {}  # the restarted engine's cache is empty
     finally:
         sc.stop()
+        ctl.stop()
         server.close()
         for p in pubs:
             p.close()
