@@ -14,9 +14,10 @@ the OS's choosing and reports that concrete address (kv_events.py:470-482 ``_bin
 exactly like a concrete endpoint vLLM connects to. So a concrete IPv4 or name endpoint is settled
 on this host: when this host cannot bind it (not one of its addresses, or a listener holds the
 port), vLLM bound it and the sidecar connects; when it can, vLLM is connecting to it and the
-sidecar binds it. Endpoints the sidecar binds already (``own``, a re-read after an engine restart)
-stay bound. A server older than 0.33 has no ``/kv_event_sources``: :class:`DiscoveryError` says so
-in one line.
+sidecar binds it. An endpoint the sidecar already uses (``known``, a re-read after an engine
+restart) keeps the decision made for it: an engine that stopped frees the port it bound, and a
+server still answering with its old endpoints must not turn them into binds. A server older
+than 0.33 has no ``/kv_event_sources``: :class:`DiscoveryError` says so in one line.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import socket
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -79,9 +81,9 @@ class Discovered:
     ranks: tuple[RankSource, ...]
 
 
-def discover(url: str, timeout_s: float = 2.0, own: frozenset[str] = frozenset()) -> Discovered:
-    """Read ``url``'s /kv_event_sources and /v1/models. ``own``: endpoints this sidecar binds now
-    (kept bound). Raises DiscoveryError (one line) when the server is unreachable, older than 0.33,
+def discover(url: str, timeout_s: float = 2.0, known: Mapping[str, bool] | None = None) -> Discovered:
+    """Read ``url``'s /kv_event_sources and /v1/models. ``known``: endpoints this sidecar uses now
+    -> whether it binds them (kept). Raises DiscoveryError (one line) when the server is unreachable, older than 0.33,
     publishes no ZMQ events, or answers something else."""
     base = url.rstrip("/")
     host = urllib.parse.urlsplit(base).hostname
@@ -92,7 +94,7 @@ def discover(url: str, timeout_s: float = 2.0, own: frozenset[str] = frozenset()
         configs = msgspec.json.decode(raw, type=dict[int, _EventsConfig])
     except msgspec.DecodeError as exc:
         raise DiscoveryError(f"{base}/kv_event_sources: not a map of dp rank -> KVEventsConfig ({exc})") from None
-    ranks = tuple(_rank(rank, cfg, host, own) for rank, cfg in sorted(configs.items())
+    ranks = tuple(_rank(rank, cfg, host, known or {}) for rank, cfg in sorted(configs.items())
                   if cfg.enable_kv_cache_events and cfg.publisher in (None, "zmq"))
     if not ranks:
         raise DiscoveryError(f"{base}/kv_event_sources lists no ZMQ publisher: start vLLM with "
@@ -108,8 +110,8 @@ def _model(base: str, timeout_s: float) -> str | None:
     return models.data[0].id if models.data else None
 
 
-def _rank(rank: int, cfg: _EventsConfig, host: str, own: frozenset[str]) -> RankSource:
-    endpoint, bind = _reachable(cfg.endpoint, host, own)
+def _rank(rank: int, cfg: _EventsConfig, host: str, known: Mapping[str, bool]) -> RankSource:
+    endpoint, bind = _reachable(cfg.endpoint, host, known)
     replay = _at_host(cfg.replay_endpoint, host) if cfg.replay_endpoint else None  # always bound by vLLM
     return RankSource(rank, endpoint, replay, cfg.topic, bind)
 
@@ -124,10 +126,10 @@ def _at_host(endpoint: str, host: str) -> str:
     return endpoint
 
 
-def _reachable(endpoint: str, host: str, own: frozenset[str] = frozenset()) -> tuple[str, bool]:
+def _reachable(endpoint: str, host: str, known: Mapping[str, bool] | None = None) -> tuple[str, bool]:
     """(address the sidecar uses, whether it binds it) for a PUB endpoint as vLLM resolved it."""
-    if endpoint in own:
-        return endpoint, True
+    if known and endpoint in known:
+        return endpoint, known[endpoint]
     if "*" in endpoint or "::" in endpoint or not endpoint.startswith("tcp://"):
         return _at_host(endpoint, host), False  # vLLM binds it (ipc/inproc, wildcards, IPv6)
     addr, _, port = endpoint.removeprefix("tcp://").rpartition(":")

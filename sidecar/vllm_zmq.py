@@ -198,6 +198,7 @@ class VllmLoop:
         self.sources: dict[str, VllmSource] = {}
         self.subs: dict[str, list[zmq.Socket]] = {}  # instance -> its SUB sockets
         self.rediscover: dict[str, tuple[float, int]] = {}  # instance -> (when, tries) to read its URL again
+        self.disconnected: set[tuple[str, int]] = set()  # (instance, rank) whose SUB connection is away
         self.sidecar_id = sidecar_id
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="kvlookup-vllm", daemon=True)
@@ -235,10 +236,12 @@ class VllmLoop:
 
         def on_event(event: int, _fd: int, _endpoint: str) -> None:
             if event == zmq.EVENT_DISCONNECTED:
+                self.disconnected.add(key)
                 self.down.setdefault(key, time.monotonic() + self.grace_s)
                 if self.sources[key[0]].vllm_url and key[0] not in self.rediscover:
                     self.rediscover[key[0]] = (time.monotonic() + REDISCOVER_AFTER_S, 0)
             elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self.disconnected.discard(key)
                 self.down.pop(key, None)
                 self._schedule_catch_up(key)
 
@@ -257,6 +260,7 @@ class VllmLoop:
             replay.close()
         for key in [k for k in self.catchups if k[0] == instance_id]:
             del self.catchups[key]
+        self.disconnected = {k for k in self.disconnected if k[0] != instance_id}  # new sockets say anew
 
     def _rediscover(self) -> None:
         """Read the URL of each restarted engine again; re-subscribe when its endpoints moved."""
@@ -266,9 +270,9 @@ class VllmLoop:
                 continue
             source = self.sources[iid]
             url = source.vllm_url or ""
-            own = frozenset(rs.endpoint for rs in source.ranks if rs.bind)
+            known = {rs.endpoint: rs.bind for rs in source.ranks}
             try:
-                found = discover(url, timeout_s=REDISCOVER_TIMEOUT_S, own=own)
+                found = discover(url, timeout_s=REDISCOVER_TIMEOUT_S, known=known)
             except DiscoveryError as exc:
                 if not exc.transient:  # it answered, and not with its endpoints
                     log.warning("vLLM %s: %s; keeping its last endpoints", iid, exc)
@@ -279,8 +283,15 @@ class VllmLoop:
                 slow = tries + 1 >= REDISCOVER_TRIES
                 self.rediscover[iid] = (now + (REDISCOVER_SLOW_S if slow else REDISCOVER_EVERY_S), tries + 1)
                 continue
-            del self.rediscover[iid]
             new = VllmSource.discovered(iid, url, found, source.replay_timeout_s)
+            if new.ranks == source.ranks and any(k[0] == iid for k in self.disconnected):
+                # the same endpoints while a rank is still away: maybe the server's old answer
+                # (its engine restarting); ask again until the ranks are back or the answer moves
+                self.sources[iid] = new
+                self.rediscover[iid] = (now + (REDISCOVER_SLOW_S if tries + 1 >= REDISCOVER_TRIES
+                                               else REDISCOVER_EVERY_S), tries + 1)
+                continue
+            del self.rediscover[iid]
             if new.ranks != source.ranks:
                 log.warning("vLLM %s: endpoints changed on restart; subscribing again", iid)
                 self._detach(iid)

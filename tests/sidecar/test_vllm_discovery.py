@@ -93,7 +93,7 @@ def test_bind_or_connect_as_vllm_resolved_the_endpoint():
     """vLLM binds ``*``, ``::`` and ipc endpoints and connects to the rest (kv_events.py
     ``_is_bind_endpoint``), but reports ``tcp://*:0`` as the concrete address it bound (``_bind``):
     a concrete endpoint this host cannot bind (not its address, or a listener on the port) was
-    bound by vLLM; one it can bind is where vLLM connects, and so is one this sidecar binds already."""
+    bound by vLLM; one it can bind is where vLLM connects; one the sidecar uses keeps its decision."""
     listener = LoopbackPublisher()  # a port with a listener: what vLLM's tcp://*:0 leaves
     free = free_port()
     try:
@@ -109,7 +109,9 @@ def test_bind_or_connect_as_vllm_resolved_the_endpoint():
         }
         assert {e: _reachable(e, "pod") for e in cases} == cases
         own = f"tcp://127.0.0.1:{listener.port}"
-        assert _reachable(own, "pod", frozenset({own})) == (own, True)  # the sidecar's own bind, kept
+        assert _reachable(own, "pod", {own: True}) == (own, True)  # the sidecar's own bind, kept
+        gone = f"tcp://127.0.0.1:{free}"  # what a stopped engine had bound: the port is free now
+        assert _reachable(gone, "pod", {gone: False}) == (gone, False)  # still connected to
     finally:
         listener.close()
 
@@ -132,8 +134,8 @@ def test_older_server_one_line_error(redis_args):
 def test_vllm_url_alone_subscribes_every_rank_scopes_by_model_and_follows_a_restart(r, redis_args):
     pubs = dp_publishers(topic=b"kv@pod")
     server = FakeVllmServer({str(rank): events_config(p) for rank, p in enumerate(pubs)})
-    sc = SidecarProc(*redis_args, "--vllm-url", server.url).start()
     ctl = ControllerProc(*redis_args, "--workers", "1").wait_ready()
+    sc = SidecarProc(*redis_args, "--vllm-url", server.url).start()
     client = Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
     inst = server.url.removeprefix("http://")
     try:
