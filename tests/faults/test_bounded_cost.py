@@ -3,16 +3,24 @@
 ``/lookup/explain`` was O(holders^2) (122 s at 20k holders) and ran in the thread pool /health
 shares: 32 concurrent explains starved /health for minutes. Now explain is linear (indexes, one
 ZMSCORE per sorted set), and explains and large-bodied lookups run in a bounded pool of their
-own (app.asgi HEAVY_THREADS + HEAVY_WAITING; beyond that 503 at once). Real gunicorn + uvicorn
-controller, real Redis. Speed figures are printed, not asserted (bench/explain_holders.py
-measures explain at 20k holders).
+own (app.asgi HEAVY_THREADS + HEAVY_WAITING; beyond that 503 at once), explains in a child
+process of the worker (app.explain_pool), so they do not hold the GIL /health needs. Real
+gunicorn + uvicorn controller, real Redis. The responsiveness /health keeps is asserted (p99
+under 100 ms while 32 explains run; 30-45 ms idle host, 50-80 ms at load 5, where the explain
+in a thread of the worker gave 85-130 ms idle and ~260 ms at load 4); explain's own speed is
+printed, not asserted (bench/explain_holders.py measures it at 20k holders).
 """
 
 from __future__ import annotations
 
-import threading
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -21,10 +29,25 @@ from kvlookup.app.asgi import HEAVY_THREADS, HEAVY_WAITING
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.index.store import ADMIT, Store
 from tests.conftest import SEED_TOKENS
+from tests.support.helpers import wait_for
 from tests.support.procs import ControllerProc
 
 HOLDERS = 2000
 CONCURRENT = 32
+HEALTH_P99_S = 0.100
+#: Polls GET argv[1] every 20 ms until stdin closes, then prints [[status, seconds], ...]: a
+#: process of its own, so the 32 explain clients here do not delay its clock or its reads.
+POLLER = """
+import json, sys, threading, time, requests
+done, out = threading.Event(), []
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+with requests.Session() as s:
+    while not done.is_set():
+        t = time.perf_counter()
+        out.append((s.get(sys.argv[1], timeout=30).status_code, time.perf_counter() - t))
+        time.sleep(0.02)
+print(json.dumps(out))
+"""
 
 
 @pytest.mark.single_node
@@ -38,23 +61,13 @@ def test_32_concurrent_explains_leave_health_answering_and_are_bounded(r, redis_
         batch.append((f"inst-{i}", 0, "LocalCPUBackend", [(ADMIT, h) for h in hashes[: 1 + i % 2]]))
     store.apply(batch)
     ctl = ControllerProc("--redis-url", redis_url, "--instance-ttl", "0", "--workers", "1").wait_ready()
-    health: list[tuple[int, float]] = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        with requests.Session() as s:
-            while not stop.is_set():
-                t = time.perf_counter()
-                code = s.get(f"{ctl.http}/health", timeout=30).status_code
-                health.append((code, time.perf_counter() - t))
-                time.sleep(0.02)
+    poller = None
 
     def explain(_i: int) -> tuple[int, float]:
         t = time.perf_counter()
         resp = requests.post(f"{ctl.http}/lookup/explain", json={"tokens": tokens}, timeout=120)
         return resp.status_code, time.perf_counter() - t
 
-    poller = threading.Thread(target=poll)
     try:
         one = explain(0)
         assert one[0] == 200
@@ -65,24 +78,69 @@ def test_32_concurrent_explains_leave_health_answering_and_are_bounded(r, redis_
                 assert s.get(f"{ctl.http}/health", timeout=30).status_code == 200
                 idle.append(time.perf_counter() - t)
         idle.sort()
-        poller.start()
-        with ThreadPoolExecutor(CONCURRENT) as pool:
-            results = list(pool.map(explain, range(CONCURRENT)))
-        stop.set()
-        poller.join()
+        poller = subprocess.Popen([sys.executable, "-c", POLLER, f"{ctl.http}/health"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        time.sleep(0.3)
+        results = []
+        for _ in range(3):  # ~6 s of explains: a p99 of 150+ polls
+            with ThreadPoolExecutor(CONCURRENT) as pool:
+                results += list(pool.map(explain, range(CONCURRENT)))
+        health = json.loads(poller.communicate("", timeout=60)[0])
         codes = [c for c, _ in results]
         assert set(codes) <= {200, 503}
-        assert codes.count(200) >= HEAVY_THREADS  # the pool worked ...
-        assert codes.count(503) >= CONCURRENT - (HEAVY_THREADS + HEAVY_WAITING) - HEAVY_THREADS  # ... bounded
+        assert codes.count(200) >= 3 * HEAVY_THREADS  # the pool worked ...
+        assert codes.count(503) >= 3 * (CONCURRENT - (HEAVY_THREADS + HEAVY_WAITING) - HEAVY_THREADS)  # ... bounded
         assert health and all(code == 200 for code, _ in health)
         lat = sorted(s for _, s in health)
         p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
-        print(f"\n{HOLDERS} holders: one explain {one[1]:.2f} s; {CONCURRENT} concurrent: {codes.count(200)} x 200, "
+        print(f"\n{HOLDERS} holders: one explain {one[1]:.2f} s; 3 x {CONCURRENT} concurrent: "
+              f"{codes.count(200)} x 200, "
               f"{codes.count(503)} x 503; /health {len(lat)} polls, p50 {lat[len(lat) // 2] * 1000:.1f} ms, "
               f"p99 {p99 * 1000:.1f} ms, max {lat[-1] * 1000:.1f} ms (idle: p50 {idle[15] * 1000:.1f} ms, "
-              f"max {idle[-1] * 1000:.1f} ms)")
+              f"max {idle[-1] * 1000:.1f} ms; load {os.getloadavg()[0]:.1f})")
+        assert p99 < HEALTH_P99_S
     finally:
-        stop.set()
-        if poller.is_alive():
-            poller.join()
+        if poller is not None and poller.poll() is None:
+            poller.kill()
+            poller.wait()
+        ctl.stop()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def _explain_child(ctl: ControllerProc) -> tuple[int, int]:
+    """(the worker's pid, its explain process's pid: the child multiprocessing spawned)."""
+    (worker,) = _children(ctl.proc.pid)
+    (child,) = [p for p in _children(worker) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return worker, child
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.single_node
+def test_the_explain_process_is_replaced_when_killed_and_exits_with_its_worker(redis_url):
+    ctl = ControllerProc("--redis-url", redis_url, "--instance-ttl", "0", "--workers", "1").wait_ready()
+    url = f"{ctl.http}/lookup/explain"
+    try:
+        assert requests.post(url, json={"tokens": SEED_TOKENS}, timeout=30).json()["cause"] == "no_holder"
+        worker, child = _explain_child(ctl)
+        os.kill(child, signal.SIGKILL)
+        assert not wait_for(lambda: _alive(child), False, timeout=5)
+        codes = [requests.post(url, json={"tokens": SEED_TOKENS}, timeout=30).status_code for _ in range(2)]
+        assert codes[-1] == 200 and set(codes) <= {200, 503}  # a new child answers
+        _, second = _explain_child(ctl)
+        assert second != child
+        os.kill(worker, signal.SIGKILL)  # gunicorn starts another worker; the orphan goes
+        assert not wait_for(lambda: _alive(second), False, timeout=5)
+        ctl.wait_ready()
+        assert requests.post(url, json={"tokens": SEED_TOKENS}, timeout=30).status_code == 200
+    finally:
         ctl.stop()
