@@ -117,7 +117,7 @@ class AsgiController:
         loop = asyncio.get_running_loop()
         try:
             if explain and self.explains is not None:
-                return await loop.run_in_executor(self.heavy, self.explains.respond, args)
+                return await loop.run_in_executor(self.heavy, self.explains.respond, args, self.route.respond)
             return await loop.run_in_executor(self.heavy, self.route.respond, *args)
         finally:
             self._heavy_now -= 1

@@ -20,17 +20,18 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import requests
 
 from kvlookup.app.asgi import HEAVY_THREADS, HEAVY_WAITING
+from kvlookup.app.explain_pool import RESTART_S
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.index.store import ADMIT, Store
 from tests.conftest import SEED_TOKENS
-from tests.support.helpers import wait_for
-from tests.support.procs import ControllerProc
+from tests.support.helpers import wait_for, wait_until
+from tests.support.procs import ControllerProc, children, cmdline
+from tests.support.procs_embedded import alive
 
 HOLDERS = 2000
 CONCURRENT = 32
@@ -60,7 +61,7 @@ def test_32_concurrent_explains_leave_health_answering_and_are_bounded(r, redis_
         store.register_worker(f"inst-{i}", 0, "127.0.0.1", 0)
         batch.append((f"inst-{i}", 0, "LocalCPUBackend", [(ADMIT, h) for h in hashes[: 1 + i % 2]]))
     store.apply(batch)
-    ctl = ControllerProc("--redis-url", redis_url, "--instance-ttl", "0", "--workers", "1").wait_ready()
+    ctl = _with_explain_process(ControllerProc("--redis-url", redis_url, "--instance-ttl", "0", "--workers", "1"))
     poller = None
 
     def explain(_i: int) -> tuple[int, float]:
@@ -81,15 +82,18 @@ def test_32_concurrent_explains_leave_health_answering_and_are_bounded(r, redis_
         poller = subprocess.Popen([sys.executable, "-c", POLLER, f"{ctl.http}/health"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
         time.sleep(0.3)
-        results = []
+        rounds = []
         for _ in range(3):  # ~6 s of explains: a p99 of 150+ polls
             with ThreadPoolExecutor(CONCURRENT) as pool:
-                results += list(pool.map(explain, range(CONCURRENT)))
+                rounds.append([c for c, _ in pool.map(explain, range(CONCURRENT))])
         health = json.loads(poller.communicate("", timeout=60)[0])
-        codes = [c for c, _ in results]
+        codes = [c for r in rounds for c in r]
         assert set(codes) <= {200, 503}
-        assert codes.count(200) >= 3 * HEAVY_THREADS  # the pool worked ...
-        assert codes.count(503) >= 3 * (CONCURRENT - (HEAVY_THREADS + HEAVY_WAITING) - HEAVY_THREADS)  # ... bounded
+        for r in rounds:
+            assert r.count(200) >= HEAVY_THREADS  # the pool worked ...
+            # ... bounded (the explains ahead finish meanwhile: a few more get in after the first round)
+            assert r.count(503) >= CONCURRENT - (HEAVY_THREADS + HEAVY_WAITING) - 3 * HEAVY_THREADS
+        assert rounds[0].count(503) >= CONCURRENT - (HEAVY_THREADS + HEAVY_WAITING) - HEAVY_THREADS
         assert health and all(code == 200 for code, _ in health)
         lat = sorted(s for _, s in health)
         p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
@@ -106,41 +110,49 @@ def test_32_concurrent_explains_leave_health_answering_and_are_bounded(r, redis_
         ctl.stop()
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out]
+def _explain_ready(ctl: ControllerProc) -> bool | None:
+    return requests.get(f"{ctl.http}/health", timeout=30).json()["components"].get("explain process", {}).get("ready")
+
+
+def _with_explain_process(ctl: ControllerProc) -> ControllerProc:
+    """``ctl`` once /health says its worker's explain process is up (about a second after the
+    worker, several on a loaded host; explains are answered in the worker meanwhile)."""
+    ctl.wait_ready()
+    assert wait_for(lambda: _explain_ready(ctl), True, timeout=60) is True
+    return ctl
 
 
 def _explain_child(ctl: ControllerProc) -> tuple[int, int]:
     """(the worker's pid, its explain process's pid: the child multiprocessing spawned)."""
-    (worker,) = _children(ctl.proc.pid)
-    (child,) = [p for p in _children(worker) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    (worker,) = ctl.workers()
+    (child,) = [p for p in children(worker) if b"spawn_main" in cmdline(p)]
     return worker, child
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.single_node
 def test_the_explain_process_is_replaced_when_killed_and_exits_with_its_worker(redis_url):
-    ctl = ControllerProc("--redis-url", redis_url, "--instance-ttl", "0", "--workers", "1").wait_ready()
+    ctl = _with_explain_process(ControllerProc("--redis-url", redis_url, "--instance-ttl", "0", "--workers", "1"))
     url = f"{ctl.http}/lookup/explain"
     try:
         assert requests.post(url, json={"tokens": SEED_TOKENS}, timeout=30).json()["cause"] == "no_holder"
         worker, child = _explain_child(ctl)
         os.kill(child, signal.SIGKILL)
-        assert not wait_for(lambda: _alive(child), False, timeout=5)
-        codes = [requests.post(url, json={"tokens": SEED_TOKENS}, timeout=30).status_code for _ in range(2)]
-        assert codes[-1] == 200 and set(codes) <= {200, 503}  # a new child answers
+        assert not wait_for(lambda: alive(child), False, timeout=5)
+        # the worker answers explains itself until a new child is ready (started within RESTART_S)
+        codes = []
+
+        def replaced() -> bool:
+            codes.append(requests.post(url, json={"tokens": SEED_TOKENS}, timeout=30).status_code)
+            return [p for p in children(worker) if b"spawn_main" in cmdline(p)] not in ([], [child])
+
+        assert wait_until(replaced, RESTART_S + 20, every=0.2) is not None
+        assert set(codes) == {200}
+        assert wait_for(lambda: _explain_ready(ctl), True, timeout=60) is True
         _, second = _explain_child(ctl)
         assert second != child
         os.kill(worker, signal.SIGKILL)  # gunicorn starts another worker; the orphan goes
-        assert not wait_for(lambda: _alive(second), False, timeout=5)
-        ctl.wait_ready()
+        assert not wait_for(lambda: alive(second), False, timeout=5)
+        _with_explain_process(ctl)
         assert requests.post(url, json={"tokens": SEED_TOKENS}, timeout=30).status_code == 200
     finally:
         ctl.stop()
