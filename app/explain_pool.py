@@ -4,14 +4,15 @@ An explain is CPU-bound Python (0.04 s at 2k holders, 0.26 s at 20k) plus hundre
 round trips whose reply parsing holds the GIL too. Run in a thread of the worker (as before),
 32 concurrent explains left ``/health`` p99 at 77-130 ms on an idle 2-core host and ~260 ms at
 load 4 (each of its ~20 GIL hand-offs waited behind the explain); the same explains run by
-another process left it at 20-30 ms. So each worker starts one child (spawned, not forked:
-the worker has threads) running the controller's own app (:func:`kvlookup.app.create_app` of
-the same settings, its lookup cache included: without it an explain at 2k holders costs Redis
-8x the CPU), at a lower CPU priority (:data:`NICE`), and hands it each explain's request over
-a pipe, one at a time (from the caller's one heavy thread); the child answers with the
-encoded JSON (a ~100-200 KB answer is sent as bytes, not pickled as a dict). How many may
-wait is the caller's bound (:class:`kvlookup.app.asgi.AsgiController`). ``/health`` lists it as
-the component ``explain process`` (:meth:`ExplainPool.health`).
+another process left it at 20-30 ms. So each worker starts one child at its first explain
+(spawned, not forked: the worker has threads) running the controller's own app
+(:func:`kvlookup.app.create_app` of the same settings, its lookup cache included: without
+it an explain at 2k holders costs Redis 8x the CPU), at a lower CPU priority (:data:`NICE`),
+and hands it each explain's request over a pipe, one at a time (from the caller's one heavy
+thread); the child answers with the encoded JSON (a ~100-200 KB answer is sent as bytes, not
+pickled as a dict). How many may wait is the caller's bound
+(:class:`kvlookup.app.asgi.AsgiController`). ``/health`` lists it as the component
+``explain process`` (:meth:`ExplainPool.health`).
 
 The child exits with the worker: its end of the pipe reads EOF when the worker is gone (a
 clean stop or a kill -9), and a SIGTERM to the controller's group stops it at once. Until it
@@ -65,17 +66,16 @@ class ExplainPool:
     """One child answering one worker's explains (``respond`` is called from a thread).
 
     create_app: :func:`kvlookup.app.create_app` (passed in: this module does not import the
-    package it is part of); settings: the worker's. Until the child has built its app (about
-    a second after the worker starts, more on a busy host), and while one that died is being
-    replaced (at most every RESTART_S), explains are answered in the calling thread as before."""
+    package it is part of); settings: the worker's. The child is started by the first explain;
+    until it has built its app (about a second, several on a busy host), and while one that died
+    is being replaced (at most every RESTART_S), explains are answered in the calling thread."""
 
     def __init__(self, create_app: Callable[[kvconfig.Settings], Any], settings: kvconfig.Settings):
         self.create_app, self.settings = create_app, settings
         self._ready = threading.Event()
         self._conn: Connection | None = None
         self._proc: multiprocessing.process.BaseProcess | None = None
-        self._next_start = 0.0
-        self._start()
+        self._next_start = 0.0  # started by the first explain (most controllers never get one)
 
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")

@@ -115,9 +115,12 @@ def _explain_ready(ctl: ControllerProc) -> bool | None:
 
 
 def _with_explain_process(ctl: ControllerProc) -> ControllerProc:
-    """``ctl`` once /health says its worker's explain process is up (about a second after the
-    worker, several on a loaded host; explains are answered in the worker meanwhile)."""
+    """``ctl`` once /health says its worker's explain process is ready: it is started by the
+    first explain, and ready about a second later (several on a loaded host; explains are
+    answered in the worker meanwhile)."""
     ctl.wait_ready()
+    assert _explain_ready(ctl) is False
+    assert requests.post(f"{ctl.http}/lookup/explain", json={"tokens": SEED_TOKENS}, timeout=30).status_code == 200
     assert wait_for(lambda: _explain_ready(ctl), True, timeout=60) is True
     return ctl
 
