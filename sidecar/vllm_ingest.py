@@ -72,7 +72,7 @@ class VllmIngest:
     store: the index. instance_id: the name lookups report. replay: see :data:`ReplayFn`
     (None = no replay endpoint). owner: the sidecar id that owns the instance (renews its
     lease). Counters: ``rejected`` (events/batches per reason), ``skipped`` (remote_tier,
-    remove_unknown), ``duplicates``, ``resyncs`` (per reason). model: the served model, when
+    remove_unknown, sparse_unplaced), ``duplicates``, ``resyncs`` (per reason). model: the served model, when
     discovered (:meth:`set_model`). :meth:`catch_up` asks replay for what a rank missed.
     """
 

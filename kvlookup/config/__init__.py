@@ -262,8 +262,8 @@ class Settings:
              "and scope lookups by its /v1/models model (instead of --vllm-endpoint)",
         doc="a vLLM 0.33+ server's API, `http://HOST:8000`: every DP rank's endpoints from `GET /kv_event_sources`, "
             "the model from `/v1/models` (lookups naming another `model_name` skip it), read again when the engine "
-            "restarts; `instance_id` defaults to `HOST:PORT`; servers before 0.33 stop the sidecar with a one-line "
-            "error unless `vllm_endpoint` is given too (docs/vllm.md)")
+            "restarts; `instance_id` defaults to `HOST:PORT`; a server that does not answer yet is waited for; servers "
+            "before 0.33 stop the sidecar with a one-line error unless `vllm_endpoint` is given too (docs/vllm.md)")
     # -- LMCache MP coordinator paths (app/coordinator.py; docs/lmcache-mp.md) -------------------
     mp_listen: str | None = setting(
         None, readers=(SIDECAR,),
