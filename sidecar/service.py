@@ -233,15 +233,18 @@ class Sidecar:
 
     def _purge(self, budget: int) -> None:
         """Purge up to ``budget`` retired records; after a pass that found none, wait
-        ``PURGE_IDLE_EVERY_S`` before the next."""
+        ``PURGE_IDLE_EVERY_S`` before the next, or less when a retired holder's purge grace
+        ends sooner (a cluster's 5 s after a failover's heal retired a cold restart's holder:
+        purged when it ends, not up to a second later)."""
         now = time.monotonic()
         if now < self._next_purge:
             return
         removed = self.store.purge(budget)
         if removed:
             log.debug("purged %d retired records", removed)
-        else:
-            self._next_purge = now + PURGE_IDLE_EVERY_S
+            return
+        due = self.store.next_purge_s() if self.store.purge_grace_ms else None
+        self._next_purge = now + (PURGE_IDLE_EVERY_S if due is None else min(PURGE_IDLE_EVERY_S, max(0.05, due + 0.01)))
 
     def _after_burst(self) -> None:
         """Once a burst of ingest is over (nothing queued, much written since the last time),

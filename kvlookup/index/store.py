@@ -660,6 +660,15 @@ class Store:
                 self.r.hset(keys.purge_key(), hid, bucket)
         return removed
 
+    def next_purge_s(self, now_ms: int | None = None) -> float | None:
+        """Seconds until the earliest retired holder may be purged (0 when one may be now);
+        None when no holder is retired. One ZRANGE of ``keys.dead_holders_key()``."""
+        first = self.r.zrange(keys.dead_holders_key(), 0, 0, withscores=True)
+        if not first:
+            return None
+        now_ms = self.clock.now_ms() if now_ms is None else now_ms
+        return max(0.0, (first[0][1] + self.purge_grace_ms - now_ms) / 1000)
+
     # -- lookup ---------------------------------------------------------------------------
 
     def liveness(self, now_ms: int | None = None) -> Liveness:
