@@ -26,7 +26,7 @@ Scripts are registered once per client (redis-py ``register_script``, EVALSHA).
 
 from __future__ import annotations
 
-from kvlookup.index.keys import DEPARTURES_KEEP_MS, DEPARTURES_MAX
+from kvlookup.index.keys import CHUNK_DIGEST_MEMBER, DEPARTURES_KEEP_MS, DEPARTURES_MAX, DIGEST_MOD
 
 #: Codes shared by the registry scripts.
 NOT_REGISTERED = -1
@@ -371,19 +371,23 @@ _RESOLVER = """
 local now, wttl, check_alive = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
 local instances, workers, holders = {}, {}, {}
 
-local function instance(inst)
-  local c = instances[inst]
-  if c ~= nil then return c end
-  c = {alive = false, rule = 'all', need = 0}
-  local v = redis.call('HGET', KEYS[3], inst)
+local function instance_of(v, exp)  -- v: the instance's rules field (or false), exp: its lease
+  local c = {alive = false, rule = 'all', need = 0}
   if v then
     local rule, n = string.match(v, '^([^\\t]*)\\t(%d+)$')
     c.rule, c.need, c.alive = rule, rule == 'all' and tonumber(n) or 1, true
-    if check_alive then
-      local exp = redis.call('ZSCORE', KEYS[4], inst)
-      c.alive = exp ~= false and tonumber(exp) >= now
-    end
+    if check_alive then c.alive = exp ~= nil and exp ~= false and tonumber(exp) >= now end
   end
+  return c
+end
+
+local function instance(inst)
+  local c = instances[inst]
+  if c ~= nil then return c end
+  local v = redis.call('HGET', KEYS[3], inst)
+  local exp = false
+  if v and check_alive then exp = redis.call('ZSCORE', KEYS[4], inst) end
+  c = instance_of(v, exp)
   instances[inst] = c
   return c
 end
@@ -398,12 +402,17 @@ local function worker_alive(member)
   return v
 end
 
+local raw_of = {}  -- descriptions prefetched (holders not retired)
 local function holder(hid)
   local h = holders[hid]
   if h ~= nil then return h end
   h = false
-  local raw = redis.call('HGET', KEYS[1], hid)
-  if raw and not redis.call('ZSCORE', KEYS[2], hid) then
+  local raw = raw_of[hid]
+  if raw == nil then
+    raw = redis.call('HGET', KEYS[1], hid)
+    if raw and redis.call('ZSCORE', KEYS[2], hid) then raw = false end
+  end
+  if raw then
     local inst, rank, loc = string.match(raw, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)')
     local c = instance(inst)
     if c.alive and c.need > 0 and worker_alive(rank .. '\\t' .. inst) then
@@ -414,6 +423,51 @@ local function holder(hid)
   end
   holders[hid] = h
   return h
+end
+
+-- Read what holder() needs for many holders in a few commands (HMGET/ZMSCORE, 1,000 arguments a
+-- command) instead of several commands a holder.
+local function slices(list, f)
+  for a = 1, #list, 1000 do f({unpack(list, a, math.min(a + 999, #list))}) end
+end
+local function prefetch(hids)
+  local want = {}
+  for _, hid in ipairs(hids) do
+    if holders[hid] == nil and raw_of[hid] == nil then want[#want + 1] = hid end
+  end
+  if #want < 2 then return end
+  local insts, iseen, members, mseen = {}, {}, {}, {}
+  slices(want, function(part)
+    local raws = redis.call('HMGET', KEYS[1], unpack(part))
+    local dead = redis.call('ZMSCORE', KEYS[2], unpack(part))
+    for j, hid in ipairs(part) do
+      local raw = raws[j]
+      if raw and not dead[j] then
+        raw_of[hid] = raw
+        local inst, rank = string.match(raw, '^([^\\t]*)\\t([^\\t]*)\\t')
+        if instances[inst] == nil and not iseen[inst] then
+          iseen[inst] = true
+          insts[#insts + 1] = inst
+        end
+        local m = rank .. '\\t' .. inst
+        if wttl > 0 and workers[m] == nil and not mseen[m] then
+          mseen[m] = true
+          members[#members + 1] = m
+        end
+      else
+        holders[hid] = false
+      end
+    end
+  end)
+  slices(insts, function(part)
+    local rules = redis.call('HMGET', KEYS[3], unpack(part))
+    local exps = check_alive and redis.call('ZMSCORE', KEYS[4], unpack(part)) or {}
+    for j, inst in ipairs(part) do instances[inst] = instance_of(rules[j], exps[j]) end
+  end)
+  slices(members, function(part)
+    local hbs = redis.call('ZMSCORE', KEYS[5], unpack(part))
+    for j, m in ipairs(part) do workers[m] = hbs[j] == false or now - tonumber(hbs[j]) <= wttl end
+  end)
 end
 """
 
@@ -452,6 +506,45 @@ end
 return out
 """
 
+# A chunk set's digest member (keys.CHUNK_DIGEST_MEMBER), kept after every change of its holders:
+# hdig(hid) is keys.holder_digest; redigest(key, hd, sign) after holder hd joined (1) or left (-1)
+# the set: the digest is present while the set has two holders or more (a set without one that
+# has, written before digests, is summed in full once). A set of one holder costs one ZCARD more.
+_DIGEST = """
+local DIGEST, DMOD = '@DIGEST@', @DMOD@
+local function hdig(hid) return tonumber(string.sub(redis.sha1hex(hid), 1, 12), 16) end
+local function redigest(key, hd, sign)
+  local n = redis.call('ZCARD', key)
+  if n < 2 then return end  -- one holder (or none): no digest
+  local d = redis.call('ZSCORE', key, DIGEST)
+  if d then
+    if n <= 2 then
+      redis.call('ZREM', key, DIGEST)
+      return
+    end
+    redis.call('ZADD', key, -1 - ((-1 - tonumber(d) + sign * hd) % DMOD), DIGEST)
+  elseif n >= 2 then
+    local sum = 0
+    for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do sum = (sum + hdig(m)) % DMOD end
+    redis.call('ZADD', key, -1 - sum, DIGEST)
+  end
+end
+""".replace("@DIGEST@", CHUNK_DIGEST_MEMBER).replace("@DMOD@", str(DIGEST_MOD))
+
+#: One record written on its own (cluster writes; purge on both backends): a single key, so it
+#: runs on the chunk's own master. KEYS[1] chunk key; ARGV[1] holder id, ARGV[2] admit score
+#: (unix ms), or '' to remove the record. Returns ZADD's / ZREM's answer (1: the set changed).
+CHUNK_OP = _DIGEST + """
+local changed
+if ARGV[2] ~= '' then
+  changed = redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+else
+  changed = redis.call('ZREM', KEYS[1], ARGV[1])
+end
+if changed == 1 then redigest(KEYS[1], hdig(ARGV[1]), ARGV[2] ~= '' and 1 or -1) end
+return changed
+"""
+
 #: Apply admits and evicts of one holder (single-node backend). The caller folds a batch to
 #: each chunk's last op (sets and sorted sets only keep the final state), so the ops are
 #: admits then evicts, each a chunk key, its reverse-index bucket key and its hash text.
@@ -465,8 +558,9 @@ return out
 #: An evict that removed a record logs (hash, score) in the eviction log (kvlookup.index.explain).
 #: Returns 1, or -1 when the holder was retired (the caller resolves the current holder and
 #: applies again).
-APPLY_OPS = """
+APPLY_OPS = _DIGEST + """
 local hid, score, na = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local hd = hdig(hid)
 if redis.call('HEXISTS', KEYS[1], hid) == 0 or redis.call('ZSCORE', KEYS[2], hid) then return -1 end
 local n = (#KEYS - 5) / 2
 local delta, logged, marked = 0, 0, {}
@@ -477,10 +571,11 @@ for i = 1, n do
       marked[bucket] = true
       redis.call('SADD', KEYS[5 + 2 * n], string.match(bucket, '(%d+)$'))
     end
-    redis.call('ZADD', KEYS[3 + i], score, hid)
+    if redis.call('ZADD', KEYS[3 + i], score, hid) == 1 then redigest(KEYS[3 + i], hd, 1) end
     delta = delta + redis.call('SADD', bucket, ARGV[3 + i])
   else
     if redis.call('ZREM', KEYS[3 + i], hid) == 1 then
+      redigest(KEYS[3 + i], hd, -1)
       redis.call('ZADD', KEYS[4 + 2 * n], score, ARGV[3 + i])
       logged = logged + 1
     end
@@ -503,8 +598,9 @@ return 1
 #: keys, chunk size, end of the last chunk (tokens) (chunk i ends at min(i * size, end)).
 #: Returns a flat array of records: instance_id, worker_id ('' for 'all'), matched end,
 #: number of locations, then (location, tokens held there) pairs.
-LOOKUP = _RESOLVER + """
+LOOKUP = _RESOLVER + _DIGEST + """
 local out = {}
+holders[DIGEST] = false
 local ai, ki = 5, 5
 for _ = 1, tonumber(ARGV[4]) do
   local count, size, last = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
@@ -530,11 +626,19 @@ for _ = 1, tonumber(ARGV[4]) do
     end
     prev, s, es = er, r, er
   end
+  local pd = false  -- the previous chunk's digest
   for i = 1, count do
     local e = i * size
     if e > last then e = last end
-    local members = redis.call('ZRANGE', KEYS[first + i - 1], 0, -1)
-    local same = i > 1 and #members == nheld
+    local key = KEYS[first + i - 1]
+    local d = redis.call('ZSCORE', key, DIGEST)
+    local same = i > 1 and d and d == pd
+    pd = d
+    if same then
+      r, er = i, e
+    else
+    local members = redis.call('ZRANGE', key, 0, -1)
+    same = i > 1 and not d and #members == nheld  -- (sets with digests differ: theirs did)
     if same then
       for _, hid in ipairs(members) do
         if not held[hid] then same = false break end
@@ -546,6 +650,7 @@ for _ = 1, tonumber(ARGV[4]) do
     settle()
     held, nheld = {}, #members
     local touched, nt = {}, 0
+    prefetch(members)
     for _, hid in ipairs(members) do
       held[hid] = true
       local h = holder(hid)
@@ -587,6 +692,7 @@ for _ = 1, tonumber(ARGV[4]) do
     end
     if #extended == 0 then break end
     prev, s, es, r, er = e, i, e, i, e
+    end
     end
   end
   settle()

@@ -33,6 +33,7 @@ class SingleNodeRecords:
         self.io = SingleIO(client)
         self._apply = self.io.register(scripts.APPLY_OPS)
         self._lookup = self.io.register(scripts.LOOKUP)
+        self._chunk_op = self.io.register(scripts.CHUNK_OP)
         self.cached = None
         if cache_reads:
             self.cached = CachedReads(client, max_keys=cache_keys, fence=cache_reads == "fenced")
@@ -75,10 +76,10 @@ class SingleNodeRecords:
         return Matches.of(parse_matches(raise_errors(self.io.execute([cmd]))[0]))
 
     def purge_step(self, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
-        return purge_step(self.io.execute, holder_id, space, bucket, budget)
+        return purge_step(self.io.execute, self._chunk_op, holder_id, space, bucket, budget)
 
     def reads_locally(self) -> bool:
         return self.cached is not None and self.cached.local_now()
 
     def holders(self, chunk_keys: Sequence[str]) -> list[list[str]]:
-        return raise_errors(self.io.execute([("ZRANGE", k, 0, -1) for k in chunk_keys]))
+        return [keys.holders_of(m) for m in raise_errors(self.io.execute([("ZRANGE", k, 0, -1) for k in chunk_keys]))]
