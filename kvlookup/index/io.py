@@ -1,5 +1,5 @@
 """Plain commands to one Redis in one pipelined round trip, and the helpers every backend uses
-to read replies (script shas, errors, LOOKUP's flat matches)."""
+to read replies (script shas, errors)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,9 @@ import redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from kvlookup.index import keys
-from kvlookup.index.records import Match
 
 #: Reverse-index buckets read per purge round trip.
 PURGE_BUCKETS_PER_STEP = 64
-
-
-def parse_matches(flat: list) -> list[Match]:
-    """Matches from LOOKUP's flat reply."""
-    out: list[Match] = []
-    i = 0
-    while i < len(flat):
-        inst, wid, end, nlocs = flat[i], flat[i + 1], int(flat[i + 2]), int(flat[i + 3])
-        pairs = flat[i + 4:i + 4 + 2 * nlocs]
-        out.append(Match(inst, wid, end, {pairs[j]: int(pairs[j + 1]) for j in range(0, len(pairs), 2)}))
-        i += 4 + 2 * nlocs
-    return out
 
 
 class SingleIO:

@@ -2,16 +2,17 @@
 
 Each script is atomic, which is why it is Lua: registration retires a worker's old holders
 and writes the new epoch without a lookup seeing half of it; ``APPLY_OPS`` refuses to write
-for a holder retired since the caller resolved it; ``LOOKUP`` reads a consistent snapshot in
-one round trip. Every key a script touches arrives in ``KEYS``; no script builds a key name.
+for a holder retired since the caller resolved it; ``CHUNK_OP`` changes a chunk set and its
+digest together. Every key a script touches arrives in ``KEYS``; no script builds a key name.
 
 Two kinds (docs/redis-schema.md):
 
 - **Registry scripts** (REGISTER ... RESOLVE) touch only registry keys, which share the hash
   tag ``{r}``: one slot, so they run unchanged on a single Redis and on Redis Cluster.
-- **Single-node record scripts** (APPLY_OPS, LOOKUP) also take chunk and reverse-index keys,
-  which spread over every slot; only the single-node backend runs them. The cluster backend
-  writes and reads records with plain single-key commands (kvlookup.index.cluster).
+- **Single-node record scripts** (APPLY_OPS) also take chunk and reverse-index keys, which
+  spread over every slot; only the single-node backend runs them. The cluster backend writes
+  records with plain single-key commands and ``CHUNK_OP`` (one key: it runs on the chunk's
+  master); both backends read records with plain commands (kvlookup.index.staged).
 
 The LMCache MP directory's scripts live in kvlookup.index.mp_scripts (hash tag ``{mp}``); its
 docstring names the three key families whose ids only the script knows.
@@ -359,7 +360,7 @@ redis.call('HDEL', KEYS[4], ARGV[1])
 return 1
 """
 
-# Which holders count in a lookup, shared by LOOKUP and RESOLVE.
+# Which holders count in a lookup (RESOLVE; every walk runs in Python: kvlookup.index.walk).
 # KEYS[1] holders, KEYS[2] dead, KEYS[3] rules, KEYS[4] alive, KEYS[5] heartbeats
 # ARGV[1] now (unix ms), ARGV[2] worker heartbeat TTL (ms, 0 = off), ARGV[3] '1' to require
 # the instance's liveness lease.
@@ -369,105 +370,23 @@ return 1
 # registered worker must hold a chunk; with 'any' (vLLM DP ranks) each rank is its own group.
 _RESOLVER = """
 local now, wttl, check_alive = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
-local instances, workers, holders = {}, {}, {}
-
-local function instance_of(v, exp)  -- v: the instance's rules field (or false), exp: its lease
-  local c = {alive = false, rule = 'all', need = 0}
-  if v then
-    local rule, n = string.match(v, '^([^\\t]*)\\t(%d+)$')
-    c.rule, c.need, c.alive = rule, rule == 'all' and tonumber(n) or 1, true
-    if check_alive then c.alive = exp ~= nil and exp ~= false and tonumber(exp) >= now end
-  end
-  return c
-end
+local instances = {}
 
 local function instance(inst)
   local c = instances[inst]
   if c ~= nil then return c end
+  c = {alive = false, rule = 'all', need = 0}
   local v = redis.call('HGET', KEYS[3], inst)
-  local exp = false
-  if v and check_alive then exp = redis.call('ZSCORE', KEYS[4], inst) end
-  c = instance_of(v, exp)
+  if v then
+    local rule, n = string.match(v, '^([^\\t]*)\\t(%d+)$')
+    c.rule, c.need, c.alive = rule, rule == 'all' and tonumber(n) or 1, true
+    if check_alive then
+      local exp = redis.call('ZSCORE', KEYS[4], inst)
+      c.alive = exp ~= false and tonumber(exp) >= now
+    end
+  end
   instances[inst] = c
   return c
-end
-
-local function worker_alive(member)
-  if wttl <= 0 then return true end
-  local v = workers[member]
-  if v ~= nil then return v end
-  local hb = redis.call('ZSCORE', KEYS[5], member)
-  v = hb == false or now - tonumber(hb) <= wttl
-  workers[member] = v
-  return v
-end
-
-local raw_of = {}  -- descriptions prefetched (holders not retired)
-local function holder(hid)
-  local h = holders[hid]
-  if h ~= nil then return h end
-  h = false
-  local raw = raw_of[hid]
-  if raw == nil then
-    raw = redis.call('HGET', KEYS[1], hid)
-    if raw and redis.call('ZSCORE', KEYS[2], hid) then raw = false end
-  end
-  if raw then
-    local inst, rank, loc = string.match(raw, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)')
-    local c = instance(inst)
-    if c.alive and c.need > 0 and worker_alive(rank .. '\\t' .. inst) then
-      local group, wid = inst, ''
-      if c.rule == 'any' then group, wid = inst .. '\\t' .. rank, rank end
-      h = {group = group, inst = inst, wid = wid, rank = rank, loc = loc, need = c.need}
-    end
-  end
-  holders[hid] = h
-  return h
-end
-
--- Read what holder() needs for many holders in a few commands (HMGET/ZMSCORE, 1,000 arguments a
--- command) instead of several commands a holder.
-local function slices(list, f)
-  for a = 1, #list, 1000 do f({unpack(list, a, math.min(a + 999, #list))}) end
-end
-local function prefetch(hids)
-  local want = {}
-  for _, hid in ipairs(hids) do
-    if holders[hid] == nil and raw_of[hid] == nil then want[#want + 1] = hid end
-  end
-  if #want < 2 then return end
-  local insts, iseen, members, mseen = {}, {}, {}, {}
-  slices(want, function(part)
-    local raws = redis.call('HMGET', KEYS[1], unpack(part))
-    local dead = redis.call('ZMSCORE', KEYS[2], unpack(part))
-    for j, hid in ipairs(part) do
-      local raw = raws[j]
-      if raw and not dead[j] then
-        raw_of[hid] = raw
-        local inst, rank = string.match(raw, '^([^\\t]*)\\t([^\\t]*)\\t')
-        if instances[inst] == nil and not iseen[inst] then
-          iseen[inst] = true
-          insts[#insts + 1] = inst
-        end
-        local m = rank .. '\\t' .. inst
-        if wttl > 0 and workers[m] == nil and not mseen[m] then
-          mseen[m] = true
-          members[#members + 1] = m
-        end
-      else
-        holders[hid] = false
-      end
-    end
-  end)
-  slices(insts, function(part)
-    local rules = redis.call('HMGET', KEYS[3], unpack(part))
-    local exps = check_alive and redis.call('ZMSCORE', KEYS[4], unpack(part)) or {}
-    for j, inst in ipairs(part) do instances[inst] = instance_of(rules[j], exps[j]) end
-  end)
-  slices(members, function(part)
-    local hbs = redis.call('ZMSCORE', KEYS[5], unpack(part))
-    for j, m in ipairs(part) do workers[m] = hbs[j] == false or now - tonumber(hbs[j]) <= wttl end
-  end)
 end
 """
 
@@ -545,6 +464,22 @@ if changed == 1 then redigest(KEYS[1], hdig(ARGV[1]), ARGV[2] ~= '' and 1 or -1)
 return changed
 """
 
+#: The head of each chunk set (single-node lookups with ``lookup_cache: off``: one command, one
+#: reply, instead of a ``ZRANGE key 0 1 WITHSCORES`` a chunk). KEYS: chunk keys. Returns one
+#: string a key: '' (no holder), the digest member's score (``-1 - D``: starts with '-'), the
+#: set's only holder id, or '*' (two holders or more and no digest: written before digests).
+CHUNK_HEADS = _DIGEST + """
+local out = {}
+for i = 1, #KEYS do
+  local r = redis.call('ZRANGE', KEYS[i], 0, 1, 'WITHSCORES')
+  if #r == 0 then out[i] = ''
+  elseif r[1] == DIGEST then out[i] = r[2]
+  elseif #r == 2 then out[i] = r[1]
+  else out[i] = '*' end
+end
+return out
+"""
+
 #: Apply admits and evicts of one holder (single-node backend). The caller folds a batch to
 #: each chunk's last op (sets and sorted sets only keep the final state), so the ops are
 #: admits then evicts, each a chunk key, its reverse-index bucket key and its hash text.
@@ -588,130 +523,4 @@ if logged > 0 then
   redis.call('PEXPIRE', KEYS[4 + 2 * n], ARGV[5 + n])
 end
 return 1
-"""
-
-#: Walk a prompt's chunk chains (single-node backend); credit every live group with its
-#: longest run of consecutive chunks from token 0 (see _RESOLVER for groups). A chain stops
-#: as soon as no group can extend its match.
-#: KEYS[1..5] as _RESOLVER, then every chain's chunk keys in token order, chain after chain.
-#: ARGV[1..3] as _RESOLVER, ARGV[4] number of chains, then per chain: its number of chunk
-#: keys, chunk size, end of the last chunk (tokens) (chunk i ends at min(i * size, end)).
-#: Returns a flat array of records: instance_id, worker_id ('' for 'all'), matched end,
-#: number of locations, then (location, tokens held there) pairs.
-LOOKUP = _RESOLVER + _DIGEST + """
-local out = {}
-holders[DIGEST] = false
-local ai, ki = 5, 5
-for _ = 1, tonumber(ARGV[4]) do
-  local count, size, last = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
-  local first = ki + 1
-  ai, ki = ai + 3, ki + count
-  -- per group: upto = chunks matched so far; stamps mark the chunk a rank/location was seen at.
-  -- A run of chunks held by exactly the holders of the chunk that opened it (chunk s, end
-  -- offset es) extends exactly the groups chunk s extended, in the same locations: the run is
-  -- only remembered (last chunk r, end offset er) and settled in one step when it ends.
-  local groups, prev, extended = {}, 0, {}
-  local held, nheld = {}, 0
-  local s, es, r, er = 0, 0, 0, 0
-  local function settle()
-    if r == s then return end
-    for _, g in ipairs(extended) do
-      g.upto, g.e, g.stamp = r, er, r
-      for _, loc in ipairs(g.lnames) do
-        if g.lstamp[loc] == s then
-          g.lstamp[loc] = r
-          g.toks[loc] = g.toks[loc] + (er - es)
-        end
-      end
-    end
-    prev, s, es = er, r, er
-  end
-  local pd = false  -- the previous chunk's digest
-  for i = 1, count do
-    local e = i * size
-    if e > last then e = last end
-    local key = KEYS[first + i - 1]
-    local d = redis.call('ZSCORE', key, DIGEST)
-    local same = i > 1 and d and d == pd
-    pd = d
-    if same then
-      r, er = i, e
-    else
-    local members = redis.call('ZRANGE', key, 0, -1)
-    same = i > 1 and not d and #members == nheld  -- (sets with digests differ: theirs did)
-    if same then
-      for _, hid in ipairs(members) do
-        if not held[hid] then same = false break end
-      end
-    end
-    if same then
-      r, er = i, e
-    else
-    settle()
-    held, nheld = {}, #members
-    local touched, nt = {}, 0
-    prefetch(members)
-    for _, hid in ipairs(members) do
-      held[hid] = true
-      local h = holder(hid)
-      if h then
-        local g = groups[h.group]
-        if g == nil and i == 1 then
-          g = {inst = h.inst, wid = h.wid, need = h.need, upto = 0, stamp = 0, cnt = 0,
-               rstamp = {}, lstamp = {}, toks = {}, lnames = {}}
-          groups[h.group] = g
-        end
-        if g and g.upto == i - 1 then
-          if g.stamp ~= i then
-            g.stamp, g.cnt = i, 0
-            nt = nt + 1
-            touched[nt] = g
-          end
-          if g.rstamp[h.rank] ~= i then
-            g.rstamp[h.rank] = i
-            g.cnt = g.cnt + 1
-          end
-          if g.toks[h.loc] == nil then
-            g.toks[h.loc] = 0
-            g.lnames[#g.lnames + 1] = h.loc
-          end
-          g.lstamp[h.loc] = i
-        end
-      end
-    end
-    extended = {}
-    for j = 1, nt do
-      local g = touched[j]
-      if g.cnt >= g.need then
-        extended[#extended + 1] = g
-        g.upto, g.e = i, e
-        for _, loc in ipairs(g.lnames) do
-          if g.lstamp[loc] == i then g.toks[loc] = g.toks[loc] + (e - prev) end
-        end
-      end
-    end
-    if #extended == 0 then break end
-    prev, s, es, r, er = e, i, e, i, e
-    end
-    end
-  end
-  settle()
-  for _, g in pairs(groups) do
-    if g.upto > 0 then
-      local locs = {}
-      for _, loc in ipairs(g.lnames) do
-        if g.toks[loc] > 0 then
-          locs[#locs + 1] = loc
-          locs[#locs + 1] = g.toks[loc]
-        end
-      end
-      out[#out + 1] = g.inst
-      out[#out + 1] = g.wid
-      out[#out + 1] = g.e
-      out[#out + 1] = #locs / 2
-      for _, v in ipairs(locs) do out[#out + 1] = v end
-    end
-  end
-end
-return out
 """

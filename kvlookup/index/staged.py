@@ -110,10 +110,11 @@ class StagedLookup:
     Python; the memo makes the cost of a held prefix independent of how many hold it."""
 
     def __init__(self, execute: Execute, resolve_sha: str, cache: HolderCache, chains: Sequence[Chain],
-                 live: Liveness, memo: bool = False, digests: Digests | None = None):
+                 live: Liveness, memo: bool = False, digests: Digests | None = None, heads: str | None = None):
         self.execute, self.resolve_sha, self.cache = execute, resolve_sha, cache
         self.memo = memo
         self.digests = digests
+        self.heads = heads  # sha of scripts.CHUNK_HEADS: one command reads every chunk's head
         self.chains, self.live = chains, live
         self.walks = [ChainWalk(c.chunk_size, c.n_tokens) for c in chains]
         # as this lookup sees them; a chunk set's digest member is no holder
@@ -133,9 +134,13 @@ class StagedLookup:
             reads = [(ci, span) for ci, span in reads if span]
             if not reads and not new_hids:
                 break
-            read = ("ZRANGE", 0, 1, "WITHSCORES") if self.digests is not None else ("ZRANGE", 0, -1)
-            cmds: list[tuple] = [(read[0], k, *read[1:]) for _ci, span in reads for k in span]
-            nread = len(cmds)
+            read_keys = [k for _ci, span in reads for k in span]
+            if self.heads is not None and read_keys:
+                cmds: list[tuple] = [("EVALSHA", self.heads, len(read_keys), *read_keys)]
+            elif self.digests is not None:
+                cmds = [("ZRANGE", k, 0, 1, "WITHSCORES") for k in read_keys]
+            else:
+                cmds = [("ZRANGE", k, 0, -1) for k in read_keys]
             if new_hids:
                 cmds.append(("EVALSHA", self.resolve_sha, 6, *walk_registry_keys(), keys.registry_version_key(),
                              *self.live.argv(), *new_hids))
@@ -143,8 +148,10 @@ class StagedLookup:
                 cmds.append(("GET", keys.registry_version_key()))
             res = self.execute(cmds)
             rounds += 1
+            if self.heads is not None and read_keys:
+                res[0:1] = raise_errors(res[0:1])[0]
             if self.digests is not None:
-                self._by_digest([cmd[1] for cmd in cmds[:nread]], res)
+                self._by_digest(read_keys, res)
             if new_hids:
                 cache.put(res[-1][0], new_hids, res[-1][1:])
                 for hid in new_hids:
@@ -169,8 +176,8 @@ class StagedLookup:
         return out
 
     def _by_digest(self, read: list[str], res: list) -> None:
-        """Turn the ``ZRANGE key 0 1 WITHSCORES`` replies of the chunk keys ``read`` (the first
-        ``len(read)`` of ``res``) into member tuples: a digest seen before is its kept set, a
+        """Turn the ``ZRANGE key 0 1 WITHSCORES`` replies (or ``CHUNK_HEADS`` strings) of the chunk
+        keys ``read`` (the first ``len(read)`` of ``res``) into member tuples: a digest seen before is its kept set, a
         set without a digest has at most one holder; the members of a new digest are read once
         (one round trip, one chunk per digest; a set that changed meanwhile is read chunk by
         chunk). A set of two holders or more without a digest (written before digests) is read
@@ -180,30 +187,28 @@ class StagedLookup:
         todo: dict[int, list[int]] = {}  # new digest -> positions
         full: list[int] = []
         for i in range(len(read)):
-            r = raise_errors([res[i]])[0]
-            if r and isinstance(r[0], list):  # RESP3: [member, score] pairs
-                r = [x for pair in r for x in pair]
-            if not r:
+            head = _head(raise_errors([res[i]])[0])
+            if not head:
                 res[i] = ()
-            elif r[0] == CHUNK_DIGEST_MEMBER:
-                d = -1 - int(float(r[1]))
-                got = dg.get(d)
-                if got is None:
+            elif head[0] == "-":
+                d = -1 - int(float(head))
+                kept = dg.get(d)
+                if kept is None:
                     todo.setdefault(d, []).append(i)
                 else:
-                    res[i] = got
-            elif len(r) == 2:
-                res[i] = dg.one(r[0])
-            else:
+                    res[i] = kept
+            elif head == "*":
                 full.append(i)
+            else:
+                res[i] = dg.one(head)
         if not todo and not full:
             return
         reps = [pos[0] for pos in todo.values()]
-        got = raise_errors(self.execute([("ZRANGE", read[i], 0, -1) for i in reps + full]))
-        for i, members in zip(full, got[len(reps):], strict=True):
+        lists = raise_errors(self.execute([("ZRANGE", read[i], 0, -1) for i in reps + full]))
+        for i, members in zip(full, lists[len(reps):], strict=True):
             res[i] = members
         again: list[int] = []
-        for (d, pos), members in zip(todo.items(), got[:len(reps)], strict=True):
+        for (d, pos), members in zip(todo.items(), lists[:len(reps)], strict=True):
             if keys.set_digest(members) == d:
                 kept = dg.put(d, tuple(members))
                 for i in pos:
@@ -302,3 +307,18 @@ class StagedLookup:
             if lists:
                 self.walks[ci].feed(lists, self.holders)
                 self.unfed[ci] = []
+
+
+def _head(reply) -> str:
+    """A chunk set's head as ``CHUNK_HEADS`` answers it ('' none, ``-1 - D`` digest, the only
+    holder, '*' several without a digest), from that string or a ``ZRANGE key 0 1 WITHSCORES``
+    reply (RESP2 flat, or RESP3 pairs)."""
+    if type(reply) is str:
+        return reply
+    if reply and isinstance(reply[0], list):
+        reply = [x for pair in reply for x in pair]
+    if not reply:
+        return ""
+    if reply[0] == CHUNK_DIGEST_MEMBER:
+        return str(reply[1])  # always negative
+    return reply[0] if len(reply) == 2 else "*"
