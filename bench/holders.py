@@ -4,16 +4,18 @@ N instances (one worker each, CPU tier) all hold the same prompt (a system promp
 whole fleet: the normal case for a router). Each point looks that prompt up in process
 (``Client.matches``), through each read path, and reports p50/p99 latency, the caller's CPU per
 lookup (process time) and Redis busy time per lookup (``INFO commandstats`` usec deltas over
-every command, divided by lookups). Targets alternate per point, so a drifting machine
+every command, divided by lookups; and ``INFO cpu`` of the Redis processes, which a loaded box
+does not inflate). Targets alternate per point, so a drifting machine
 slows each alike.
 
-- ``lua``: the single-node ``LOOKUP`` script (``lookup_cache: off``; what Sentinel runs);
+- ``off``: one Redis, ``lookup_cache: off`` (what Sentinel runs): every chunk's digest read by
+  one ``CHUNK_HEADS`` call (before issue 18: the ``LOOKUP`` script, which walked every member);
 - ``cached``: cached reads, fenced (kvlookup.index.tracking; the single-server default);
 - ``cluster``: a local Redis Cluster (3 masters, no replicas: kvlookup.devtools.local_cluster)
   holding the same fleet, read in stages (kvlookup.index.staged); Redis busy summed over masters.
 
 Both walks read a chunk's digest (keys.CHUNK_DIGEST_MEMBER) and its member list only where the
-holder set changes, so ``lua`` and ``cluster`` cost O(chunks + holders) in Redis.
+holder set changes, so ``off`` and ``cluster`` cost O(chunks + holders) in Redis.
 
 leases=True (the default, as a deployment): every instance has a 30 s liveness lease that a
 thread renews every second (as a sidecar does), and lookups check it; False: no leases.
@@ -38,7 +40,7 @@ from kvlookup.devtools.local_cluster import LocalCluster
 from kvlookup.index.store import Store
 from kvlookup.proc.redis_server import connect
 
-MODES = {"lua": False, "cached": "fenced"}
+MODES = {"off": False, "cached": "fenced"}
 
 
 def redis_usec(r) -> int:
@@ -48,10 +50,18 @@ def redis_usec(r) -> int:
     return sum(int(v["usec"]) for node in nodes for v in node.info("commandstats").values())
 
 
+def redis_cpu_s(r) -> float:
+    """CPU seconds the Redis process(es) used so far (``INFO cpu`` user + system, every master):
+    unlike commandstats' usec, not inflated by time a busy box leaves a command descheduled, but
+    counting the server's background work (lease renewals, cron) too."""
+    nodes = [n.redis_connection for n in r.get_primaries()] if hasattr(r, "get_primaries") else [r]
+    return sum(float(i["used_cpu_user"]) + float(i["used_cpu_sys"]) for i in (n.info("cpu") for n in nodes))
+
+
 def time_lookups(client: Client, r, tokens: list[int], seconds: float) -> dict:
     client.matches(tokens, validate=False)  # warm (holders resolved, chunk sets cached)
     lat = []
-    u0, c0 = redis_usec(r), time.process_time()
+    u0, c0, rc0 = redis_usec(r), time.process_time(), redis_cpu_s(r)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end or len(lat) < 10:
         t = time.perf_counter()
@@ -59,11 +69,13 @@ def time_lookups(client: Client, r, tokens: list[int], seconds: float) -> dict:
         lat.append(time.perf_counter() - t)
     cpu = time.process_time() - c0
     busy = redis_usec(r) - u0
+    rcpu = redis_cpu_s(r) - rc0
     lat.sort()
     return {"n": len(lat), "matched": len(got), "p50_ms": round(percentile(lat, 50) * 1000, 3),
             "p99_ms": round(percentile(lat, 99) * 1000, 3),
             "cpu_ms_per_lookup": round(cpu * 1000 / len(lat), 3),
-            "redis_ms_per_lookup": round(busy / 1000 / len(lat), 3)}
+            "redis_ms_per_lookup": round(busy / 1000 / len(lat), 3),
+            "redis_cpu_ms_per_lookup": round(rcpu * 1000 / len(lat), 3)}
 
 
 def renewing(store: Store, stop: threading.Event) -> threading.Thread:
@@ -139,7 +151,7 @@ def _points(out, stores, clients, lengths, holder_counts, seconds, rounds, lease
                         row["http_c1"] = got
             progress.note(f"  {length} tokens, {n} holders: " + " | ".join(
                 f"{m} p50 {row[m]['p50_ms']} p99 {row[m]['p99_ms']} ms cpu {row[m]['cpu_ms_per_lookup']} "
-                f"redis {row[m]['redis_ms_per_lookup']} ms" for m in clients)
+                f"redis {row[m]['redis_ms_per_lookup']} ms (cpu {row[m]['redis_cpu_ms_per_lookup']})" for m in clients)
                 + (f" | HTTP p50 {row['http_c1']['p50_ms']} p99 {row['http_c1']['p99_ms']} ms" if base else ""))
             out["points"].append(row)
 
