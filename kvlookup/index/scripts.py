@@ -466,16 +466,21 @@ return changed
 
 #: The head of each chunk set (single-node lookups with ``lookup_cache: off``: one command, one
 #: reply, instead of a ``ZRANGE key 0 1 WITHSCORES`` a chunk). KEYS: chunk keys. Returns one
-#: string a key: '' (no holder), the digest member's score (``-1 - D``: starts with '-'), the
-#: set's only holder id, or '*' (two holders or more and no digest: written before digests).
+#: string a key: '' (no holder), the digest member's score (``-1 - D``: starts with '-'), '='
+#: (the same digest as the key before), the set's only holder id, or '*' (two holders or more
+#: and no digest: written before digests). ``ZSCORE`` first: half the Redis time of a
+#: ``ZRANGE 0 1 WITHSCORES`` a key on sets with digests (0.14-0.18 vs 0.29-0.43 ms for 128 keys).
 CHUNK_HEADS = _DIGEST + """
-local out = {}
+local out, prev = {}, false
 for i = 1, #KEYS do
-  local r = redis.call('ZRANGE', KEYS[i], 0, 1, 'WITHSCORES')
-  if #r == 0 then out[i] = ''
-  elseif r[1] == DIGEST then out[i] = r[2]
-  elseif #r == 2 then out[i] = r[1]
-  else out[i] = '*' end
+  local d = redis.call('ZSCORE', KEYS[i], DIGEST)
+  if d then
+    out[i] = d == prev and '=' or d
+  else
+    local r = redis.call('ZRANGE', KEYS[i], 0, 1)
+    if #r == 0 then out[i] = '' elseif #r == 1 then out[i] = r[1] else out[i] = '*' end
+  end
+  prev = d
 end
 return out
 """

@@ -186,8 +186,12 @@ class StagedLookup:
         assert dg is not None
         todo: dict[int, list[int]] = {}  # new digest -> positions
         full: list[int] = []
+        prev = ""
         for i in range(len(read)):
             head = _head(raise_errors([res[i]])[0])
+            if head == "=":  # CHUNK_HEADS: the digest of the key before
+                head = prev
+            prev = head
             if not head:
                 res[i] = ()
             elif head[0] == "-":
@@ -310,8 +314,8 @@ class StagedLookup:
 
 
 def _head(reply) -> str:
-    """A chunk set's head as ``CHUNK_HEADS`` answers it ('' none, ``-1 - D`` digest, the only
-    holder, '*' several without a digest), from that string or a ``ZRANGE key 0 1 WITHSCORES``
+    """A chunk set's head as ``CHUNK_HEADS`` answers it ('' none, ``-1 - D`` digest, '=' the
+    digest before, the only holder, '*' several without a digest), from that string or a ``ZRANGE key 0 1 WITHSCORES``
     reply (RESP2 flat, or RESP3 pairs)."""
     if type(reply) is str:
         return reply
