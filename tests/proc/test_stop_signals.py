@@ -27,7 +27,7 @@ QUIET = ("ERROR", "Traceback", "Bad file descriptor", "SIGKILL", "out of memory"
 
 
 @pytest.mark.parametrize(("sig", "target"), [(signal.SIGINT, "group"), (signal.SIGINT, "master"),
-                                             (signal.SIGTERM, "master")])
+                                             (signal.SIGTERM, "master"), (signal.SIGTERM, "group")])
 def test_a_controller_stops_quickly_and_quietly(tmp_path, sig, target):
     port, pull = free_port(), free_port()
     log = tmp_path / "controller.log"
