@@ -135,10 +135,9 @@ QUIET = ("ERROR", "Traceback", "Bad file descriptor", "SIGKILL", "out of memory"
 def test_a_demo_stops_quickly_and_quietly(tmp_path, sig, target):
     """Ctrl-C reaches the demo and nothing else (its controller has a process group of its own)
     and the demo stops the controller with one SIGTERM: a SIGINT from the terminal followed by the
-    demo's SIGTERM made gunicorn stop twice. Measured here at a load average of 7 on 2 cores:
-    1.6-2.4 s (2.9-4.7 s before; the controller alone 1.4-2.0 s of it). The bound is the
-    controller's graceful_timeout (5 s), which the SIGKILL path always waited out, so the test
-    fails on that path, not on a busy machine."""
+    demo's SIGTERM made gunicorn stop twice; the controller and its sidecar exit without the
+    interpreter's teardown. Measured here at a load average of 9-10 on 2 cores: 0.8-1.0 s (2.9-4.7 s
+    before). The bound is the issue's 2 s."""
     demo = Demo(tmp_path)
     demo.wait_seed()
     data = tmp_path / "kvlookup" / f"demo-{demo.port}"
@@ -154,5 +153,5 @@ def test_a_demo_stops_quickly_and_quietly(tmp_path, sig, target):
     took = time.monotonic() - started
     assert rc == 0, rest
     assert [line for line in rest.splitlines() if any(word in line for word in QUIET)] == []
-    assert took < 5.0, f"stopping took {took:.2f} s"
+    assert took < 2.0, f"stopping took {took:.2f} s"
     assert served_by(data) is None  # the embedded Redis stopped with the controller
