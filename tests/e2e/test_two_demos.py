@@ -61,6 +61,12 @@ class Demo:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("kvlookup_lookups_total{"))
 
+    def ingested(self) -> float:
+        """kvlookup_ingest_ops_total summed (the sidecar's counts, served by the controller)."""
+        text = requests.get(f"{self.http}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("kvlookup_ingest_ops_total{"))
+
     def instances(self) -> list[str]:
         rows = requests.get(f"{self.http}/controller/overview", timeout=10).json()["instances"]
         return sorted(row["instance_id"] for row in rows)
@@ -87,7 +93,9 @@ def test_stopping_a_second_demo_leaves_the_first_one_whole(tmp_path):
         assert before == ["instance-b", "lmcache_default_instance"]
         assert first.layout() == SEED_ANSWER
         lookups = first.lookups()
+        ingested = first.ingested()
         assert wait_for(lambda: first.lookups() >= lookups + 3, True, timeout=30)  # its own light traffic
+        assert wait_for(lambda: first.ingested() > ingested, True, timeout=30)  # and cache churn (every 5 s)
         second = Demo(tmp_path)
         second.wait_seed()
         assert f"Embedded Redis: this demo's own, data dir {tmp_path / 'kvlookup' / f'demo-{second.port}'}\n" \
