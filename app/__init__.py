@@ -91,10 +91,16 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
 
 def create_asgi_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None):
     """The controller as an ASGI app (:class:`app.asgi.AsgiController` around
-    :func:`create_app`'s Flask app): what the default uvicorn workers serve."""
+    :func:`create_app`'s Flask app): what the default uvicorn workers serve. Explains are
+    answered by a child process with the same app (:mod:`app.explain_pool`)."""
+    from kvlookup.app import health
     from kvlookup.app.asgi import AsgiController
+    from kvlookup.app.explain_pool import ExplainPool
 
     flask_app = create_app(settings)
     ext = flask_app.extensions["kvlookup"]
     s = ext["settings"]
-    return AsgiController(flask_app, ext["lookup_route"], s.max_body_bytes, s.body_timeout_s, bind_host=s.host)
+    explains = ExplainPool(create_app, s)
+    health.health_checks(flask_app).append(explains.health)
+    return AsgiController(flask_app, ext["lookup_route"], s.max_body_bytes, s.body_timeout_s, bind_host=s.host,
+                          explains=explains)

@@ -14,7 +14,9 @@ off``, Redis Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup
 ``LOCAL_ONLY`` / ``NeedsRedis``) runs in the thread pool, so a slow round trip never holds
 the other connections. Every explain and every lookup with a large body (decoded and hashed
 off the loop) runs in a small bounded pool of its own (HEAVY_THREADS), so they never delay
-/health or ordinary lookups; when it is full they are answered 503.
+/health or ordinary lookups; when it is full they are answered 503. An explain is answered by
+a child process of the worker (:mod:`app.explain_pool`), so its CPU-bound walk and reply
+parsing do not hold this process's GIL while /health waits for it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from flask import Flask
 from kvlookup.app.auth import host_allowed
 from kvlookup.app.body import declared_length
 from kvlookup.app.errors import ApiError, json_bytes
+from kvlookup.app.explain_pool import ExplainPool
 from kvlookup.app.lookup import EXPLAIN_PATH, LookupRoute
 from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
 
@@ -61,7 +64,7 @@ class AsgiController:
     """
 
     def __init__(self, flask_app: Flask, route: LookupRoute, max_bytes: int, timeout_s: float,
-                 bind_host: str = "0.0.0.0"):
+                 bind_host: str = "0.0.0.0", explains: ExplainPool | None = None):
         self.route = route
         self.bind_host = bind_host  # the Flask app checks Host itself (app.create_app)
         self.max_bytes = max_bytes
@@ -70,6 +73,8 @@ class AsgiController:
         # module as plain dicts (the same values)
         self.wsgi = WSGIMiddleware(cast(wsgi_typing.WSGIApp, flask_app.wsgi_app), workers=THREADS)
         self.heavy = ThreadPoolExecutor(HEAVY_THREADS, thread_name_prefix="kvlookup-heavy")
+        #: explains in a child process (app.explain_pool); None: in ``heavy`` like large lookups
+        self.explains = explains
         sys.setswitchinterval(SWITCH_INTERVAL_S)  # a CPU-bound explain hands the GIL over sooner
         self._heavy_now = 0  # heavy requests running or waiting (the event loop's thread only)
 
@@ -95,7 +100,7 @@ class AsgiController:
         heavy = path == EXPLAIN_PATH or len(data) > BIG_BODY_BYTES
         answer = None if heavy else self._respond_here(path, args)
         if heavy:
-            answer = await self._heavy(args)
+            answer = await self._heavy(args, path == EXPLAIN_PATH)
         elif answer is None:  # the request decoded in the loop (in ``keep``) is not decoded again
             answer = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self.route.respond, *args)
         status, body, headers = answer
@@ -103,13 +108,17 @@ class AsgiController:
         self.route.count(keep)  # counted, and the decoded request freed, after the answer is out
         keep.clear()
 
-    async def _heavy(self, args: tuple) -> tuple:
-        """Answer in the heavy pool; (503, busy) when HEAVY_THREADS + HEAVY_WAITING are taken."""
+    async def _heavy(self, args: tuple, explain: bool) -> tuple:
+        """Answer in the heavy pool (an explain: in the explain process when there is one);
+        (503, busy) when HEAVY_THREADS + HEAVY_WAITING are taken."""
         if self._heavy_now >= HEAVY_THREADS + HEAVY_WAITING:
             return 503, {"error": "busy: too many explains or large lookups at once; retry"}, [("Retry-After", "1")]
         self._heavy_now += 1
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.heavy, self.route.respond, *args)
+            if explain and self.explains is not None:
+                return await loop.run_in_executor(self.heavy, self.explains.respond, args, self.route.respond)
+            return await loop.run_in_executor(self.heavy, self.route.respond, *args)
         finally:
             self._heavy_now -= 1
 

@@ -7,7 +7,7 @@ notes in docs/lmcache-mp.md):
 - ``POST /instances`` -> ``{"instance_id", "re_registered"}``; 409 on a chunk-size conflict
 - ``GET /instances`` -> ``{"instances": [...]}``
 - ``PUT /instances/<id>/heartbeat`` -> ``{"instance_id"}``; 404 ``unknown instance <id>; re-register``
-- ``DELETE /instances/<id>`` -> 204 (any id)
+- ``DELETE /instances/<id>`` -> 204 (any id; only the MP directory's data goes)
 - ``PUT /config/chunk-size`` ``{"chunk_size"}`` -> ``{"chunk_size"}``; 409 on a conflict
 - ``POST /events`` ``{"batches": [...]}`` -> ``{"applied", "duplicates", "stale"}``; 413 over
   :data:`MAX_BATCHES` batches or :data:`MAX_ENTRIES` entries (nothing applied)
@@ -15,7 +15,9 @@ notes in docs/lmcache-mp.md):
   ``POST /directory/blend-lookup``, ``GET /healthz``
 
 A bad body is 422 ``{"error": ..., "detail": ...}`` naming the field (FastAPI's status); Redis
-down is 503. Nothing of a rejected request is applied.
+down is 503. A registration, heartbeat or event batch naming an instance id a live sidecar
+writes for (its claim or its first write; docs/operations.md "Security") is 409, and while an MP
+instance is registered no sidecar writes for its id. Nothing of a rejected request is applied.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 
 from kvlookup.app import mp_metrics
 from kvlookup.app.errors import json_bytes
-from kvlookup.index.mp import ChunkSizeConflict, MPDirectory
+from kvlookup.index.mp import ChunkSizeConflict, HeldBySidecar, MPDirectory
 from kvlookup.wire import lmcache_mp as W
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,12 @@ class _Reject(Exception):
 @bp.errorhandler(_Reject)
 def _reject(exc: _Reject):
     return _error(exc.status, exc.message)
+
+
+@bp.errorhandler(HeldBySidecar)
+def _held(exc: HeldBySidecar):
+    """An instance id a live sidecar writes for (issue 20 item 10): 409, nothing applied."""
+    return _error(409, str(exc))
 
 
 @bp.errorhandler(redis.RedisError)

@@ -20,6 +20,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from kvlookup import metrics
+from kvlookup.index.store import OtherWriter
 from kvlookup.netpolicy import LOOPBACK_NETWORKS, Networks, address_allowed
 
 log = logging.getLogger(__name__)
@@ -81,59 +82,92 @@ class PeerGate(ThreadAuthenticator):
         await super().handle_zap_message(msg)
 
 
-#: How long a sidecar trusts what it read of an instance's claim (keys.claims_key).
+#: How long a sidecar trusts what it read of who writes for an instance (keys.claims_key,
+#: keys.owners_key, keys.mp_held_key).
 CLAIM_CACHE_S = 1.0
+#: The most instances whose answer a gate remembers (bounded: a peer naming many ids resets it).
+MAX_REMEMBERED = 65_536
+
+
+class OwnershipGate:
+    """Whether another writer holds an instance (issue 20 item 10), read from Redis at most
+    once per CLAIM_CACHE_S per instance (``Store.other_writer``, one round trip).
+
+    other_writer: ``(instance_id, me) -> ""`` or the FOREIGN script's answer
+    (``claim:<sidecar>``, ``owner:<sidecar>``, ``mp``); me: this sidecar's id. While Redis cannot
+    answer (``offline``, or a read fails) the last answer stands ("" for one never read: a write
+    could not land anyway, and the write itself (Store.own) checks again atomically).
+    """
+
+    def __init__(self, other_writer: Callable[[str, str], str] | None = None, me: str = "",
+                 clock: Callable[[], float] = time.monotonic):
+        self.other_writer, self.me, self.clock = other_writer, me, clock
+        self._seen: dict[str, tuple[float, str]] = {}
+        self.offline = False
+
+    def other(self, instance_id: str) -> str:
+        """"" or who else writes for ``instance_id`` (the FOREIGN script's answer)."""
+        if self.other_writer is None:
+            return ""
+        now = self.clock()
+        at, who = self._seen.get(instance_id, (float("-inf"), ""))
+        if now - at >= CLAIM_CACHE_S and not self.offline:
+            try:
+                who = self.other_writer(instance_id, self.me)
+            except redis.RedisError:  # Redis down: the last answer stands
+                pass
+            if len(self._seen) >= MAX_REMEMBERED:
+                self._seen.clear()
+            self._seen[instance_id] = (self.clock(), who)  # after a read that waited out a socket timeout too
+        return who
+
+    def forget(self, instance_id: str) -> None:
+        """Read the instance's answer again next time (after this sidecar took or lost it)."""
+        self._seen.pop(instance_id, None)
 
 
 class InstancePolicy:
     """Which instances a sidecar takes LMCache messages for. allowed: instance ids; empty = any.
 
-    claims: ``() -> {instance: claiming sidecar}`` of the live claims (``Store.live_claims``)
-    and ``me``, this sidecar's id: a message for an instance another sidecar claims (its
-    ``allowed_instance_ids`` names it) is refused while that sidecar's lease holds, whatever
-    this sidecar's own list says (issue 20 item 10: a sidecar with an empty list let any peer
-    wipe, retire or take over another's instance). The claims are read again every
-    CLAIM_CACHE_S; while Redis cannot answer, the last ones read stand.
+    gate: an :class:`OwnershipGate`: a message for an instance another writer holds is refused
+    whatever this sidecar's own list says (issue 20 item 10: a sidecar with an empty list let any
+    peer wipe, retire or take over another's instance): one a live sidecar claims (its
+    ``allowed_instance_ids`` names it), one the live sidecar that wrote for it first owns (unless
+    ``shared_instance_ownership``), one registered through the LMCache MP coordinator. An
+    instance in this sidecar's own list is never refused for another's ownership (its claim
+    beats it), only for another's claim.
     """
 
-    def __init__(self, allowed: Iterable[str] = (), claims: Callable[[], dict[str, str]] | None = None,
-                 me: str = "", clock: Callable[[], float] = time.monotonic):
+    def __init__(self, allowed: Iterable[str] = (), gate: OwnershipGate | None = None):
         self.allowed = frozenset(allowed)
-        self.claims, self.me, self.clock = claims, me, clock
-        self._claims: dict[str, str] = {}
-        self._read_at = float("-inf")
-        self.offline = False  # set by the ingest while Redis does not answer: claims are not read then
+        self.gate = gate or OwnershipGate()
         self.quiet = QuietLog()
+
+    @property
+    def offline(self) -> bool:
+        return self.gate.offline
+
+    @offline.setter
+    def offline(self, value: bool) -> None:  # set by the ingest while Redis does not answer
+        self.gate.offline = value
 
     def refuse(self, tag: str, msg: Any) -> str:
         """"" when ``msg`` (a decoded message with ``instance_id``) may be applied; otherwise
-        counts it (``reason="instance_not_allowed"`` or ``"instance_claimed"``) and returns the
-        reason, for an ErrorMsg. While Redis cannot answer, the last claim read stands."""
+        counts it (``reason="instance_not_allowed"``, ``"instance_claimed"``, ``"instance_owned"``
+        or ``"instance_mp"``) and returns the reason, for an ErrorMsg. While Redis cannot answer,
+        the last answer read stands."""
         instance_id = getattr(msg, "instance_id", None)
         if self.allowed and instance_id not in self.allowed:
             metrics.REJECTED.labels("lmcache", "instance_not_allowed").inc()
             reason = f"instance {instance_id!r} is not in this sidecar's allowed_instance_ids"
             self.quiet.warn(f"instance:{instance_id}", f"dropped {tag}: {reason}")
             return reason
-        other = self._claimer(instance_id) if isinstance(instance_id, str) else ""
-        if not other:
+        if not isinstance(instance_id, str):
             return ""
-        metrics.REJECTED.labels("lmcache", "instance_claimed").inc()
-        reason = (f"instance {instance_id!r} belongs to sidecar {other!r} (its allowed_instance_ids names it); "
-                  f"this sidecar takes no writes for it while that sidecar runs")
-        self.quiet.warn(f"claimed:{instance_id}", f"dropped {tag}: {reason}")
-        return reason
-
-    def _claimer(self, instance_id: str) -> str:
-        """The other live sidecar that claims the instance, or ""."""
-        if self.claims is None or instance_id in self.allowed:
+        who = self.gate.other(instance_id)
+        if not who:
             return ""
-        now = self.clock()
-        if now - self._read_at >= CLAIM_CACHE_S and not self.offline:  # offline: Redis known down, do not wait
-            try:
-                self._claims = self.claims()
-            except redis.RedisError:  # Redis down: the last claims stand (a write could not land anyway)
-                pass
-            self._read_at = self.clock()  # after a read that waited out a socket timeout too
-        who = self._claims.get(instance_id, "")
-        return who if who != self.me else ""
+        refused = OtherWriter(instance_id, who)
+        metrics.REJECTED.labels("lmcache", refused.reason).inc()
+        self.quiet.warn(f"{refused.reason}:{instance_id}", f"dropped {tag}: {refused}")
+        return str(refused)

@@ -290,7 +290,13 @@ class LMCacheIngest:
         key = (b.instance_id, b.worker_id)
         if key in self._registered:
             return True
-        if self.store.is_registered(*key):
+        if self.store.is_registered(*key):  # registered through another sidecar (one killed, say): its now
+            try:
+                self.store.own(self.sidecar_id, key[0])
+            except Refused as exc:  # another writer holds it after all (the policy's answer was a second old)
+                self._refused("KVAdmitMsg", exc)
+                metrics.count_ops(b.ops, "unregistered")
+                return False
             self._registered.add(key)
             return True
         if key in self._held and self._heal(key):
@@ -317,7 +323,10 @@ class LMCacheIngest:
         self._synced.clear()
         healed = sum(self._heal(key) for key in list(self._held) if key not in self.queue.registry)
         for instance_id in {i for i, _w in self._held}:
-            self.store.own(self.sidecar_id, instance_id)
+            try:
+                self.store.own(self.sidecar_id, instance_id)
+            except Refused as exc:  # another writer holds it now: this sidecar's copy is not re-asserted
+                self._refused("RegisterMsg", exc)
         ops, span = self.store.rewrite_journal()
         self._failed_over = False
         log.warning("failover: wrote the ops of the last %.0f s again (%d); %d of %d workers registered again; "
@@ -328,6 +337,7 @@ class LMCacheIngest:
         True when it was missing or older. A worker that left since is forgotten."""
         held = self._held[key]
         try:
+            self.store.own(self.sidecar_id, key[0])  # first: another writer's instance is not re-asserted
             epoch = self.store.reassert_worker(*key, held.epoch, held.at_ms, held.ip, held.port, held.url)
         except Refused as exc:
             self._refused("RegisterMsg", exc)
@@ -337,7 +347,6 @@ class LMCacheIngest:
                 self.forget(*key)
             return False
         held.epoch = epoch
-        self.store.own(self.sidecar_id, key[0])
         self._registered.add(key)
         log.warning("the registry lost worker %s/%s (a failover?): registered it again, epoch %d", *key, epoch)
         return True
@@ -367,9 +376,9 @@ class LMCacheIngest:
 
     def _apply_registration(self, key: tuple[str, int], w: RegistryWrite) -> int:
         at_ms = self.store.clock.now_ms()
+        self.store.own(self.sidecar_id, key[0])  # first: OtherWriter before any write (issue 20 item 10)
         epoch = self.store.register_worker(*key, w.ip, w.port, w.url)
         self.store.expect_epoch(*key, epoch)
-        self.store.own(self.sidecar_id, key[0])
         staleness.clear(self.store.r, key[0])  # a new epoch: nothing old counts
         self._held[key] = Held(w.ip, w.port, w.url, epoch, at_ms)
         self._registered.add(key)

@@ -25,10 +25,10 @@ import zmq
 from kvlookup import metrics
 from kvlookup.index import staleness
 from kvlookup.index.fleet import reap
-from kvlookup.index.store import Store
+from kvlookup.index.store import Refused, Store
 from kvlookup.netpolicy import LOOPBACK_NETWORKS, Networks
 from kvlookup.proc.lifetime import release_memory
-from kvlookup.sidecar.admission import InstancePolicy, PeerGate
+from kvlookup.sidecar.admission import InstancePolicy, OwnershipGate, PeerGate
 from kvlookup.sidecar.liveness import Liveness
 from kvlookup.sidecar.lmcache_ingest import LMCacheIngest
 from kvlookup.sidecar.sockets import Limits, SocketSet, source_fd
@@ -101,14 +101,15 @@ class Sidecar:
         self.gate = PeerGate(self.ctx, peers)  # one ZAP handler per context: every bound socket asks it
         self.gate.start()
         self.sockets = SocketSet(self.ctx, self.limits, guard=self.gate.guard)
-        self.pinned = tuple(instance_ids) + tuple(v.instance_id for v in vllm)
+        self.pinned = tuple(dict.fromkeys((*instance_ids, *(v.instance_id for v in vllm))))
         ttl_s = store.instance_ttl_ms / 1000
         self.heartbeat_s = heartbeat_s or (min(1.0, max(0.1, ttl_s / 3)) if ttl_s > 0 else 1.0)
         self.liveness = Liveness(store, self.sidecar_id, grace_s=grace_s, timeout_s=probe_timeout_s,
                                  retries=probe_retries, address_allowed=address_allowed)
         hb_url = advertise_reply or (_host_port(reply_url) if reply_url else "")
+        self.ownership = OwnershipGate(store.other_writer, self.sidecar_id)  # issue 20 item 10: one writer per instance
         self.lmcache = LMCacheIngest(store, self.sidecar_id, heartbeat_url=hb_url, observer=self.liveness,
-                                     policy=InstancePolicy(allowed_instance_ids, store.live_claims, self.sidecar_id))
+                                     policy=InstancePolicy(allowed_instance_ids, self.ownership))
         self.claimed = tuple(allowed_instance_ids)
         self._stop = threading.Event()
         self.started_at = time.time()
@@ -193,7 +194,12 @@ class Sidecar:
             log.warning("sidecar %s: instance %s was claimed by sidecar %s (allowed_instance_ids): it is this "
                         "sidecar's now", self.sidecar_id, instance_id, prev)
         for instance_id in self.pinned:
-            self.store.own(self.sidecar_id, instance_id)
+            try:
+                self.store.own(self.sidecar_id, instance_id)
+            except Refused as exc:  # another writer holds it: its lease is not renewed here, its traffic refused
+                metrics.REJECTED.labels("sidecar", exc.reason).inc()
+                log.warning("sidecar %s: not taking instance %s (--instance-id): %s", self.sidecar_id, instance_id,
+                            exc)
         killed = staleness.unclean_stop(self.store.r, self.sidecar_id)
         owned = self.store.renew(self.sidecar_id, SIDECAR_LEASE_S)
         log.info("sidecar %s: resuming %d owned instance(s)", self.sidecar_id, owned)
@@ -227,15 +233,18 @@ class Sidecar:
 
     def _purge(self, budget: int) -> None:
         """Purge up to ``budget`` retired records; after a pass that found none, wait
-        ``PURGE_IDLE_EVERY_S`` before the next."""
+        ``PURGE_IDLE_EVERY_S`` before the next, or less when a retired holder's purge grace
+        ends sooner (a cluster's 5 s after a failover's heal retired a cold restart's holder:
+        purged when it ends, not up to a second later)."""
         now = time.monotonic()
         if now < self._next_purge:
             return
         removed = self.store.purge(budget)
         if removed:
             log.debug("purged %d retired records", removed)
-        else:
-            self._next_purge = now + PURGE_IDLE_EVERY_S
+            return
+        due = self.store.next_purge_s() if self.store.purge_grace_ms else None
+        self._next_purge = now + (PURGE_IDLE_EVERY_S if due is None else min(PURGE_IDLE_EVERY_S, max(0.05, due + 0.01)))
 
     def _after_burst(self) -> None:
         """Once a burst of ingest is over (nothing queued, much written since the last time),

@@ -9,6 +9,15 @@ hash, group) to its own chunk hash, the residencies holding it and its space
 connectors) and parents of later stores. One rank may use several block sizes at once (GPU
 blocks of 16 beside LMCache MP connector CPU chunks of 256): each store is credited at its own.
 
+A sliding-window or Mamba group's store may be sparse: vLLM 0.33 skips null and masked blocks in
+``block_hashes`` (Mamba's align mode, sparse retention; v1/core/block_pool.py:277-282) while
+``token_ids`` cover the whole range cached (:315-317, :394), so which block each hash is cannot
+be read off the event. Such a store is placed after the rest of its batch, each hash through the
+entry of another group that holds the same engine hash at the same block size (vLLM hashes a
+block the same in every group, ``BlockHashWithGroupId``; the full-attention group caches every
+block in the same step); a hash no group places is counted (``skipped["sparse_unplaced"]``). A
+parent the store's own group no longer holds (freed and evicted there) is resolved the same way.
+
 Residency is ``medium`` or ``medium~ownership`` (vLLM's offloading tracker keys residency by
 (medium, ownership): kv_connector/v1/offloading/events.py:404-405, 447); a record goes when no
 residency of its medium is left in any prefix group. Stores and removes of a ``REMOTE`` tier
@@ -87,6 +96,13 @@ class Entry:
 
     def format(self) -> str:
         return f"{self.own}|{','.join(sorted(self.media))}|{self.space}"
+
+
+def is_sparse(ev: BlockStored) -> bool:
+    """Whether a store's tokens cover more whole blocks than it has hashes (vLLM skipped null or
+    masked blocks of a sliding-window or Mamba group: block_pool.py:277-282)."""
+    bs, n = ev.block_size or 0, len(ev.block_hashes)
+    return bs > 0 and n > 0 and len(ev.token_ids) > n * bs and len(ev.token_ids) % bs == 0
 
 
 def residency(medium: str, ownership: str | None) -> str:
@@ -193,6 +209,7 @@ class BatchApplier:
         self.new_chains = False
         self.new_groups: dict[int, GroupSpec] = {}
         self.session: str | None = None
+        self.sparse: list[BlockStored] = []  # sparse group stores, placed at the end of the batch
 
     def run(self, events: Sequence[Event], persist: dict[str, str | int]) -> None:
         """Apply ``events``; write ``persist`` (instance hash fields) with the last writes."""
@@ -205,12 +222,14 @@ class BatchApplier:
                 metrics.REJECTED.labels("vllm", exc.reason).inc()
                 log.warning("%s rank %d: rejected %s: %s", self.ctx.instance_id, self.ctx.rank,
                             type(ev).__name__, exc)
+        self._place_sparse()
         self.flush(persist)
 
     def _event(self, ev: Event) -> None:
         if isinstance(ev, Malformed):
             raise WireError(ev.reason, ev.detail)
         if isinstance(ev, AllBlocksCleared):
+            self._place_sparse()
             self.flush({})
             self.ctx.wipe()
             self.ctx.chains.clear()
@@ -266,6 +285,9 @@ class BatchApplier:
         else:
             lookahead = self._lookahead(ev)
             space = self._space(g, bs, spec)
+            if space != prefix_space(bs) and is_sparse(ev):
+                self.sparse.append(ev)
+                return
             placed = [(own, space) for own in self._own_hashes(ev, bs, lookahead)]
             if space == prefix_space(bs) and (bs, lookahead) not in self.ctx.chains:
                 self.ctx.chains.add((bs, lookahead))
@@ -305,12 +327,44 @@ class BatchApplier:
             extras[0] = None  # the first block's extra keys are part of the root
         else:
             entry = self._get(engine_field(ev.parent_block_hash, ev.group_idx))
-            if entry is None:
+            found = entry.own if entry is not None else self._own_elsewhere(ev.parent_block_hash, ev.group_idx, bs)
+            if found is None:
                 raise WireError("unknown_parent", f"parent {ev.parent_block_hash} is not known")
-            parent = entry.own
+            parent = found
         if lookahead and ev.lookahead_token_ids:
             extras = [vh.with_lookahead(e, la) for e, la in zip(extras, ev.lookahead_token_ids, strict=True)]
         return vh.chain(parent, ev.token_ids, bs, extras)
+
+    def _own_elsewhere(self, engine_hash: int, group_idx: int | None, bs: int) -> int | None:
+        """Our chunk hash of ``engine_hash`` from another group holding it at block size ``bs``
+        (vLLM hashes a block alike in every group; our chain at ``bs`` is alike too), or None."""
+        if group_idx is None:
+            return None
+        for g in sorted({0, *self.ctx.groups} - {group_idx}):
+            entry = self._get(engine_field(engine_hash, g))
+            if entry is not None and self._entry_space(entry) in (prefix_space(bs), group_space(bs, g)):
+                return entry.own
+        return None
+
+    def _place_sparse(self) -> None:
+        """Place the batch's sparse group stores (see the module docstring)."""
+        for ev in self.sparse:
+            bs, g = ev.block_size or 0, ev.group_idx
+            space = group_space(bs, g or 0)
+            medium = ev.medium or DEFAULT_MEDIUM
+            res = residency(medium, ev.ownership)
+            for engine_hash in ev.block_hashes:
+                own = self._own_elsewhere(engine_hash, g, bs)
+                if own is None:
+                    self.ctx.skipped["sparse_unplaced"] += 1
+                    continue
+                f = engine_field(engine_hash, g)
+                old = self._get(f)
+                entry = Entry(own, set(old.media) if old and old.own == own else set(), space)
+                entry.media.add(res)
+                self.changed[f] = entry
+                self.ops.setdefault((medium, space), []).append((ADMIT, own))
+        self.sparse = []
 
     def _resolve_tokenless(self, ev: BlockStored) -> list[Entry]:
         entries = [self._get(engine_field(h, ev.group_idx)) for h in ev.block_hashes]
@@ -380,6 +434,11 @@ class BatchApplier:
         for ev in events:
             if isinstance(ev, BlockRemoved):
                 wanted.update(engine_field(h, g) for h in ev.block_hashes for g in groups)
+            elif isinstance(ev, BlockStored) and ev.group_idx is not None:  # other groups may place it
+                if ev.parent_block_hash is not None:
+                    wanted.update(engine_field(ev.parent_block_hash, g) for g in groups)
+                if is_sparse(ev):
+                    wanted.update(engine_field(h, g) for h in ev.block_hashes for g in groups)
         mirror = self.ctx.mirror
         raw: dict[str, str | None] = {}
         if mirror is not None and wanted:

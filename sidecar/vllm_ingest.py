@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 import redis
 
 from kvlookup import kinds, metrics
-from kvlookup.index.store import Store
+from kvlookup.index.store import OtherWriter, Refused, Store
 from kvlookup.index.vllm_groups import GroupSpec
 from kvlookup.index.vllm_ranks import VllmRanks, prefix_space, rank_fields
+from kvlookup.sidecar.admission import OwnershipGate, QuietLog
 from kvlookup.sidecar.vllm_apply import BatchApplier, Mirror, RankContext
 from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import decode_batch, parse_live
@@ -72,12 +73,18 @@ class VllmIngest:
     store: the index. instance_id: the name lookups report. replay: see :data:`ReplayFn`
     (None = no replay endpoint). owner: the sidecar id that owns the instance (renews its
     lease). Counters: ``rejected`` (events/batches per reason), ``skipped`` (remote_tier,
-    remove_unknown), ``duplicates``, ``resyncs`` (per reason). model: the served model, when
+    remove_unknown, sparse_unplaced), ``duplicates``, ``resyncs`` (per reason). model: the served model, when
     discovered (:meth:`set_model`). :meth:`catch_up` asks replay for what a rank missed.
+    gate: a :class:`kvlookup.sidecar.admission.OwnershipGate`: while another writer holds the
+    instance (issue 20 item 10: a live claimer, a live first owner, an MP registration) every
+    batch is dropped and counted (``rejected[reason]``) and the ranks are forgotten, so once it
+    is this sidecar's again they start over from what Redis holds (first contact).
     """
 
-    def __init__(self, store: Store, instance_id: str, replay: ReplayFn | None = None, owner: str = ""):
+    def __init__(self, store: Store, instance_id: str, replay: ReplayFn | None = None, owner: str = "",
+                 gate: OwnershipGate | None = None):
         self.store = store
+        self.gate = gate
         self.instance_id = instance_id
         self.replay = replay
         self.owner = owner
@@ -88,12 +95,13 @@ class VllmIngest:
         self.duplicates = 0
         self.model: str | None = None
         self.ranks_state = VllmRanks(store, instance_id)
+        self.quiet = QuietLog()
 
     def set_model(self, model: str | None) -> None:
         """The served model's name (discovered): written to the instance hash (``model``) now when
         the instance is registered, else when a rank registers; lookups naming another model skip it."""
         self.model = model
-        if model:
+        if model and not self._held_by_other():
             self.ranks_state.write_model(model, only_if_vllm=True)
 
     def handle_live(self, rank: int, frames: list[bytes]) -> None:
@@ -106,6 +114,8 @@ class VllmIngest:
         batch (its events in order, one write; the seq and digest of its last are persisted);
         anything else (a first contact, a gap, a duplicate, an engine restart, a bad frame) goes
         one by one. Never raises except for Redis outages."""
+        if self._held_by_other(len(messages)):
+            return
         run: list[tuple[int, bytes]] = []
         for frames in messages:
             try:
@@ -137,9 +147,26 @@ class VllmIngest:
                 self._apply_run(rank, self.ranks[rank], run)
         except (redis.ConnectionError, redis.TimeoutError):
             raise  # the loop waits; the lost messages show up as a gap and are replayed
+        except Refused as exc:  # another writer took the instance meanwhile (Store.own)
+            self.ranks.clear()
+            self._reject(exc.reason, str(exc))
         except Exception:
             self._reject("handler_error", f"rank {rank} seq {run[0][0]}..{run[-1][0]}")
             log.exception("failed to apply %s rank %d seq %d..%d", self.instance_id, rank, run[0][0], run[-1][0])
+
+    def _held_by_other(self, batches: int = 0) -> bool:
+        """True while another writer holds the instance (the gate says who): ``batches`` are
+        counted as rejected and the ranks forgotten."""
+        who = self.gate.other(self.instance_id) if self.gate is not None else ""
+        if not who:
+            return False
+        self.ranks.clear()
+        if batches:
+            refused = OtherWriter(self.instance_id, who)
+            self.rejected[refused.reason] += batches
+            metrics.REJECTED.labels("vllm", refused.reason).inc(batches)
+            self.quiet.warn(refused.reason, f"dropped {batches} batch(es): {refused}")
+        return True
 
     # -- sequence -------------------------------------------------------------------------
 
@@ -175,9 +202,16 @@ class VllmIngest:
         restarts and sends one batch before the SUB has joined, then goes quiet, is otherwise
         never caught up). At most three replays, each bounded by the replay client. Returns
         and counts the outcome (``kvlookup_vllm_catchups_total``). Raises only Redis errors."""
-        outcome = self._catch_up(rank) if self.replay is not None else "no_answer"
+        if self._held_by_other():
+            outcome = "refused"
+        else:
+            try:
+                outcome = self._catch_up(rank) if self.replay is not None else "no_answer"
+            except Refused as exc:  # taken by another writer meanwhile (Store.own)
+                self._reject(exc.reason, str(exc))
+                outcome = "refused"
         metrics.CATCHUPS.labels(outcome).inc()
-        if outcome not in ("current", "no_answer"):
+        if outcome not in ("current", "no_answer", "refused"):
             log.info("%s rank %d: catch-up on connect: %s (last seq %s)", self.instance_id, rank, outcome,
                      self.ranks[rank].last)
         return outcome
@@ -320,12 +354,13 @@ class VllmIngest:
         st.last, st.last_digest = seq, d
 
     def _register_rank(self, rank: int) -> None:
-        """A new epoch of the rank in the registry, owned by this sidecar."""
+        """A new epoch of the rank in the registry, owned by this sidecar (OtherWriter first,
+        before any write, when another writer holds the instance)."""
+        if self.owner:
+            self.store.own(self.owner, self.instance_id)
         self.store.register_worker(self.instance_id, rank, kind=kinds.VLLM)
         if self.model:
             self.ranks_state.write_model(self.model)
-        if self.owner:
-            self.store.own(self.owner, self.instance_id)
 
     def _wipe(self, rank: int, st: RankState) -> None:
         """New epoch for the rank (its records stop counting), empty engine map, no learned

@@ -19,6 +19,7 @@ import zmq
 
 from kvlookup import metrics
 from kvlookup.index.store import Store
+from kvlookup.sidecar.admission import OwnershipGate
 from kvlookup.sidecar.sockets import Limits, SocketSet
 from kvlookup.sidecar.turns import run_turns
 from kvlookup.sidecar.vllm_discovery import Discovered, DiscoveryError, RankSource, discover
@@ -39,11 +40,24 @@ TOTAL_TIMEOUTS = 5
 #: When a SUB socket (re)connects, catch up after each of these delays (seconds).
 CATCH_UP_DELAYS_S = (0.05, 1.0)
 #: A discovered engine whose SUB connection dropped: read its URL again after this long, then
-#: every REDISCOVER_EVERY_S, at most REDISCOVER_TRIES times, each GET waiting at most the timeout.
+#: every REDISCOVER_EVERY_S for REDISCOVER_TRIES tries, then every REDISCOVER_SLOW_S until it
+#: answers (an engine reloading its model takes minutes), each GET waiting at most the timeout.
 REDISCOVER_AFTER_S = 1.0
 REDISCOVER_EVERY_S = 2.0
 REDISCOVER_TRIES = 30
+REDISCOVER_SLOW_S = 10.0
 REDISCOVER_TIMEOUT_S = 1.0
+
+
+def ipv6(sock: zmq.Socket, url: str) -> None:
+    """libzmq reaches an IPv6 literal (``tcp://[fd00::5]:5557``) only with ZMQ_IPV6 on."""
+    if "[" in url:
+        sock.setsockopt(zmq.IPV6, 1)
+
+
+def subscribe(sock: zmq.Socket, url: str, topic: str) -> None:
+    ipv6(sock, url)
+    sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
 
 
 class ReplayClient:
@@ -92,18 +106,23 @@ class ReplayClient:
                 broken = True
             if not broken:
                 run.append((seq, payload))
-        log.warning("replay from %s (rank %d, seq %d) gave up after %d batch(es)", self.url, rank, start, len(run))
+        log.warning("replay from %s (rank %d, seq %d) gave up after %d batch(es)", self._url(rank), rank, start,
+                    len(run))
         self._drop(rank)  # late replies must not reach the next request
         return None
+
+    def _url(self, rank: int) -> str | None:
+        return self.urls.get(rank) if self.urls else (with_port_offset(self.url, rank) if self.url else None)
 
     def _socket(self, rank: int) -> zmq.Socket | None:
         sock = self.socks.get(rank)
         if sock is None:
-            url = self.urls.get(rank) if self.urls else (with_port_offset(self.url, rank) if self.url else None)
+            url = self._url(rank)
             if url is None:
                 return None
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            ipv6(sock, url)
             sock.connect(url)
             self.socks[rank] = sock
         return sock
@@ -171,6 +190,8 @@ class VllmLoop:
         self.store = Store(store.r, instance_ttl_s=store.instance_ttl_ms / 1000,
                            worker_ttl_s=store.worker_ttl_ms / 1000, purge_grace_s=store.purge_grace_ms / 1000,
                            records=store.records)
+        self.store.shared_ownership = store.shared_ownership
+        self.ownership = OwnershipGate(self.store.other_writer, sidecar_id)  # this thread's own (issue 20 item 10)
         self.sockets = sockets or SocketSet(zmq.Context.instance(), Limits())
         self.grace_s = grace_s
         self.ingests: dict[str, VllmIngest] = {}
@@ -180,6 +201,7 @@ class VllmLoop:
         self.sources: dict[str, VllmSource] = {}
         self.subs: dict[str, list[zmq.Socket]] = {}  # instance -> its SUB sockets
         self.rediscover: dict[str, tuple[float, int]] = {}  # instance -> (when, tries) to read its URL again
+        self.disconnected: set[tuple[str, int]] = set()  # (instance, rank) whose SUB connection is away
         self.sidecar_id = sidecar_id
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="kvlookup-vllm", daemon=True)
@@ -195,7 +217,8 @@ class VllmLoop:
             self.replays[iid] = replay
         ingest = self.ingests.get(iid)
         if ingest is None:
-            ingest = self.ingests[iid] = VllmIngest(self.store, iid, replay, owner=self.sidecar_id)
+            ingest = self.ingests[iid] = VllmIngest(self.store, iid, replay, owner=self.sidecar_id,
+                                                         gate=self.ownership)
         ingest.replay = replay
         ingest.set_model(source.model)
         self.sources[iid] = source
@@ -217,16 +240,18 @@ class VllmLoop:
 
         def on_event(event: int, _fd: int, _endpoint: str) -> None:
             if event == zmq.EVENT_DISCONNECTED:
+                self.disconnected.add(key)
                 self.down.setdefault(key, time.monotonic() + self.grace_s)
                 if self.sources[key[0]].vllm_url and key[0] not in self.rediscover:
                     self.rediscover[key[0]] = (time.monotonic() + REDISCOVER_AFTER_S, 0)
             elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self.disconnected.discard(key)
                 self.down.pop(key, None)
                 self._schedule_catch_up(key)
 
         sock = self.sockets.add(zmq.SUB, handler, bind=rs.endpoint if rs.bind else None,
                                 connect=None if rs.bind else rs.endpoint, on_event=on_event,
-                                setup=lambda s: s.setsockopt(zmq.SUBSCRIBE, rs.topic.encode()))
+                                setup=lambda s: subscribe(s, rs.endpoint, rs.topic))
         if rs.replay_endpoint:
             self.catchups[key] = [0.0]  # at start: whatever was published while no sidecar listened
         return sock
@@ -239,6 +264,7 @@ class VllmLoop:
             replay.close()
         for key in [k for k in self.catchups if k[0] == instance_id]:
             del self.catchups[key]
+        self.disconnected = {k for k in self.disconnected if k[0] != instance_id}  # new sockets say anew
 
     def _rediscover(self) -> None:
         """Read the URL of each restarted engine again; re-subscribe when its endpoints moved."""
@@ -248,17 +274,28 @@ class VllmLoop:
                 continue
             source = self.sources[iid]
             url = source.vllm_url or ""
+            known = {rs.endpoint: rs.bind for rs in source.ranks}
             try:
-                found = discover(url, timeout_s=REDISCOVER_TIMEOUT_S)
+                found = discover(url, timeout_s=REDISCOVER_TIMEOUT_S, known=known)
             except DiscoveryError as exc:
-                if tries + 1 >= REDISCOVER_TRIES:
+                if not exc.transient:  # it answered, and not with its endpoints
                     log.warning("vLLM %s: %s; keeping its last endpoints", iid, exc)
                     del self.rediscover[iid]
-                else:
-                    self.rediscover[iid] = (now + REDISCOVER_EVERY_S, tries + 1)
+                    continue
+                if tries + 1 == REDISCOVER_TRIES:
+                    log.warning("vLLM %s: %s; asking again every %.0fs", iid, exc, REDISCOVER_SLOW_S)
+                slow = tries + 1 >= REDISCOVER_TRIES
+                self.rediscover[iid] = (now + (REDISCOVER_SLOW_S if slow else REDISCOVER_EVERY_S), tries + 1)
+                continue
+            new = VllmSource.discovered(iid, url, found, source.replay_timeout_s)
+            if new.ranks == source.ranks and any(k[0] == iid for k in self.disconnected):
+                # the same endpoints while a rank is still away: maybe the server's old answer
+                # (its engine restarting); ask again until the ranks are back or the answer moves
+                self.sources[iid] = new
+                self.rediscover[iid] = (now + (REDISCOVER_SLOW_S if tries + 1 >= REDISCOVER_TRIES
+                                               else REDISCOVER_EVERY_S), tries + 1)
                 continue
             del self.rediscover[iid]
-            new = VllmSource.discovered(iid, url, found, source.replay_timeout_s)
             if new.ranks != source.ranks:
                 log.warning("vLLM %s: endpoints changed on restart; subscribing again", iid)
                 self._detach(iid)
@@ -308,7 +345,7 @@ class VllmLoop:
         now = time.monotonic()
         for key in [k for k, at in self.down.items() if at <= now]:
             del self.down[key]
-            if self.store.is_registered(*key):
+            if self.store.is_registered(*key) and not self.ownership.other(key[0]):  # never another's rank
                 log.warning("vLLM %s rank %d: its event stream stayed disconnected %.0fs; recording it gone",
                             key[0], key[1], self.grace_s)
                 self.store.suspect(*key, self.store.clock.now_ms())

@@ -11,6 +11,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvlookup import config as kvconfig
@@ -273,19 +274,35 @@ def _spawn_embedded_sidecar(settings: kvconfig.Settings, settings_dir: str) -> C
     return Child("embedded_sidecar", [sys.executable, "-P", "-m", "kvlookup", "sidecar", "--config", path], ports)
 
 
+#: Seconds between reads of a vLLM server's URL that did not answer at sidecar start.
+DISCOVER_RETRY_S = 2.0
+
+
 def _discovered_source(settings) -> tuple:
     """The vLLM source ``vllm_url`` describes; with ``vllm_endpoint`` also set, a server that cannot
-    tell (older than 0.33) falls back to it with a one-line warning, else DiscoveryError stops."""
+    tell (older than 0.33, or not answering) falls back to it with a one-line warning. Without it, a
+    server that does not answer yet (an engine still loading its model) is asked again every
+    DISCOVER_RETRY_S, said once in the log; any other answer stops with DiscoveryError."""
     from kvlookup.sidecar.vllm_discovery import DiscoveryError, discover
     from kvlookup.sidecar.vllm_zmq import VllmSource
 
-    try:
-        found = discover(settings.vllm_url)
-    except DiscoveryError as exc:
-        if not settings.vllm_endpoint:
-            raise
-        log.warning("%s; using --vllm-endpoint %s", exc, settings.vllm_endpoint)
-        return ()
+    waited = False
+    while True:
+        try:
+            found = discover(settings.vllm_url)
+            break
+        except DiscoveryError as exc:
+            if settings.vllm_endpoint:
+                log.warning("%s; using --vllm-endpoint %s", exc, settings.vllm_endpoint)
+                return ()
+            if not exc.transient:
+                raise
+            if not waited:
+                log.warning("%s; waiting for the vLLM server (asking every %.0fs)", exc, DISCOVER_RETRY_S)
+                waited = True
+            time.sleep(DISCOVER_RETRY_S)
+    if waited:
+        log.info("vLLM server %s answered", settings.vllm_url)
     return (VllmSource.discovered(settings.instance_id, settings.vllm_url, found, settings.vllm_replay_timeout_s),)
 
 
@@ -322,6 +339,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
                   instance_ttl_s=settings.instance_ttl_s, worker_ttl_s=settings.worker_ttl_s,
                   max_workers_per_instance=settings.max_workers_per_instance)
     store.model = settings.model
+    store.shared_ownership = settings.shared_instance_ownership
     if why := _refused_redis(settings, store.r):
         print(f"kvlookup sidecar: error: {why}", file=sys.stderr)
         return 1

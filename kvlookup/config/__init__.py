@@ -243,6 +243,15 @@ class Settings:
             "claims the listed instances (`kvl:v2:{r}:claims`): while its lease holds, every other sidecar "
             "(the controller's embedded one included, whatever its own list) refuses messages for them the same "
             "way. When `instance_id` is set too it must be in the list")
+    shared_instance_ownership: bool = setting(
+        False, readers=(SIDECAR, EMBEDDED),
+        help="let this sidecar write for instances another live sidecar wrote for first (default: refused)",
+        doc="by default the first sidecar to write for an instance owns it while its lease holds "
+            "(`kvl:v2:{r}:owners`, 5 s after a kill -9, at once after a clean stop): every other sidecar refuses "
+            "messages for it (`ErrorMsg` to a request, counted in `kvlookup_rejected_frames_total"
+            "{reason=\"instance_owned\"}`). Set it on every sidecar that serves workers of one instance "
+            "together (a multi-node instance whose workers talk to their own node's sidecar). Claims "
+            "(`allowed_instance_ids`) and LMCache MP registrations are never shared")
     # -- vLLM (sidecar) ---------------------------------------------------------------------------
     vllm_endpoint: str | None = setting(
         None, readers=(SIDECAR,),
@@ -262,8 +271,8 @@ class Settings:
              "and scope lookups by its /v1/models model (instead of --vllm-endpoint)",
         doc="a vLLM 0.33+ server's API, `http://HOST:8000`: every DP rank's endpoints from `GET /kv_event_sources`, "
             "the model from `/v1/models` (lookups naming another `model_name` skip it), read again when the engine "
-            "restarts; `instance_id` defaults to `HOST:PORT`; servers before 0.33 stop the sidecar with a one-line "
-            "error unless `vllm_endpoint` is given too (docs/vllm.md)")
+            "restarts; `instance_id` defaults to `HOST:PORT`; a server that does not answer yet is waited for; servers "
+            "before 0.33 stop the sidecar with a one-line error unless `vllm_endpoint` is given too (docs/vllm.md)")
     # -- LMCache MP coordinator paths (app/coordinator.py; docs/lmcache-mp.md) -------------------
     mp_listen: str | None = setting(
         None, readers=(SIDECAR,),

@@ -299,6 +299,13 @@ def claims_key() -> str:
     return REGISTRY + "claims"
 
 
+def mp_held_key() -> str:
+    """Sorted set instance_id -> expiry (Redis server time, unix ms) of the instances registered
+    through the LMCache MP coordinator (renewed by their registration and heartbeats, removed by
+    DELETE): while it holds, no sidecar writes for that instance id (issue 20 item 10)."""
+    return REGISTRY + "mp_held"
+
+
 def sidecars_key() -> str:
     """Sorted set sidecar id -> lease expiry (unix ms) of every sidecar that owns instances."""
     return REGISTRY + "sidecars"

@@ -28,11 +28,11 @@ from collections.abc import Sequence
 
 from kvlookup.index import keys as K
 from kvlookup.index.mp_blend import MPBlend
-from kvlookup.index.mp_registry import DEFAULT_CHUNK_SIZE, DEFAULT_INSTANCE_TIMEOUT_S, ChunkSizeConflict
+from kvlookup.index.mp_registry import DEFAULT_CHUNK_SIZE, DEFAULT_INSTANCE_TIMEOUT_S, ChunkSizeConflict, HeldBySidecar
 from kvlookup.index.mp_values import raw_b64, space_text, tokens_text
 from kvlookup.wire import lmcache_mp as W
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_INSTANCE_TIMEOUT_S", "ChunkSizeConflict", "MPDirectory"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_INSTANCE_TIMEOUT_S", "ChunkSizeConflict", "HeldBySidecar", "MPDirectory"]
 
 
 class MPDirectory(MPBlend):
@@ -44,8 +44,10 @@ class MPDirectory(MPBlend):
     """
 
     def apply(self, batches: Sequence[W.CacheEventBatch], now: float | None = None) -> dict[str, int]:
-        """``POST /events``: gate and apply every batch in one atomic script; {applied, duplicates, stale}."""
+        """``POST /events``: gate and apply every batch in one atomic script; {applied, duplicates, stale}.
+        HeldBySidecar (nothing applied) when a batch names an instance a live sidecar writes for."""
         now = time.time() if now is None else now
+        self.check_writer(b.instance_id for b in batches)
         args: list = [int(now * 1000), len(batches)]
         known = self._names
         buckets: set[str] = set()

@@ -13,6 +13,7 @@ import uuid
 from kvlookup.hashing import mp as mphash
 from kvlookup.index import keys as K
 from kvlookup.index import mp_scripts as S
+from kvlookup.index import scripts as R
 from kvlookup.wire import lmcache_mp as W
 
 #: How long an unbound chunk size, and the list of spaces, are trusted before Redis is asked again (s).
@@ -20,10 +21,17 @@ UNBOUND_RECHECK_S = 1.0
 #: LMCache's coordinator defaults: --instance-timeout 30 s, --chunk-size 256.
 DEFAULT_INSTANCE_TIMEOUT_S = 30.0
 DEFAULT_CHUNK_SIZE = mphash.DEFAULT_CHUNK_SIZE
+#: How long the coordinator trusts what it read of a sidecar's hold on an instance id (s).
+WRITER_CACHE_S = 1.0
 
 
 class ChunkSizeConflict(ValueError):
     """The fleet is bound to another chunk size (the coordinator answers 409)."""
+
+
+class HeldBySidecar(ValueError):
+    """A live sidecar writes for this instance id (its claim, ``allowed_instance_ids``, or it
+    wrote for it first): the MP coordinator takes no writes naming it (409; issue 20 item 10)."""
 
 
 class MPRegistry:
@@ -46,6 +54,9 @@ class MPRegistry:
         self._heartbeat = redis.register_script(S.MP_HEARTBEAT)
         self._bind = redis.register_script(S.MP_BIND_CHUNK)
         self._read_fields = redis.register_script(S.MP_READ_FIELDS)
+        self._foreign = redis.register_script(R.FOREIGN)
+        self._hold = redis.register_script(R.MP_HOLD)
+        self._writers: dict[str, tuple[float, str]] = {}  # instance -> (monotonic s, FOREIGN's answer)
         self._names: dict[str, str] = {}  # immutable interned names (ids never change)
         self._bound = 0
         self._unbound_at = -1e9
@@ -91,29 +102,64 @@ class MPRegistry:
                                     f"coordinator for a fleet requiring chunk size {chunk_size}")
         return got
 
+    def check_writer(self, instance_ids, fresh: bool = False) -> None:
+        """HeldBySidecar when a live sidecar writes for one of ``instance_ids`` (keys.claims_key,
+        keys.owners_key; Redis's clock). Answers are kept WRITER_CACHE_S unless ``fresh``."""
+        from kvlookup.index.store import describe_writer  # the words sidecars use too
+
+        now = time.monotonic()
+        for inst in dict.fromkeys(instance_ids):
+            at, who = self._writers.get(inst, (-1e9, ""))
+            if fresh or now - at >= WRITER_CACHE_S:
+                got = self._foreign(keys=[K.claims_key(), K.owners_key(), K.sidecars_key(), K.mp_held_key()],
+                                    args=[inst, "", "0", "1"])
+                who = got.decode() if isinstance(got, bytes) else str(got or "")
+                if len(self._writers) >= 65_536:
+                    self._writers.clear()
+                self._writers[inst] = (now, who)
+            if who:
+                raise HeldBySidecar(describe_writer(inst, who).replace("this sidecar takes", "the MP coordinator "
+                                                                       "takes"))
+
+    def hold(self, instance_id: str, release: bool = False) -> None:
+        """Keep sidecars off ``instance_id`` for ``instance_timeout_s`` (Redis time; keys.mp_held_key),
+        or let it go (``release``)."""
+        self._hold(keys=[K.mp_held_key()], args=[instance_id, 0 if release else
+                                                 max(1, int(self.instance_timeout_s * 1000))])
+
     def register(self, req: W.RegisterRequest, now: float | None = None) -> tuple[str, bool]:
-        """``POST /instances``: (instance_id, re_registered). ChunkSizeConflict from ``chunk_size``."""
+        """``POST /instances``: (instance_id, re_registered). ChunkSizeConflict from ``chunk_size``;
+        HeldBySidecar when a live sidecar writes for the instance id (nothing written)."""
         now = time.time() if now is None else now
         instance_id = req.instance_id or f"mp-{uuid.uuid4().hex}"
+        self.check_writer([instance_id], fresh=True)
         if req.chunk_size is not None:
             self.bind_chunk_size(req.chunk_size)
         info = {"instance_id": instance_id, "ip": req.ip, "http_port": req.http_port, "registration_time": now,
                 "metadata": req.metadata, "p2p_advertised_url": req.p2p_advertised_url, "mq_port": req.mq_port}
         existed = self._register(keys=[K.mp_instances_key(), K.mp_heartbeats_key(), K.mp_departed_key()],
                                  args=[instance_id, json.dumps(info), int(now * 1000)])
+        self.hold(instance_id)
         self._replicated()
         return instance_id, bool(existed)
 
     def heartbeat(self, instance_id: str, now: float | None = None) -> bool:
-        """``PUT /instances/{id}/heartbeat``: False for an unknown id (404)."""
+        """``PUT /instances/{id}/heartbeat``: False for an unknown id (404); HeldBySidecar when a
+        live sidecar writes for it."""
         now = time.time() if now is None else now
-        return bool(self._heartbeat(keys=[K.mp_heartbeats_key(), K.mp_instances_key()],
-                                    args=[instance_id, int(now * 1000)]))
+        self.check_writer([instance_id])
+        known = bool(self._heartbeat(keys=[K.mp_heartbeats_key(), K.mp_instances_key()],
+                                     args=[instance_id, int(now * 1000)]))
+        if known:
+            self.hold(instance_id)
+        return known
 
     def deregister(self, instance_id: str, now: float | None = None) -> None:
-        """``DELETE /instances/{id}``: registration, L1 placements, cursor and capacity go (any id)."""
+        """``DELETE /instances/{id}``: registration, L1 placements, cursor and capacity go (any id;
+        only the MP directory's data: an instance a sidecar writes for keeps its records)."""
         now = time.time() if now is None else now
         self._depart(keys=K.mp_script_keys(), args=[instance_id, int(now * 1000), "1", ""])
+        self.hold(instance_id, release=True)
         self._replicated()
 
     def reap(self, now: float | None = None) -> list[str]:
@@ -124,6 +170,7 @@ class MPRegistry:
         for inst in self.r.zrangebyscore(K.mp_heartbeats_key(), "-inf", f"({cutoff}"):
             if self._depart(keys=K.mp_script_keys(), args=[inst, int(now * 1000), "0", cutoff]):
                 gone.append(inst)
+                self.hold(inst, release=True)
         return gone
 
     def instances(self) -> list[dict]:

@@ -286,19 +286,65 @@ redis.call('HSET', KEYS[1], 'probed_at', ARGV[1])
 return 1
 """
 
-#: Take (or keep) ownership of an instance for a sidecar and renew its lease.
+# Who else writes for an instance (issue 20 item 10), on Redis's clock: '' when nobody does,
+# else 'claim:<sidecar>' (a live sidecar whose allowed_instance_ids names it), 'owner:<sidecar>'
+# (the live sidecar that wrote for it first; skipped when shared == '1') or 'mp' (registered
+# through the LMCache MP coordinator and not timed out; skipped for the coordinator itself,
+# mp == '1'). me: the asking sidecar's id ('' for the MP coordinator). A sidecar's own claim
+# beats an older owner.
+_FOREIGN = """
+local function live(sidecars, id, now)
+  local s = redis.call('ZSCORE', sidecars, id)
+  return s and tonumber(s) > now
+end
+local function foreign(claims, owners, sidecars, mp_held, inst, me, shared, mp, now)
+  local c = redis.call('HGET', claims, inst)
+  if c and c ~= me and live(sidecars, c, now) then return 'claim:' .. c end
+  if c and c == me then return '' end
+  if mp ~= '1' then
+    local h = redis.call('ZSCORE', mp_held, inst)
+    if h and tonumber(h) > now then return 'mp' end
+  end
+  if shared ~= '1' then
+    local o = redis.call('HGET', owners, inst)
+    if o and o ~= me and live(sidecars, o, now) then return 'owner:' .. o end
+  end
+  return ''
+end
+"""
+
+#: Who else writes for an instance (see _FOREIGN). KEYS[1] claims, KEYS[2] owners, KEYS[3]
+#: sidecars, KEYS[4] MP-held; ARGV[1] instance_id, ARGV[2] asking sidecar ('' = the MP
+#: coordinator), ARGV[3] shared ('1'/'0'), ARGV[4] mp ('1' = asked by the MP coordinator).
+#: Returns '' or 'claim:<id>' / 'owner:<id>' / 'mp'.
+FOREIGN = _CLOCK + _FOREIGN + """
+return foreign(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2], ARGV[3], ARGV[4], server_ms())
+"""
+
+#: Take (or keep) ownership of an instance for a sidecar and renew its lease, unless another
+#: writes for it (_FOREIGN: a live claimer, a live first owner unless shared, an MP registration).
 #: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] the previous owner's set the
-#: caller saw (KEYS[2] when none or the same), KEYS[4] alive
-#: ARGV[1] instance_id, ARGV[2] sidecar id, ARGV[3] previous owner the caller saw ('' none),
-#: ARGV[4] lease lifetime (ms, from Redis server time). Returns 1, or RETRY.
-OWN = _CLOCK + """
+#: caller saw (KEYS[2] when none or the same), KEYS[4] alive, KEYS[5] claims, KEYS[6] sidecars,
+#: KEYS[7] MP-held; ARGV[1] instance_id, ARGV[2] sidecar id, ARGV[3] previous owner the caller
+#: saw ('' none), ARGV[4] lease lifetime (ms, from Redis server time), ARGV[5] shared ('1'/'0').
+#: Returns 1, RETRY, or the other writer ('claim:<id>', 'owner:<id>', 'mp').
+OWN = _CLOCK + _FOREIGN + """
 local prev = redis.call('HGET', KEYS[1], ARGV[1]) or ''
 if prev ~= ARGV[3] then return -2 end
+local other = foreign(KEYS[5], KEYS[1], KEYS[6], KEYS[7], ARGV[1], ARGV[2], ARGV[5], '0', server_ms())
+if other ~= '' then return other end
 if prev ~= '' and prev ~= ARGV[2] then redis.call('SREM', KEYS[3], ARGV[1]) end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('ZADD', KEYS[4], server_ms() + tonumber(ARGV[4]), ARGV[1])
 return 1
+"""
+
+#: Hold an instance id for the LMCache MP coordinator (renew, ARGV[2] ms from Redis server time)
+#: or let it go (ARGV[2] '0'). KEYS[1] MP-held; ARGV[1] instance_id.
+MP_HOLD = _CLOCK + """
+if ARGV[2] == '0' then return redis.call('ZREM', KEYS[1], ARGV[1]) end
+return redis.call('ZADD', KEYS[1], string.format('%d', server_ms() + tonumber(ARGV[2])), ARGV[1])
 """
 
 #: Renew one slice of the leases of the instances a sidecar still owns (issue 20 item 9: one

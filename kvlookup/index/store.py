@@ -55,6 +55,33 @@ class Refused(ValueError):
     reason = "refused"
 
 
+class OtherWriter(Refused):
+    """Another writer holds the instance (issue 20 item 10): a live sidecar whose
+    ``allowed_instance_ids`` names it (``instance_claimed``), the live sidecar that wrote for it
+    first (``instance_owned``; ``shared_instance_ownership`` lifts it) or the LMCache MP
+    coordinator (``instance_mp``). ``who``: the FOREIGN script's answer."""
+
+    def __init__(self, instance_id: str, who: str):
+        self.instance_id, self.who = instance_id, who
+        kind = who.partition(":")[0]
+        self.reason = {"claim": "instance_claimed", "owner": "instance_owned"}.get(kind, "instance_mp")
+        super().__init__(describe_writer(instance_id, who))
+
+
+def describe_writer(instance_id: str, who: str) -> str:
+    """One line saying who else writes for ``instance_id`` (the FOREIGN script's answer)."""
+    kind, _, other = who.partition(":")
+    if kind == "claim":
+        return (f"instance {instance_id!r} belongs to sidecar {other!r} (its allowed_instance_ids names it); "
+                f"this sidecar takes no writes for it while that sidecar runs")
+    if kind == "owner":
+        return (f"instance {instance_id!r} is owned by sidecar {other!r} (the first to write for it); no other "
+                f"process takes writes for it while that sidecar runs (shared_instance_ownership on every "
+                f"sidecar of the instance allows several)")
+    return (f"instance {instance_id!r} is registered through the LMCache MP coordinator; no sidecar takes "
+            f"writes for it until it deregisters or times out")
+
+
 class TooManyWorkers(Refused):
     """A new worker would give its instance more than ``max_workers_per_instance`` workers."""
 
@@ -111,6 +138,9 @@ class Store:
     #: the model the instances registered through this store serve (a sidecar's ``model`` setting);
     #: written as the instance hash field ``model`` at each registration; None: undeclared
     model: str | None = None
+    #: several sidecars may write for one instance (``shared_instance_ownership``): the first
+    #: owner's lease no longer keeps the others out (claims and MP registrations still do)
+    shared_ownership: bool = False
 
     def __init__(self, client, *, instance_ttl_s: float = 30.0, worker_ttl_s: float = 0.0,
                  purge_grace_s: float | None = None, records: Records | None = None, cache_reads: bool | str = False,
@@ -125,7 +155,7 @@ class Store:
         self.records = records or make_records(client, cache_reads, cache_keys)
         s = {name: client.register_script(getattr(scripts, name)) for name in (
             "REGISTER", "DEREGISTER", "REAP_WORKER", "RETIRE_LOCATION", "HOLDER", "HEARTBEAT", "MARK_PROBED", "OWN",
-            "TOUCH", "FORGET_HOLDER", "RETIRE_UNKNOWN", "LEASE_CLOCK")}
+            "TOUCH", "FORGET_HOLDER", "RETIRE_UNKNOWN", "LEASE_CLOCK", "FOREIGN", "MP_HOLD")}
         self._scripts = s
         self.clock = ServerClock(client)
         self.reaper_run: tuple[int, int] | None = None  # (since, last) of a periodic reaper (fleet.reap)
@@ -346,16 +376,35 @@ class Store:
 
     def own(self, sidecar_id: str, instance_id: str) -> None:
         """Make ``sidecar_id`` the owner of an instance (the sidecar renewing its lease) and
-        renew the lease; a previous owner stops renewing it."""
+        renew the lease; a previous owner stops renewing it. OtherWriter (nothing written) when
+        another writer holds the instance: a live claimer, a live first owner (unless
+        ``shared_ownership``), an LMCache MP registration (scripts.OWN checks it atomically)."""
         for _ in range(MAX_RETRIES):
             prev = self.r.hget(keys.owners_key(), instance_id) or ""
             mine = keys.sidecar_instances_key(sidecar_id)
             n = self._scripts["OWN"](
-                keys=[keys.owners_key(), mine, keys.sidecar_instances_key(prev) if prev else mine, keys.alive_key()],
-                args=[instance_id, sidecar_id, prev, self.instance_ttl_ms])
+                keys=[keys.owners_key(), mine, keys.sidecar_instances_key(prev) if prev else mine, keys.alive_key(),
+                      keys.claims_key(), keys.sidecars_key(), keys.mp_held_key()],
+                args=[instance_id, sidecar_id, prev, self.instance_ttl_ms, "1" if self.shared_ownership else "0"])
+            if isinstance(n, (bytes, str)):
+                raise OtherWriter(instance_id, n.decode() if isinstance(n, bytes) else n)
             if int(n) != scripts.RETRY:
                 return
         raise RuntimeError(f"owner of {instance_id!r} kept changing")
+
+    def other_writer(self, instance_id: str, sidecar_id: str = "", mp: bool = False) -> str:
+        """Who else writes for ``instance_id`` (issue 20 item 10), one round trip: ``""`` when
+        ``sidecar_id`` (``""`` and ``mp=True``: the MP coordinator) may, else ``claim:<sidecar>``,
+        ``owner:<sidecar>`` or ``mp`` (:func:`describe_writer` says it in words)."""
+        got = self._scripts["FOREIGN"](
+            keys=[keys.claims_key(), keys.owners_key(), keys.sidecars_key(), keys.mp_held_key()],
+            args=[instance_id, sidecar_id, "1" if self.shared_ownership else "0", "1" if mp else "0"])
+        return got.decode() if isinstance(got, bytes) else str(got or "")
+
+    def mp_hold(self, instance_id: str, lifetime_ms: int) -> None:
+        """Hold ``instance_id`` for the LMCache MP coordinator for ``lifetime_ms`` (Redis time;
+        0 lets it go): no sidecar writes for it meanwhile (keys.mp_held_key)."""
+        self._scripts["MP_HOLD"](keys=[keys.mp_held_key()], args=[instance_id, int(lifetime_ms)])
 
     def renew(self, sidecar_id: str, sidecar_lease_s: float = 5.0) -> int:
         """Renew the leases of every instance ``sidecar_id`` owns, and its own (for
@@ -401,17 +450,6 @@ class Store:
         prev = self.r.hmget(keys.claims_key(), ids)
         self.r.hset(keys.claims_key(), mapping=dict.fromkeys(ids, sidecar_id))
         return {i: p for i, p in zip(ids, prev, strict=True) if p and p != sidecar_id}
-
-    def live_claims(self) -> dict[str, str]:
-        """{instance: claiming sidecar} of the claims whose sidecar's lease holds now (Redis's
-        clock), in one round trip; the hash holds only instances some sidecar's
-        ``allowed_instance_ids`` names."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hgetall(keys.claims_key())
-        pipe.zrangebyscore(keys.sidecars_key(), self.clock.now_ms(), "+inf")
-        claims, live = pipe.execute()
-        alive = set(live)
-        return {inst: sid for inst, sid in claims.items() if sid in alive}
 
     def owned(self, sidecar_id: str) -> set[str]:
         """The instance ids ``sidecar_id`` owns."""
@@ -621,6 +659,15 @@ class Store:
             else:
                 self.r.hset(keys.purge_key(), hid, bucket)
         return removed
+
+    def next_purge_s(self, now_ms: int | None = None) -> float | None:
+        """Seconds until the earliest retired holder may be purged (0 when one may be now);
+        None when no holder is retired. One ZRANGE of ``keys.dead_holders_key()``."""
+        first = self.r.zrange(keys.dead_holders_key(), 0, 0, withscores=True)
+        if not first:
+            return None
+        now_ms = self.clock.now_ms() if now_ms is None else now_ms
+        return max(0.0, (first[0][1] + self.purge_grace_ms - now_ms) / 1000)
 
     # -- lookup ---------------------------------------------------------------------------
 

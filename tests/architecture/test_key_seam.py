@@ -56,4 +56,5 @@ def test_the_scan_sees_the_wings():
     names = _outside_index()
     assert {"kvlookup.app.overview", "kvlookup.sidecar.vllm_apply", "kvlookup.client"} <= set(names)
     assert _seam_imports("kvlookup.index.mp") == {"kvlookup.index.keys"}
-    assert _seam_imports("kvlookup.index.mp_registry") == {"kvlookup.index.keys", "kvlookup.index.mp_scripts"}
+    assert _seam_imports("kvlookup.index.mp_registry") == {"kvlookup.index.keys", "kvlookup.index.mp_scripts",
+                                                            "kvlookup.index.scripts"}

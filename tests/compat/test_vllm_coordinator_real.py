@@ -63,3 +63,26 @@ def test_model_matches_vllm_on_random_layouts():
     mismatches = [(layouts[i], got[i], want[i]) for i in range(len(layouts)) if got[i] != want[i]]
     assert not mismatches, mismatches[:3]
     assert len(set(want)) > 5  # the layouts exercise more than a few outcomes
+
+
+def mixed_layout(rng: random.Random) -> tuple[dict[int, GroupSpec], dict[int, list[bool]], int]:
+    """Groups of different block sizes (multiples of 16): hits aligned to their LCM."""
+    kinds = rng.sample(["full_attention", "sliding_window", "mamba", "full_attention"], rng.randint(2, 4))
+    groups = {}
+    for g, k in enumerate(kinds):
+        bs = rng.choice((16, 32, 64))
+        groups[g] = GroupSpec(k, bs, rng.choice((bs, 2 * bs, 100)) if k == "sliding_window" else None)
+    n_tokens = rng.randint(65, 640)
+    density = rng.random()
+    held = {g: [rng.random() < density for _ in range(n_tokens // s.block_size)] for g, s in groups.items()}
+    return groups, held, n_tokens
+
+
+def test_model_matches_vllm_with_mixed_block_sizes():
+    rng = random.Random(20261203)
+    layouts = [mixed_layout(rng) for _ in range(200)]
+    want = vllm_hits([case(*layout) for layout in layouts])
+    got = [reusable_length(groups, held_from(held), n) for groups, held, n in layouts]
+    mismatches = [(layouts[i], got[i], want[i]) for i in range(len(layouts)) if got[i] != want[i]]
+    assert not mismatches, mismatches[:3]
+    assert len(set(want)) > 5

@@ -12,8 +12,10 @@ import pytest
 from kvlookup.client import Client, VllmChains
 from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.vllm_zmq import VllmSource
+from tests.sidecar.test_vllm_discovery import MODEL, FakeVllmServer
 from tests.sidecar.test_vllm_hybrid import FULL, MAMBA, SW, WORKED_HELD, A, P
 from tests.support.helpers import vllm_sidecar, wait_for
+from tests.support.procs import ControllerProc, SidecarProc
 from tests.support.vllm_helpers import RealPublisher, detail, layout, real_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
@@ -160,3 +162,115 @@ def test_sidecar_restarted_while_engine_published(r, client):
             1, {}, {"pod-a": ("GPU", 32, {"GPU": 32})})
     finally:
         pod.close()
+
+
+def test_vllm_url_alone_with_publishers_on_port_0(r, redis_args):
+    """``--vllm-url`` in front of vLLM's own publishers started as ``tcp://*:0`` (the OS picks each
+    port; ``/kv_event_sources`` is how a consumer learns them). What they report is vLLM's resolved
+    KVEventsConfig: a concrete address it *bound* (kv_events.py ``_bind``), so the sidecar connects.
+    Every DP rank, lookups scoped by the model, and an engine restart on new ports followed."""
+    def engine() -> list[RealPublisher]:
+        return [RealPublisher(V, "tcp://*:0", "tcp://*:0", dp_rank=rank, topic="kv@pod") for rank in (0, 1)]
+
+    def sources(pubs: list[RealPublisher]) -> dict:
+        return {str(rank): p.config for rank, p in enumerate(pubs)}
+
+    pubs = engine()
+    server = FakeVllmServer(sources(pubs))
+    client = Client(redis=r, extra_chains=[VllmChains(r, refresh_s=0)])
+    inst = server.url.removeprefix("http://")
+    sc = None
+    ctl = ControllerProc(*redis_args, "--workers", "1").wait_ready()
+
+    def http(tokens: list[int], model: str) -> dict:  # POST /lookup through the real controller
+        body = ctl.session.post(f"{ctl.http}/lookup", json={"tokens": tokens, "model_name": model}, timeout=10).json()
+        return {k: v for k, v in body.items() if k != "event_id"}
+
+    try:
+        assert [(p.config["endpoint"].rpartition(":")[0], p.config["replay_endpoint"].rpartition(":")[0],
+                 p.config["topic"]) for p in pubs] == [("tcp://127.0.0.1", "tcp://127.0.0.1", "kv@pod")] * 2
+        pubs[0].send({"stored": {"token_ids": A[:16], "block_size": 16}})  # before the sidecar listens
+        sc = SidecarProc(*redis_args, "--vllm-url", server.url).start()
+        pubs[1].send({"stored": {"token_ids": A, "block_size": 16}})
+        want = {inst: ("GPU", 32, {"0": 16, "1": 32})}
+        assert wait_for(lambda: layout(client, A, "ranks", model_name=MODEL), want) == want
+        assert layout(client, A, "ranks", model_name="another-model") == {}
+        assert wait_for(lambda: http(A, MODEL), {inst: ["GPU", 32]}) == {inst: ["GPU", 32]}
+        assert http(A, "another-model") == {}
+        for p in pubs:  # the engine restarts: new ports
+            assert p.close() == 0
+        pubs = engine()
+        server.sources = sources(pubs)
+        pubs[1].send({"stored": {"token_ids": B, "block_size": 16}})
+        want = {inst: ("GPU", 16, {"1": 16})}
+        assert wait_for(lambda: layout(client, B, "ranks", model_name=MODEL), want, timeout=10.0) == want
+        assert layout(client, A, "ranks") == {}  # the restarted engine's cache is empty
+    finally:
+        if sc is not None:
+            sc.stop()
+        ctl.stop()
+        server.close()
+        for p in pubs:
+            p.close()
+
+
+def test_restarted_publisher_that_connects_to_a_bound_sidecar(r, client):
+    """vLLM given a concrete address connects its PUB to the sidecar's bound SUB (kv_events.py
+    ``_is_bind_endpoint``): its restart is seen as a new accepted connection, and the batch it
+    published at once is caught up from replay with nothing published after it."""
+    port, rport = free_port(), free_port()
+    source = VllmSource("pod-a", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", bind=True,
+                        replay_timeout_s=1.0)
+    sc = vllm_sidecar(r, source)
+    pub = RealPublisher(V, f"tcp://localhost:{port}", rport)  # no '*' or '::': vLLM connects
+    try:
+        pub.send({"stored": {"token_ids": A, "block_size": 16}})
+        want = {"pod-a": ("GPU", 32, {"GPU": 32})}
+        assert wait_for(lambda: layout(client, A, "locations"), want) == want
+        assert pub.close() == 0
+        pub = RealPublisher(V, f"tcp://localhost:{port}", rport)  # seq back to 0
+        start = time.monotonic()
+        pub.send({"stored": {"token_ids": B, "block_size": 16}})  # right away, then quiet
+        want = ({}, {"pod-a": ("GPU", 16, {"GPU": 16})})
+        both = lambda: (layout(client, A, "locations"), layout(client, B, "locations"))  # noqa: E731
+        assert wait_for(both, want, timeout=3.0) == want
+        assert time.monotonic() - start < 3.0
+        ing = sc.ingest("pod-a")
+        assert (ing.ranks[0].last, dict(ing.resyncs)) == (0, {"engine_restart": 1})
+    finally:
+        sc.close()
+        pub.close()
+
+
+def test_sparse_sliding_window_and_mamba_stores(pod, client):
+    """vLLM 0.33 caches a sliding-window or Mamba group sparsely (Mamba's align mode keeps the
+    last state of a step; sparse retention masks blocks): its BlockStored lists only the kept
+    blocks' hashes while token_ids cover the whole range (v1/core/block_pool.py:277-317). One
+    step of a 100-token prompt, groups cached in index order (the sliding-window group's store
+    comes before full attention's), then a 132-token prompt continuing it after the
+    sliding-window group lost block 5 (the parent of its next store)."""
+    def step(tokens: list[int], start: int, end: int, keep: dict[int, list[int]]) -> list[dict]:
+        rows = []
+        for g, kind in ((0, SW), (1, FULL), (2, MAMBA)):
+            spec = {"token_ids": tokens[16 * start:16 * end], "prefix_token_ids": tokens[:16 * start],
+                    "block_size": 16, "group_idx": g, **kind}
+            if g in keep:
+                spec["keep_blocks"] = keep[g]
+            spec["extra_keys"] = [None] * len(keep.get(g, range(end - start)))
+            rows.append({"stored": spec})
+        return rows
+
+    pod.pub.send({"batch": step(T, 0, 6, {0: [4, 5], 2: [5]})})  # SW keeps its window's tail, Mamba its last state
+    ing = pod.ingest()
+    assert wait_for(lambda: ing.ranks[0].last, 0) == 0
+    got = detail(client, T)["pod-a"]
+    assert (got["matched_prefix_length"], got["reusable_prefix_length"]) == (96, 96)
+    pod.pub.send({"removed": {"token_ids": T[80:96], "prefix_token_ids": T[:80], "block_size": 16, "group_idx": 0}})
+    t2 = T[:96] + list(range(9000, 9036))  # 132 tokens: 8 full blocks
+    pod.pub.send({"batch": step(t2, 6, 8, {2: [1]})})  # SW dense (parent: its evicted block 5), Mamba block 7
+    assert wait_for(lambda: ing.ranks[0].last, 2) == 2
+    got = detail(client, t2)["pod-a"]
+    assert (got["matched_prefix_length"], got["reusable_prefix_length"]) == (128, 128)
+    got = detail(client, T)["pod-a"]  # SW lost block 5: its window of 2 blocks ending at 96 is gone
+    assert (got["matched_prefix_length"], got["reusable_prefix_length"]) == (96, 0)
+    assert (dict(ing.rejected), dict(ing.skipped)) == ({}, {})

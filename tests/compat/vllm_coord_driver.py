@@ -7,7 +7,7 @@ become recorded stand-ins); the fixed point, the per-kind
 finders and ``resolve_block_hashes`` are vLLM's code. The coordinator is built without its
 ``__init__`` (which needs a whole engine config): its attributes are set as ``__init__`` and
 ``verify_and_split_kv_cache_groups`` would set them for this layout (no EAGLE, DCP 1, hits
-aligned to the scheduler block, hash block = block size). The block pool is a stand-in whose
+aligned to the scheduler block, the hash block the smallest block size). The block pool is a stand-in whose
 ``get_cached_block(hash, group_ids)`` answers from the layout.
 
 stdin: ``{"cases": [{"groups": [{"kind": "sliding_window", "block_size": 16, "window": 32}, ...],
@@ -31,13 +31,22 @@ MANAGERS = {"full_attention": "FullAttentionManager", "sliding_window": "Sliding
 
 
 class Pool:
-    """The block pool as the finders use it: hash_block_size, null_block, get_cached_block."""
+    """The block pool as the finders use it: hash_block_size, null_block, get_cached_block.
 
-    def __init__(self, held: list[list[bool]], hash_block_size: int):
+    Hashes are the indexes of hash_block_size blocks; a group of a coarser block size is asked for
+    the hash at the last hash block of its block (vLLM's BlockHashListWithBlockSize), so its block
+    index is (hash + 1) * hash_block_size // block_size - 1."""
+
+    def __init__(self, held: list[list[bool]], hash_block_size: int, block_sizes: list[int]):
         self.held, self.hash_block_size, self.null_block = held, hash_block_size, "null"
+        self.block_sizes = block_sizes
 
     def get_cached_block(self, block_hash: int, group_ids: list[int]):
-        if all(block_hash < len(self.held[g]) and self.held[g][block_hash] for g in group_ids):
+        def held(g: int) -> bool:
+            i = (block_hash + 1) * self.hash_block_size // self.block_sizes[g] - 1
+            return i < len(self.held[g]) and self.held[g][i]
+
+        if all(held(g) for g in group_ids):
             return [f"g{g}b{block_hash}" for g in group_ids]
         return None
 
@@ -52,7 +61,7 @@ class Manager:
 def hit_length(coord_mod, managers, kvi, groups: list[dict], held: list[list[bool]], n_tokens: int) -> int:
     """vLLM's find_longest_cache_hit for one layout (one group per spec)."""
     hash_bs = min(g["block_size"] for g in groups)
-    pool = Pool(held, hash_bs)
+    pool = Pool(held, hash_bs, [g["block_size"] for g in groups])
     specs = []
     for g in groups:
         spec = getattr(kvi, SPEC_CLASSES[g["kind"]])()
@@ -75,7 +84,7 @@ def hit_length(coord_mod, managers, kvi, groups: list[dict], held: list[list[boo
             coord.attention_groups.append(
                 coord_mod.SpecGroup(specs[i], [i], getattr(managers, MANAGERS[g["kind"]]), False))
     coord.attention_groups.sort(key=lambda sg: not isinstance(sg.spec, kvi.FullAttentionSpec))  # as vLLM sorts
-    block_hashes = list(range(max(len(h) for h in held)))
+    block_hashes = list(range(n_tokens // hash_bs))  # the request's hashes, at hash_block_size
     return coord.find_longest_cache_hit(block_hashes, n_tokens - 1)[1]
 
 

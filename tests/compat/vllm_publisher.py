@@ -6,17 +6,20 @@
     .venv-vllm/bin/python tests/compat/vllm_publisher.py golden --vllm-src ... --out DIR [--int-hashes 0]
 
 ``serve`` builds vLLM's own ``ZmqEventPublisher`` through ``EventPublisherFactory.create
-(KVEventsConfig(...))`` as the engine does, prints ``{"ready": true, "vllm_version": ...}`` once
-bound, then publishes one ``KVEventBatch`` per stdin line and answers ``{"published": seq,
-"batch": {...}}`` after vLLM's publisher thread sent it (``{"error": ...}`` for a bad line;
-``{"quit": true}`` or EOF stops it, through vLLM's ``shutdown()``). Block hashes are vLLM's own
-(``hash_block_tokens`` with ``get_hash_fn_by_name("sha256")``, ``init_none_hash`` under
-PYTHONHASHSEED=0, ``maybe_convert_block_hash``); in the answer they are ints, or "hex:..."
-strings with ``--int-hashes 0`` (bytes hashes).
+(KVEventsConfig(...))`` as the engine does, prints ``{"ready": true, "vllm_version": ...,
+"config": ...}`` once bound (``config``: the publisher's resolved KVEventsConfig on 0.33+, what
+``/kv_event_sources`` serves; ``tcp://*:0`` binds ``VLLM_HOST_IP``), then publishes one
+``KVEventBatch`` per stdin line and answers ``{"published": seq, "batch": {...}}`` after vLLM's
+publisher thread sent it (``{"error": ...}`` for a bad line; ``{"quit": true}`` or EOF stops it,
+through vLLM's ``shutdown()``). Block hashes are vLLM's own (``hash_block_tokens`` with
+``get_hash_fn_by_name("sha256")``, ``init_none_hash`` under PYTHONHASHSEED=0,
+``maybe_convert_block_hash``); in the answer they are ints, or "hex:..." strings with
+``--int-hashes 0`` (bytes hashes).
 
 Lines (one batch each):
   {"stored": {"token_ids": [...], "block_size": 16, "prefix_token_ids"?: [...],
               "hash_token_ids"?: [...], "block_hashes"?: [int | "hex:.." | "0x.."], "medium"?: "GPU",
+              "keep_blocks"?: [i, ...] (only these blocks' hashes: a sparse sliding-window/Mamba store),
               "lora_id"?, "lora_name"?, other fields of the version's BlockStored}}
   {"removed": {"token_ids": [...], "block_size": 16, "prefix_token_ids"?} | {"block_hashes": [...]}}
   {"cleared": {}}          {"batch": [{"stored": {...}}, {"cleared": {}}, ...]}
@@ -91,12 +94,15 @@ class Events:
         spec = {"parent_block_hash": None, "lora_id": None, "medium": "GPU", "lora_name": None, **spec}
         prefix = spec.pop("prefix_token_ids", None) or []
         hashed = spec.pop("hash_token_ids", None)
+        keep = spec.pop("keep_blocks", None)
         if spec.get("block_hashes") is None:
             size = int(spec["block_size"])
             _, ext = self.chain(list(prefix) + list(spec["token_ids"] if hashed is None else hashed), size)
             spec["block_hashes"] = ext[len(prefix) // size:]
             if prefix:
                 spec["parent_block_hash"] = ext[len(prefix) // size - 1]
+            if keep is not None:  # null/masked blocks skipped, token_ids kept whole (block_pool.py:277-317)
+                spec["block_hashes"] = [spec["block_hashes"][i] for i in keep]
         else:
             spec["block_hashes"] = [literal_hash(h) for h in spec["block_hashes"]]
             spec["parent_block_hash"] = literal_hash(spec["parent_block_hash"])
@@ -181,6 +187,17 @@ def shutdown(pub) -> None:
         os._exit(1)
 
 
+def resolved_config(pub) -> dict | None:
+    """vLLM 0.33+: the publisher's resolved KVEventsConfig (what the engine hands the API server at
+    its handshake and ``GET /kv_event_sources`` serves: ports offset by the rank, ``tcp://*:0``
+    resolved to the node IP and port it bound), as JSON; None before 0.33."""
+    import dataclasses
+
+    get = getattr(pub, "get_publisher_config", None)
+    config = get() if get is not None else None
+    return dataclasses.asdict(config) if config is not None else None
+
+
 def say(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
 
@@ -195,7 +212,7 @@ def setup(args):
 def serve(args) -> int:
     v, events = setup(args)
     pub = publisher(v, args)
-    say({"ready": True, "vllm_version": v.version, "standins": v.standins})
+    say({"ready": True, "vllm_version": v.version, "standins": v.standins, "config": resolved_config(pub)})
     seq = 0
     try:
         for raw in sys.stdin:

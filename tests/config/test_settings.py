@@ -33,7 +33,7 @@ SIDECAR_VALUES = {
     "metrics_port": 9555, "disconnect_grace_s": 0.25, "max_frame_bytes": 1000, "max_message_bytes": 2000,
     "max_queued_ops": 1234, "max_workers_per_instance": 12, "allowed_peers": ["10.1.0.0/16"],
     "embedded_redis_password": "pw-z", "embedded_redis_password_file": str(PASSWORD_FILE),
-    "allowed_instance_ids": ["pod-z"],
+    "allowed_instance_ids": ["pod-z"], "shared_instance_ownership": True,
     "vllm_endpoint": "tcp://pod-z:5557", "vllm_replay_endpoint": "tcp://pod-z:5558", "vllm_dp_size": 2,
     "vllm_bind": True, "vllm_topic": "kv@pod-z", "vllm_replay_timeout_s": 0.5, "vllm_url": "http://pod-z:8000",
     "model": "model-z", "mp_listen": "127.0.0.1:9333", "mp_chunk_size": 512, "mp_instance_timeout_s": 12.0,

@@ -278,3 +278,21 @@ def test_a_flushed_index_reuses_holder_ids_and_no_kept_answer_survives(store, cl
     assert r.hget(keys.holders_key(), "1") is not None  # the same holder id again
     assert r.get(keys.registry_version_key()) != version
     assert layout(client, SEED_TOKENS) == {"after": (CPU, 12)}
+
+
+def test_next_purge_is_when_the_earliest_retired_holders_grace_ends(r):
+    """Store.next_purge_s: None with nothing retired; the grace left after a retirement (on
+    Redis's clock); 0 once it has passed. The sidecar schedules its next purge pass by it."""
+    for node in r.get_primaries() if hasattr(r, "get_primaries") else [None]:
+        (node.redis_connection if node else r).flushdb()
+    store = Store(r, instance_ttl_s=0, purge_grace_s=5)
+    store.register_worker("a", 0)
+    store.apply([("a", 0, CPU, [(ADMIT, SEED_HASH)])])
+    assert store.next_purge_s() is None
+    store.retire_location("a", 0, CPU)
+    now_ms = store.clock.now_ms()
+    left = store.next_purge_s(now_ms)
+    assert left is not None and 4.0 < left <= 5.0
+    assert store.next_purge_s(now_ms + 5_000) == 0.0
+    assert store.purge(now_ms=now_ms) == 0 and store.purge(now_ms=now_ms + 5_001) == 1
+    assert store.next_purge_s() is None

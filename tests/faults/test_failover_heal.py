@@ -42,7 +42,7 @@ def _no_unregistered_drops(f: Fleet) -> None:
 
 @pytest.mark.skipif("cluster" not in BACKENDS, reason="KVLOOKUP_TEST_BACKENDS excludes the cluster")
 def test_cluster_lag_window_failover_heals_engines_that_never_heartbeat(tmp_path):
-    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=1, node_timeout_ms=1500)
+    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=1, node_timeout_ms=1000)
     cluster.start()
     rc = connect(cluster.url, cluster=True)
     controller = ControllerProc("--redis-url", cluster.url, "--redis-cluster", "--workers", "1").wait_ready()
@@ -55,9 +55,12 @@ def test_cluster_lag_window_failover_heals_engines_that_never_heartbeat(tmp_path
                           lambda: cluster.node_of(keys.holders_key()) is replica,
                           Lookups(HttpClient(controller), f.prompts, seed=8, pace_s=0.02))
         assert got["full_syncs"] == 0  # healed by the sidecar alone
-        # exact 10 s after the kill when the box is idle (9.3 s measured); the cluster's 5 s purge
-        # grace for the retired holders is part of it, so a loaded box gets 2 s more
-        assert got["converged_after_kill_s"] < 12
+        # exact within 10 s of the kill (8.2-8.9 s measured at load 5-10): the promotion (2.2-2.7 s:
+        # cluster-node-timeout 1 s, the FAIL vote, the replica's 0.5-1 s election delay), the
+        # sidecar's heal at the first write that meets a lost holder (~0.1-0.2 s later), then the
+        # cluster's 5 s purge grace for the holder the cold restart's epoch retired (the test's
+        # 4 s of ingest run inside it); the purge pass runs when that grace ends
+        assert got["converged_after_kill_s"] < 10
         _no_unregistered_drops(f)
     finally:
         f.close()

@@ -172,3 +172,20 @@ def test_partial_tail_store_keeps_the_group_block_size(store, r, client):
     assert r.hget(keys.instance_key("pod-a"), "group:0:1") == "full_attention|32|"
     assert layout(client, A + [7], "locations") == {"pod-a": ("GPU", 32, {"GPU": 32})}
     assert r.hgetall(keys.block_sizes_key()) == {"0\tpod-a": "16,32"}
+
+
+def test_sparse_group_store_is_placed_through_another_group(store, r, client):
+    """vLLM 0.33's sparse store (Mamba align mode, sparse retention: block_pool.py:277-317): only
+    the kept blocks' hashes, the whole range's tokens. Placed at the end of the batch through the
+    full-attention group's entry of the same hash; a hash no group holds at that block size is
+    counted, never guessed."""
+    T = list(range(7000, 7100))  # 100 tokens, 6 full blocks
+    ing, s = VllmIngest(store, "pod-a"), Stream()
+    full = [stored([10 + i], T[16 * i:16 * i + 16], parent=None if i == 0 else 9 + i, group_idx=1, **FULL)
+            for i in range(6)]
+    s.send(ing, stored([15], T[:96], group_idx=0, **MAMBA), *full)  # the Mamba store comes first
+    got = detail(client, T)["pod-a"]
+    assert (got["matched_prefix_length"], got["reusable_prefix_length"]) == (96, 96)
+    assert r.hget(keys.engine_map_key("pod-a", 0), "15") == f"{vh.chain(vh.request_root(16), T, 16)[5]}|GPU|v16g0"
+    s.send(ing, stored([99], T[:64], bs=32, group_idx=2, **SW))  # no group holds 99 at 32
+    assert (ing.rejected, ing.skipped) == ({}, {"sparse_unplaced": 1})

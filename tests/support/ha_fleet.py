@@ -225,7 +225,7 @@ class Fleet:
         """Stop the engines and wait for :meth:`converged`; returns (when stopped, seconds)."""
         self.stop_engines()
         stopped = time.monotonic()
-        return stopped, wait_until(self.converged, timeout, every=0.5)
+        return stopped, wait_until(self.converged, timeout, every=0.2)
 
     def why_not(self) -> str:
         """What differs from the truth, for an assertion message."""

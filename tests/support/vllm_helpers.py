@@ -208,6 +208,10 @@ def real_vllm() -> tuple[str, str] | None:
     return py, src
 
 
+def _endpoint(port: int | str) -> str:
+    return port if isinstance(port, str) else f"tcp://127.0.0.1:{port}"
+
+
 class RealPublisher:
     """vLLM's own ZmqEventPublisher in a child process, one batch per :meth:`send` row.
 
@@ -216,22 +220,27 @@ class RealPublisher:
     (hashes as ints, or "hex:..." strings for bytes hashes), as tests/compat/vllm_publisher.py says.
     """
 
-    def __init__(self, version: str, port: int, replay_port: int | None, *, topic: str = "kv@pod-a",
+    def __init__(self, version: str, port: int | str, replay_port: int | str | None, *, topic: str = "kv@pod-a",
                  int_hashes: bool = True, dp_rank: int = 0, buffer_steps: int = 10_000):
+        """port / replay_port: a loopback port, or a whole endpoint (``"tcp://*:0"``: vLLM binds
+        VLLM_HOST_IP, here 127.0.0.1, on a port of the OS's choosing). ``config``: the resolved
+        KVEventsConfig vLLM reports (0.33+; what ``/kv_event_sources`` serves), else None."""
         py, src = real_vllm()
         argv = [py, str(PUBLISHER), "serve", "--vllm-src", f"{src}/x/vllm-{version}",
-                "--endpoint", f"tcp://127.0.0.1:{port}", "--topic", topic, "--dp-rank", str(dp_rank),
+                "--endpoint", _endpoint(port), "--topic", topic, "--dp-rank", str(dp_rank),
                 "--int-hashes", "1" if int_hashes else "0", "--buffer-steps", str(buffer_steps)]
         if replay_port:
-            argv += ["--replay-endpoint", f"tcp://127.0.0.1:{replay_port}"]
+            argv += ["--replay-endpoint", _endpoint(replay_port)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, bufsize=1)
+                                     stderr=subprocess.PIPE, text=True, bufsize=1,
+                                     env={**os.environ, "VLLM_HOST_IP": "127.0.0.1"})
         self.out: queue.Queue = queue.Queue()
         self.err: list[str] = []
         threading.Thread(target=self._read_out, daemon=True).start()
         threading.Thread(target=self._read_err, daemon=True).start()
         ready = self._next(20)
         assert ready.get("ready"), f"{ready} {''.join(self.err)}"
+        self.config: dict | None = ready.get("config")
 
     def _read_out(self) -> None:
         for line in self.proc.stdout:
