@@ -28,12 +28,15 @@ def test_the_vllm_md_publisher_snippet_answers_while_it_runs_and_not_after(redis
     assert 'pub.bind("tcp://127.0.0.1:5557")' in code and "input(" in code
     port = free_port()
     code = code.replace("5557", str(port))
-    ctrl = ControllerProc(*redis_args).wait_ready()
-    sidecar = SidecarProc(*redis_args, "--instance-id", "pod-a", "--vllm-endpoint",
-                          f"tcp://127.0.0.1:{port}", env={"KVLOOKUP_DISCONNECT_GRACE_S": "1"}).start()
-    engine = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, cwd=ROOT)
+    ctrl = ControllerProc(*redis_args)
+    sidecar = SidecarProc(*redis_args, "--instance-id", "pod-a", "--vllm-endpoint", f"tcp://127.0.0.1:{port}",
+                          env={"KVLOOKUP_DISCONNECT_GRACE_S": "1"})
+    engine = None
     try:
+        ctrl.wait_ready()
+        sidecar.start()
+        engine = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, cwd=ROOT)
         assert wait_for(lambda: ctrl.layout(TOKENS), {"pod-a": ["GPU", 32]}, timeout=30) == {"pod-a": ["GPU", 32]}
         time.sleep(1.5)  # longer than the grace: the running script's open socket keeps it
         assert ctrl.layout(TOKENS) == {"pod-a": ["GPU", 32]}
@@ -41,7 +44,7 @@ def test_the_vllm_md_publisher_snippet_answers_while_it_runs_and_not_after(redis
         assert engine.returncode == 0
         assert wait_for(lambda: ctrl.layout(TOKENS), {}, timeout=30) == {}
     finally:
-        if engine.poll() is None:
+        if engine is not None and engine.poll() is None:
             engine.kill()
             engine.wait(5)
         sidecar.stop()
