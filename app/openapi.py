@@ -185,6 +185,11 @@ class MPChunkSize(msgspec.Struct):
     chunk_size: int
 
 
+class MPHealthz(msgspec.Struct):
+    """``GET /healthz``: the coordinator process is up (``{"status": "healthy"}``)."""
+    status: str
+
+
 class MPApplied(msgspec.Struct):
     """``POST /events``: batches applied, duplicates (seq already seen) and stale (an older
     incarnation, or a departed one's L1)."""
@@ -213,6 +218,7 @@ def _mp_paths() -> dict:
         ("backend", {"type": "string"}), ("offset", {"type": "integer", "minimum": 0}),
         ("limit", {"type": "integer", "minimum": 1, "maximum": 10000}))]
     return {
+        "/healthz": _mp("get", "liveness of this process", None, MPHealthz, ()),
         "/instances": {**_mp("post", "register an MP server", RegisterRequest, MPRegistered, (409, 422)),
                        **_mp("get", "registered MP servers", None, _ANY_OBJECT, ())},
         "/instances/{instance_id}/heartbeat": {"put": {**_mp("put", "heartbeat (404: re-register)", None,
@@ -307,7 +313,8 @@ def _paths() -> tuple[dict, list]:
              ClearRequest, PinRequest, CompressRequest, MoveRequest, NumTokens, CheckFinishRequest, CheckFinish,
              QueryInstanceRequest, QueryInstance, QueryWorkerInfoRequest, QueryWorkerInfo, Workers, KeyStats,
              Overview, TokenizeRequest, Tokenized, Error, RegisterRequest, ChunkSizeRequest, CacheEventsRequest,
-             DirectoryLookupRequest, BlendLookupRequest, MPError, MPRegistered, MPInstanceId, MPChunkSize, MPApplied]
+             DirectoryLookupRequest, BlendLookupRequest, MPError, MPRegistered, MPInstanceId, MPChunkSize, MPApplied,
+             MPHealthz]
     return paths, types
 
 

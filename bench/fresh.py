@@ -1,5 +1,6 @@
 """``kvlookup bench fresh``: prompts whose last chunk is new (a new turn: what a router sees),
-kvlookup (cached reads on, the default; and ``lookup_cache: off``) beside LMCache 0.5.6's
+kvlookup (cached reads on, the default; ``lookup_cache: off``; and, with ``designs``, variants
+of the default: ``nocork``, uvicorn's two writes per response) beside LMCache 0.5.6's
 controller, with the CPU each request costs.
 
 Every body differs: the held prefix of one prompt per length, then a last chunk of random
@@ -98,8 +99,21 @@ def fresh_bodies(prompt: list[int], n: int, rng: random.Random) -> list[str]:
             for _ in range(n)]
 
 
+def design_env(design: str) -> dict:
+    """The environment of a ``designs`` controller: ``nocork`` (uvicorn's two writes per
+    response instead of app.asgi_worker._Coalescing's one). The other designs measured in
+    docs/benchmarks-notes.md "Fresh prompts again" (in-loop reads, the LOOKUP script for a first
+    miss) lost and are kept only on the branch named there."""
+    if design != "nocork":
+        raise ValueError(f"unknown design {design!r}: the one variant is 'nocork'")
+    return {"KVLOOKUP_COALESCE_WRITES": "0"}
+
+
 def run(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seconds: float = 2.0,
-        instances: int = 8, lmcache_venv: str | None = None) -> dict:
+        instances: int = 8, lmcache_venv: str | None = None, designs: tuple[str, ...] = (), rounds: int = 1,
+        cache_off: bool = True) -> dict:
+    """Rows per (length, concurrency, round). designs: extra kvlookup controllers (target
+    ``kvlookup_<design>``), each as :func:`design_env` says."""
     py = wrk_and_lmcache(lmcache_venv)
     rng = random.Random(5)
     prompts = {n: [rng.randrange(128_000) for _ in range(n)] for n in lengths}
@@ -108,13 +122,21 @@ def run(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seco
         lm_url, lm_pull, lm_reply = procs.start_lmcache(py)
         kv_redis = procs.start_redis()
         kv_pull, kv_reply = procs.start_sidecar(kv_redis)
-        on_url = procs.start_controller(kv_redis)
-        off_url = procs.start_controller(kv_redis, name="kvlookup-cache-off", extra=("--lookup-cache", "off"))
-        redis_pid = procs.redis[-1].proc.pid
-        trees = {"kvlookup": [procs.pid("kvlookup-controller"), procs.pid("sidecar"), redis_pid],
-                 "kvlookup_cache_off": [procs.pid("kvlookup-cache-off"), procs.pid("sidecar"), redis_pid],
-                 "lmcache": [procs.pid("lmcache-controller")]}
-        urls = {"kvlookup": on_url, "kvlookup_cache_off": off_url, "lmcache": lm_url}
+        redis_proc = procs.redis[-1].proc
+        assert redis_proc is not None  # started just above
+        redis_pid = redis_proc.pid
+        urls = {"kvlookup": procs.start_controller(kv_redis)}
+        trees = {"kvlookup": [procs.pid("kvlookup-controller"), procs.pid("sidecar"), redis_pid]}
+        for design in designs:
+            name = f"kvlookup-{design}"
+            urls[f"kvlookup_{design}"] = procs.start_controller(kv_redis, name=name, env=design_env(design))
+            trees[f"kvlookup_{design}"] = [procs.pid(name), procs.pid("sidecar"), redis_pid]
+        if cache_off:
+            urls["kvlookup_cache_off"] = procs.start_controller(kv_redis, name="kvlookup-cache-off",
+                                                                extra=("--lookup-cache", "off"))
+            trees["kvlookup_cache_off"] = [procs.pid("kvlookup-cache-off"), procs.pid("sidecar"), redis_pid]
+        urls["lmcache"] = lm_url
+        trees["lmcache"] = [procs.pid("lmcache-controller")]
         ws = feed_prompts(lm_pull, lm_reply, list(prompts.values()), instances)
         ws += feed_prompts(kv_pull, kv_reply, list(prompts.values()), instances)
         time.sleep(3)
@@ -124,11 +146,11 @@ def run(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seco
             if n == lengths[0]:
                 for url in urls.values():  # fresh processes: their first seconds are slow
                     wrk(url, path, 1, FIRST_WARMUP_S, procs.tmp)
-            for c in concurrencies:
-                order = list(urls) if c % 2 == 0 else list(urls)[::-1]
+            for c, rnd in ((c, rnd) for c in concurrencies for rnd in range(rounds)):
+                order = list(urls) if (c + rnd) % 2 == 0 else list(urls)[::-1]
                 for name in order:
                     wrk(urls[name], path, c, WARMUP_S, procs.tmp)
-                row: dict = {"tokens": n, "concurrency": c}
+                row: dict = {"tokens": n, "concurrency": c, "round": rnd}
                 for name in order:
                     cpu0 = tree_cpu_s(trees[name])
                     got = wrk(urls[name], path, c, seconds, procs.tmp)
@@ -138,9 +160,10 @@ def run(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seco
                 row["throughput_ratio"] = round(row["kvlookup"]["req_s"] / max(row["lmcache"]["req_s"], 1), 2)
                 row["p99_ratio"] = round(row["kvlookup"]["p99_ms"] / max(row["lmcache"]["p99_ms"], 1e-9), 2)
                 rows.append(row)
-                progress.note(f"  fresh {n} tokens c={c}: " + " | ".join(
+                progress.note(f"  fresh {n} tokens c={c} round {rnd}: " + " | ".join(
                     f"{k} {row[k]['req_s']} req/s p50 {row[k]['p50_ms']} p99 {row[k]['p99_ms']} ms "
                     f"cpu {row[k]['cpu_ms_per_req']} ms/req" for k in urls) + f" | {row['throughput_ratio']}x")
         for w in ws:
             w.close()
-    return {"instances": instances, "seconds": seconds, "bodies_per_length": BODIES, "rows": rows}
+    return {"instances": instances, "seconds": seconds, "bodies_per_length": BODIES, "rounds": rounds,
+            "designs": list(designs), "rows": rows}

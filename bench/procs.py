@@ -112,16 +112,17 @@ class Procs:
         return pull, reply
 
     def start_controller(self, redis_url: str, conf: str = "uvicorn:2", name: str = "kvlookup-controller",
-                         extra: tuple[str, ...] = ()) -> str:
+                         extra: tuple[str, ...] = (), env: dict | None = None) -> str:
         """``kvlookup controller`` (gunicorn) in config ``conf`` (see :func:`gunicorn_conf`), with
-        ``extra`` flags (e.g. ``("--lookup-cache", "off")``); returns its base URL once /health
-        answers."""
+        ``extra`` flags (e.g. ``("--lookup-cache", "off")``) and ``env`` added to its environment;
+        returns its base URL once /health answers."""
         worker_class, workers, threads = gunicorn_conf(conf)
         port = free_port()
         self.spawn(name, [
             sys.executable, "-m", "kvlookup", "controller", "--redis-url", redis_url, "--port", str(port),
             "--worker-class", worker_class, "--workers", str(workers), "--threads", str(threads),
-            "--instance-ttl", "0", "--log-level", "WARNING", "--lookup-response", "layout_info", *extra])
+            "--instance-ttl", "0", "--log-level", "WARNING", "--lookup-response", "layout_info", *extra],
+            env=dict(os.environ, **env) if env else None)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", name, self)
         return url

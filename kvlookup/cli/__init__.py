@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     preflight.warn_all(names.unknown_env(os.environ, kvconfig.setting_names()), sys.stderr)
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvlookup: error: {exc}", file=sys.stderr)
         return 2
@@ -169,6 +169,30 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kvlookup: error: {line}", file=sys.stderr)
         return 2
+    if argv is None and args.func in (cmd_controller, cmd_sidecar, cmd_quickstart):
+        exit_without_teardown(rc)
+    return rc
+
+
+def exit_without_teardown(rc: int) -> None:
+    """End a service that has stopped cleanly as the interpreter would (non-daemon threads
+    joined, atexit handlers run, logs and stdio flushed) but without its teardown: the final
+    garbage collection of a large heap took 0.5-1 s of a sidecar's or controller's stop on a
+    busy 2-core machine, after everything had stopped. Only for a program run (``argv`` None):
+    an in-process ``main([...])`` returns."""
+    import atexit
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc)
 
 
 # -- commands --------------------------------------------------------------------------------
@@ -196,6 +220,10 @@ def cmd_controller(args: argparse.Namespace) -> int:
         supervisor = Supervisor(children, new_status_file(), extra=lambda: {"redis": lease.status()} if lease else {})
         supervisor.start()
         GunicornController(settings, on_stop=supervisor.hold).run()
+    except SystemExit as exc:  # gunicorn's master stops with sys.exit(status); its workers exit through here too
+        if os.getpid() != master:
+            raise
+        return exc.code if isinstance(exc.code, int) else 1
     except StartError as exc:
         print(f"kvlookup controller: error: {exc}", file=sys.stderr)
         return 1

@@ -27,7 +27,8 @@ LOOKUP_RESPONSES = ("flat", "layout_info")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 #: Controller read caching (kvlookup.index.tracking): on (copies Redis keeps coherent, no round trip
 #: for a lookup whose chunks are known), fenced (one round trip that makes every completed write
-#: visible), off (the LOOKUP script). One Redis only: a cluster or Sentinel URL reads uncached.
+#: visible), off (each lookup reads the chunks' digests: kvlookup.index.staged). One Redis only: a
+#: cluster or Sentinel URL reads uncached.
 LOOKUP_CACHE = ("on", "fenced", "off")
 #: gunicorn worker classes the controller runs: uvicorn (default: an asyncio loop per process,
 #: uvloop + httptools, /lookup answered in the loop, the rest in threads; kvlookup.app.asgi_worker),
@@ -135,7 +136,8 @@ class Settings:
             "reads\"): `on` answers a lookup whose chunks are known without a round trip and sees a change as "
             "soon as its invalidation arrives (microseconds after the write on loopback); `fenced` first takes "
             "every invalidation Redis has queued (one round trip on the invalidation connection), so a lookup "
-            "sees every write completed before it; `off` runs the `LOOKUP` script (one round trip). One Redis "
+            "sees every write completed before it; `off` reads each chunk's holder-set digest (one "
+            "`CHUNK_HEADS` script call) and a member list only for a digest not seen before. One Redis "
             "only: with `redis_cluster` or a Sentinel URL lookups read uncached")
     lookup_cache_keys: int = setting(
         200_000, readers=(CONTROLLER,),

@@ -226,7 +226,10 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
     else:
         print(f"Embedded Redis: this demo's own, data dir {chosen}", flush=True)
     engines: list[SimEngine] = []
-    ctrl = subprocess.Popen(cmd, preexec_fn=dies_with_parent())  # killed with the quickstart, even by kill -9
+    # its own process group: a terminal's Ctrl-C reaches the quickstart alone, which stops the controller with
+    # one SIGTERM (a SIGINT from the terminal and then the SIGTERM below made gunicorn stop twice, ~1 s slower);
+    # killed with the quickstart, even by kill -9
+    ctrl = subprocess.Popen(cmd, preexec_fn=dies_with_parent(), process_group=0)
     http = f"http://localhost:{port}"
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
@@ -244,7 +247,7 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
         return 0
     finally:
         for e in engines:
-            e.close(deregister=False)  # the controller stops too
+            e.close(deregister=False, linger_ms=0)  # the controller stops too: frames still queued are moot
         if ctrl.poll() is None:
             ctrl.send_signal(signal.SIGTERM)
             ctrl.wait(15)

@@ -148,9 +148,10 @@ class WorkerSim:
         for start in range(0, len(frames), MAX_FRAMES):
             self.push.send_multipart(frames[start:start + MAX_FRAMES])
 
-    def close(self) -> None:
-        """Close the sockets (pending PUSH frames get up to 2 s to leave)."""
-        self.push.close()
+    def close(self, linger_ms: int | None = None) -> None:
+        """Close the sockets; pending PUSH frames get up to 2 s to leave (``linger_ms``: that long
+        instead; 0 drops them, so the process exits at once even when the sidecar is gone)."""
+        self.push.close(linger_ms)
         if self.dealer is not None:
             self.dealer.close()
 
@@ -293,12 +294,14 @@ class SimEngine:
         """Location -> chunk hashes this engine holds (every rank holds the same)."""
         return {loc: set(h) for loc, h in self.held.items() if h}
 
-    def close(self, deregister: bool = True) -> None:
+    def close(self, deregister: bool = True, linger_ms: int | None = None) -> None:
+        """Deregister (unless not ``deregister``), close the workers (``linger_ms``: as
+        :meth:`WorkerSim.close`) and stop answering control calls."""
         if deregister:
             for w in self.workers:
                 w.deregister()
         for w in self.workers:
-            w.close()
+            w.close(linger_ms)
         self._stop.set()
         self._thread.join(2)
         for rep in self.reps:

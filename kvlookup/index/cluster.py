@@ -2,7 +2,8 @@
 
 Chunk sorted sets and reverse-index buckets carry no hash tag, so they spread over every slot
 and balance across masters. A record is written in two ordered rounds — the reverse-index
-bucket first, then the chunk's sorted set (evicts: the other way round) — so a bucket always
+bucket first, then the chunk's sorted set (evicts: the other way round; each through the
+single-key ``CHUNK_OP`` script, which keeps the set's digest) — so a bucket always
 lists at least the records that exist and purge never misses one, without needing both keys
 in one slot. Each round is one pipelined round trip per master, all masters in parallel
 (kvlookup.index.cluster_io). Lookups read the chunks' holders in stages and walk in Python
@@ -18,6 +19,7 @@ from redis.cluster import RedisCluster
 
 from kvlookup.index import keys, scripts
 from kvlookup.index.cluster_io import ClusterIO
+from kvlookup.index.copies import Digests
 from kvlookup.index.io import purge_step, raise_errors
 from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches
 from kvlookup.index.staged import HolderCache, StagedLookup
@@ -33,7 +35,9 @@ class ClusterRecords:
         self.rc = rc
         self.io = io or ClusterIO(rc)
         self.resolve_sha = self.io.register(scripts.RESOLVE)
+        self._chunk_op = self.io.register(scripts.CHUNK_OP)
         self.cache = HolderCache()
+        self.digests = Digests()
         self.marked: set[tuple[str, int]] = set()  # (holder id, bucket) its bucket set names
 
     # -- writes ------------------------------------------------------------------------------
@@ -55,7 +59,7 @@ class ClusterRecords:
                 marks += [(len(first), (w.holder_id, b)) for b in new]
                 first.append(("SADD", keys.holder_buckets_key(w.holder_id), *new))
             evict_at.append(len(first))
-            first += [("ZREM", prefix + h, w.holder_id) for h in w.evicts]
+            first += [("EVALSHA", self._chunk_op, 1, prefix + h, w.holder_id, "") for h in w.evicts]
         res = self.io.execute(first)
         self._remember_marks(res, marks)
         live = [res[2 * i] == 1 and res[2 * i + 1] is None for i in range(len(writes))]
@@ -65,7 +69,7 @@ class ClusterRecords:
             if not live[wi]:
                 continue
             prefix = keys.chunk_prefix(w.space)
-            second += [("ZADD", prefix + h, score, w.holder_id) for h in w.admits]
+            second += [("EVALSHA", self._chunk_op, 1, prefix + h, w.holder_id, score) for h in w.admits]
             for bucket_key, members in _by_bucket(w.holder_id, w.evicts).items():
                 evict_rems.append((wi, len(second)))
                 second.append(("SREM", bucket_key, *members))
@@ -91,18 +95,19 @@ class ClusterRecords:
     # -- lookup ------------------------------------------------------------------------------
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
-        return StagedLookup(self.io.execute, self.resolve_sha, self.cache, chains, live).run()
+        return StagedLookup(self.io.execute, self.resolve_sha, self.cache, chains, live, memo=True,
+                            digests=self.digests).run()
 
     # -- purge -------------------------------------------------------------------------------
 
     def purge_step(self, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
-        return purge_step(self.io.execute, holder_id, space, bucket, budget)
+        return purge_step(self.io.execute, self._chunk_op, holder_id, space, bucket, budget)
 
     def reads_locally(self) -> bool:
         return False  # a cluster keeps holder answers only: every lookup reads its chunks
 
     def holders(self, chunk_keys: Sequence[str]) -> list[list[str]]:
-        return raise_errors(self.io.execute([("ZRANGE", k, 0, -1) for k in chunk_keys]))
+        return [keys.holders_of(m) for m in raise_errors(self.io.execute([("ZRANGE", k, 0, -1) for k in chunk_keys]))]
 
 
 def _by_bucket(holder_id: str, hashes: Sequence[str]) -> dict[str, list[str]]:

@@ -91,3 +91,38 @@ class Copies:
                 self.probation.popitem(last=False)
             else:
                 self.protected.popitem(last=False)
+
+
+#: Holder sets a :class:`Digests` keeps (all forgotten at once past it).
+DIGESTS_KEPT = 65536
+
+
+class Digests:
+    """Chunk holder sets by digest (``keys.CHUNK_DIGEST_MEMBER``), each kept as one tuple: a lookup
+    that reads a chunk's digest (``ZRANGE key 0 1 WITHSCORES``: O(1) whatever the holder count)
+    reads the chunk's members only the first time it sees that digest. Content-addressed (an
+    entry is the set whose digest it is, checked when it is put), so entries never go stale.
+
+    ``one`` and ``empty`` share the sets a chunk without a digest has (one holder, none)."""
+
+    def __init__(self, max_sets: int = DIGESTS_KEPT):
+        self.max_sets = max_sets
+        self.sets: dict[int, tuple] = {}
+        self.singles: dict[str, tuple] = {}
+
+    def get(self, digest: int) -> tuple | None:
+        return self.sets.get(digest)
+
+    def put(self, digest: int, members: tuple) -> tuple:
+        """Keep ``members`` (a chunk's ``ZRANGE 0 -1``, digest member first) as the set of ``digest``."""
+        if len(self.sets) >= self.max_sets:
+            self.sets.clear()
+        return self.sets.setdefault(digest, members)
+
+    def one(self, holder_id: str) -> tuple:
+        got = self.singles.get(holder_id)
+        if got is None:
+            if len(self.singles) >= self.max_sets:
+                self.singles.clear()
+            got = self.singles[holder_id] = (holder_id,)
+        return got

@@ -1,5 +1,5 @@
 """Plain commands to one Redis in one pipelined round trip, and the helpers every backend uses
-to read replies (script shas, errors, LOOKUP's flat matches)."""
+to read replies (script shas, errors)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,9 @@ import redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from kvlookup.index import keys
-from kvlookup.index.records import Match
 
 #: Reverse-index buckets read per purge round trip.
 PURGE_BUCKETS_PER_STEP = 64
-
-
-def parse_matches(flat: list) -> list[Match]:
-    """Matches from LOOKUP's flat reply."""
-    out: list[Match] = []
-    i = 0
-    while i < len(flat):
-        inst, wid, end, nlocs = flat[i], flat[i + 1], int(flat[i + 2]), int(flat[i + 3])
-        pairs = flat[i + 4:i + 4 + 2 * nlocs]
-        out.append(Match(inst, wid, end, {pairs[j]: int(pairs[j + 1]) for j in range(0, len(pairs), 2)}))
-        i += 4 + 2 * nlocs
-    return out
 
 
 class SingleIO:
@@ -92,8 +79,9 @@ def raise_errors(results: list) -> list:
     return results
 
 
-def purge_step(run, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
-    """One purge step over plain commands; ``run(commands) -> results`` executes one batch.
+def purge_step(run, chunk_op: str, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
+    """One purge step over plain commands; ``run(commands) -> results`` executes one batch;
+    ``chunk_op`` is the sha of ``scripts.CHUNK_OP`` (a record leaves its chunk set with the set's digest kept).
 
     ``bucket`` is the progress: ``b >= 0`` walks the buckets the holder's bucket set
     (keys.holder_buckets_key) names, from bucket ``b``; once they are done and the holder's
@@ -113,7 +101,7 @@ def purge_step(run, holder_id: str, space: str, bucket: int, budget: int) -> tup
         marked = raise_errors(run([("SMEMBERS", keys.holder_buckets_key(holder_id))]))[0]
         todo = sorted(b for b in map(int, marked) if b >= bucket)
         while todo and removed < budget:
-            n, todo = _purge_buckets(run, holder_id, space, todo, budget - removed)
+            n, todo = _purge_buckets(run, chunk_op, holder_id, space, todo, budget - removed)
             removed += n
         if todo:
             return removed, todo[0]
@@ -123,12 +111,12 @@ def purge_step(run, holder_id: str, space: str, bucket: int, budget: int) -> tup
         bucket = -1  # records in buckets the set does not name: sweep every bucket
     todo = list(range(-1 - bucket, nb))
     while todo and removed < budget:
-        n, todo = _purge_buckets(run, holder_id, space, todo, budget - removed)
+        n, todo = _purge_buckets(run, chunk_op, holder_id, space, todo, budget - removed)
         removed += n
     return removed, (-1 - todo[0]) if todo else nb
 
 
-def _purge_buckets(run, holder_id: str, space: str, todo: list[int], want: int) -> tuple[int, list[int]]:
+def _purge_buckets(run, chunk_op: str, holder_id: str, space: str, todo: list[int], want: int) -> tuple[int, list[int]]:
     """Purge up to ``want`` records from the first PURGE_BUCKETS_PER_STEP buckets of ``todo``;
     returns (records removed, the buckets still to read, a partly read one first)."""
     prefix = keys.chunk_prefix(space)
@@ -145,7 +133,7 @@ def _purge_buckets(run, holder_id: str, space: str, todo: list[int], want: int) 
         if len(members) >= want:  # maybe more left there
             rest = i
             break
-    run([("ZREM", prefix + h, holder_id) for _b, members in take for h in members])
+    raise_errors(run([("EVALSHA", chunk_op, 1, prefix + h, holder_id, "") for _b, members in take for h in members]))
     gone = sum(int(n) for n in run([("SREM", keys.holder_chunks_key(holder_id, b), *members) for b, members in take]))
     if gone:
         run([("HINCRBY", keys.records_key(), holder_id, -gone)])

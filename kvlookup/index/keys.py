@@ -18,6 +18,8 @@ Lua scripts never build key names: callers pass every key through KEYS.
 from __future__ import annotations
 
 import functools
+import hashlib
+from collections.abc import Iterable, Sequence
 
 SCHEMA_VERSION = 2
 PREFIX = f"kvl:v{SCHEMA_VERSION}:"
@@ -62,6 +64,33 @@ def chunk_prefix(space: str = "") -> str:
 def chunk_key(chunk_hash: int | str, space: str = "") -> str:
     """Sorted set of the holders of one chunk: member holder id, score admit time (unix ms)."""
     return f"{chunk_prefix(space)}{chunk_hash}"
+
+
+#: The member of a chunk's sorted set that carries the digest of its holder set, present while
+#: the set has two holders or more: score ``-1 - D`` where ``D`` is the sum of
+#: :func:`holder_digest` of its holder ids mod :data:`DIGEST_MOD` (kept by every write of the
+#: set: ``APPLY_OPS``, ``CHUNK_OP``). The score is below every admit time, so it is always the
+#: set's first member (``ZRANGE key 0 1 WITHSCORES`` reads it, or the set's only holder). Two
+#: chunks with equal digests hold the same holders (but for a 2**-48 chance), so a lookup reads
+#: a chunk's members only where the digest changes. Never a holder id (those are integers).
+CHUNK_DIGEST_MEMBER = "#"
+DIGEST_MOD = 2**48
+
+
+def holder_digest(holder_id: str) -> int:
+    """What a holder adds to a chunk's digest: the first 48 bits of SHA-1 of its id (as the
+    scripts compute it with ``redis.sha1hex``)."""
+    return int(hashlib.sha1(holder_id.encode()).hexdigest()[:12], 16)
+
+
+def set_digest(members: Iterable[str]) -> int:
+    """The digest ``D`` of a chunk's holder ids (:data:`CHUNK_DIGEST_MEMBER` skipped)."""
+    return sum(holder_digest(m) for m in members if m != CHUNK_DIGEST_MEMBER) % DIGEST_MOD
+
+
+def holders_of(members: Sequence[str]) -> list[str]:
+    """A chunk set's members (as ``ZRANGE key 0 -1`` returns them) without its digest member."""
+    return list(members[1:]) if members and members[0] == CHUNK_DIGEST_MEMBER else list(members)
 
 
 #: Buckets of a holder's reverse index. Each bucket is a small set of integer chunk hashes,

@@ -1,5 +1,6 @@
-"""Chunk records on one Redis server (or a Sentinel-managed master): Lua scripts that do each
-step in one atomic round trip, or cached reads walked in Python."""
+"""Chunk records on one Redis server (or a Sentinel-managed master): writes through Lua scripts
+that do each step in one atomic round trip; lookups walked in Python over the chunk sets read
+by digest (one pipelined round trip) or from cached copies."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from collections.abc import Sequence
 import redis
 
 from kvlookup.index import keys, scripts
-from kvlookup.index.io import SingleIO, parse_matches, purge_step, raise_errors
-from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches, walk_registry_keys
+from kvlookup.index.copies import Digests
+from kvlookup.index.io import SingleIO, purge_step, raise_errors
+from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches
 from kvlookup.index.staged import HolderCache, StagedLookup
 from kvlookup.index.tracking import CachedReads
 
@@ -19,25 +21,31 @@ MAX_OPS_PER_CALL = 5000
 
 
 class SingleNodeRecords:
-    """Records on one Redis server: APPLY_OPS and LOOKUP scripts, one round trip each.
+    """Records on one Redis server: APPLY_OPS (one round trip a batch) and staged reads.
 
     cache_reads: True (or ``"fenced"``) to look up through process-local copies of the chunk
     sets that Redis keeps coherent (kvlookup.index.tracking.CachedReads) and walk in Python
     (kvlookup.index.staged): a lookup whose chunks and holders are known costs no round trip
-    (``"fenced"``: one short one, and it sees every write completed before it). False: the
-    LOOKUP script. cache_keys: the most chunk sets kept (``lookup_cache_keys``).
+    (``"fenced"``: one short one, and it sees every write completed before it). False: each
+    lookup reads every chunk's digest (``ZRANGE key 0 1 WITHSCORES``, kvlookup.index.staged,
+    as a cluster does) and a member list only for a digest it has not seen, in one pipelined
+    round trip once holders are known. cache_keys: the most chunk sets kept (``lookup_cache_keys``).
     """
 
     def __init__(self, client: redis.Redis, cache_reads: bool | str = False, cache_keys: int = 200_000):
         self.r = client
         self.io = SingleIO(client)
         self._apply = self.io.register(scripts.APPLY_OPS)
-        self._lookup = self.io.register(scripts.LOOKUP)
+        self._chunk_op = self.io.register(scripts.CHUNK_OP)
         self.cached = None
+        self.holder_cache = HolderCache()
         if cache_reads:
             self.cached = CachedReads(client, max_keys=cache_keys, fence=cache_reads == "fenced")
             self._resolve = self.cached.register(scripts.RESOLVE)
-            self.holder_cache = HolderCache()
+        else:
+            self._resolve = self.io.register(scripts.RESOLVE)
+            self._heads = self.io.register(scripts.CHUNK_HEADS)
+            self.digests = Digests()
 
     def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
         cmds: list[tuple] = []
@@ -65,20 +73,14 @@ class SingleNodeRecords:
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         if self.cached is not None:
             return StagedLookup(self.cached.execute, self._resolve, self.holder_cache, chains, live, memo=True).run()
-        chunk_keys: list[str] = []
-        args: list = [*live.argv(), len(chains)]
-        for chain in chains:
-            chunk_keys += chain.chunk_keys()
-            args += [len(chain.hashes), chain.chunk_size, chain.n_tokens]
-        registry = walk_registry_keys()
-        cmd = ("EVALSHA", self._lookup, len(registry) + len(chunk_keys), *registry, *chunk_keys, *args)
-        return Matches.of(parse_matches(raise_errors(self.io.execute([cmd]))[0]))
+        return StagedLookup(self.io.execute, self._resolve, self.holder_cache, chains, live, memo=True,
+                            digests=self.digests, heads=self._heads).run()
 
     def purge_step(self, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
-        return purge_step(self.io.execute, holder_id, space, bucket, budget)
+        return purge_step(self.io.execute, self._chunk_op, holder_id, space, bucket, budget)
 
     def reads_locally(self) -> bool:
         return self.cached is not None and self.cached.local_now()
 
     def holders(self, chunk_keys: Sequence[str]) -> list[list[str]]:
-        return raise_errors(self.io.execute([("ZRANGE", k, 0, -1) for k in chunk_keys]))
+        return [keys.holders_of(m) for m in raise_errors(self.io.execute([("ZRANGE", k, 0, -1) for k in chunk_keys]))]

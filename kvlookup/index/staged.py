@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvlookup.index import keys
-from kvlookup.index.keys import SEP
+from kvlookup.index.copies import Digests
+from kvlookup.index.io import raise_errors
+from kvlookup.index.keys import CHUNK_DIGEST_MEMBER, SEP
 from kvlookup.index.records import Chain, Liveness, Match, Matches, walk_registry_keys
 from kvlookup.index.walk import ChainWalk, Holder
 
@@ -108,12 +110,15 @@ class StagedLookup:
     Python; the memo makes the cost of a held prefix independent of how many hold it."""
 
     def __init__(self, execute: Execute, resolve_sha: str, cache: HolderCache, chains: Sequence[Chain],
-                 live: Liveness, memo: bool = False):
+                 live: Liveness, memo: bool = False, digests: Digests | None = None, heads: str | None = None):
         self.execute, self.resolve_sha, self.cache = execute, resolve_sha, cache
         self.memo = memo
+        self.digests = digests
+        self.heads = heads  # sha of scripts.CHUNK_HEADS: one command reads every chunk's head
         self.chains, self.live = chains, live
         self.walks = [ChainWalk(c.chunk_size, c.n_tokens) for c in chains]
-        self.holders: dict[str, Holder | None] = {}  # as this lookup sees them
+        # as this lookup sees them; a chunk set's digest member is no holder
+        self.holders: dict[str, Holder | None] = {CHUNK_DIGEST_MEMBER: None}
         self.read_upto = [0] * len(chains)  # chunks read per chain
         self.unfed: list[list] = [[] for _ in chains]  # member lists read, not walked yet
         self.stage = [FIRST_STAGE] * len(chains)
@@ -129,7 +134,13 @@ class StagedLookup:
             reads = [(ci, span) for ci, span in reads if span]
             if not reads and not new_hids:
                 break
-            cmds: list[tuple] = [("ZRANGE", k, 0, -1) for _ci, span in reads for k in span]
+            read_keys = [k for _ci, span in reads for k in span]
+            if self.heads is not None and read_keys:
+                cmds: list[tuple] = [("EVALSHA", self.heads, len(read_keys), *read_keys)]
+            elif self.digests is not None:
+                cmds = [("ZRANGE", k, 0, 1, "WITHSCORES") for k in read_keys]
+            else:
+                cmds = [("ZRANGE", k, 0, -1) for k in read_keys]
             if new_hids:
                 cmds.append(("EVALSHA", self.resolve_sha, 6, *walk_registry_keys(), keys.registry_version_key(),
                              *self.live.argv(), *new_hids))
@@ -137,6 +148,10 @@ class StagedLookup:
                 cmds.append(("GET", keys.registry_version_key()))
             res = self.execute(cmds)
             rounds += 1
+            if self.heads is not None and read_keys:
+                res[0:1] = raise_errors(res[0:1])[0]
+            if self.digests is not None:
+                self._by_digest(read_keys, res)
             if new_hids:
                 cache.put(res[-1][0], new_hids, res[-1][1:])
                 for hid in new_hids:
@@ -159,6 +174,54 @@ class StagedLookup:
         if memo is not None and rounds == 1:
             self._remember(out, *memo)
         return out
+
+    def _by_digest(self, read: list[str], res: list) -> None:
+        """Turn the ``ZRANGE key 0 1 WITHSCORES`` replies (or ``CHUNK_HEADS`` strings) of the chunk
+        keys ``read`` (the first ``len(read)`` of ``res``) into member tuples: a digest seen before is its kept set, a
+        set without a digest has at most one holder; the members of a new digest are read once
+        (one round trip, one chunk per digest; a set that changed meanwhile is read chunk by
+        chunk). A set of two holders or more without a digest (written before digests) is read
+        in full, as a list (never kept)."""
+        dg = self.digests
+        assert dg is not None
+        todo: dict[int, list[int]] = {}  # new digest -> positions
+        full: list[int] = []
+        prev = ""
+        for i in range(len(read)):
+            head = _head(raise_errors([res[i]])[0])
+            if head == "=":  # CHUNK_HEADS: the digest of the key before
+                head = prev
+            prev = head
+            if not head:
+                res[i] = ()
+            elif head[0] == "-":
+                d = -1 - int(float(head))
+                kept = dg.get(d)
+                if kept is None:
+                    todo.setdefault(d, []).append(i)
+                else:
+                    res[i] = kept
+            elif head == "*":
+                full.append(i)
+            else:
+                res[i] = dg.one(head)
+        if not todo and not full:
+            return
+        reps = [pos[0] for pos in todo.values()]
+        lists = raise_errors(self.execute([("ZRANGE", read[i], 0, -1) for i in reps + full]))
+        for i, members in zip(full, lists[len(reps):], strict=True):
+            res[i] = members
+        again: list[int] = []
+        for (d, pos), members in zip(todo.items(), lists[:len(reps)], strict=True):
+            if keys.set_digest(members) == d:
+                kept = dg.put(d, tuple(members))
+                for i in pos:
+                    res[i] = kept
+            else:
+                again += pos
+        for i, members in zip(again, raise_errors(self.execute([("ZRANGE", read[i], 0, -1) for i in again])),
+                              strict=True):
+            res[i] = members
 
     def _memo_key(self, reads, res, gen: int) -> tuple[tuple, list, int] | None:
         """The memo key of a first round: per chain its shape and the runs of member-list
@@ -248,3 +311,18 @@ class StagedLookup:
             if lists:
                 self.walks[ci].feed(lists, self.holders)
                 self.unfed[ci] = []
+
+
+def _head(reply) -> str:
+    """A chunk set's head as ``CHUNK_HEADS`` answers it ('' none, ``-1 - D`` digest, '=' the
+    digest before, the only holder, '*' several without a digest), from that string or a ``ZRANGE key 0 1 WITHSCORES``
+    reply (RESP2 flat, or RESP3 pairs)."""
+    if type(reply) is str:
+        return reply
+    if reply and isinstance(reply[0], list):
+        reply = [x for pair in reply for x in pair]
+    if not reply:
+        return ""
+    if reply[0] == CHUNK_DIGEST_MEMBER:
+        return str(reply[1])  # always negative
+    return reply[0] if len(reply) == 2 else "*"

@@ -1,6 +1,6 @@
 """The prefix walk in Python, fed chunk by chunk (the cluster backend reads chunks in stages).
 
-Same rule as the single-node Lua ``LOOKUP`` (kvlookup.index.scripts): every live group — an
+The one walk of every backend: every live group — an
 instance (worker_rule 'all': every registered TP rank must hold a chunk) or one rank of an
 instance (worker_rule 'any', vLLM DP ranks) — is credited with its longest run of
 consecutive chunks from chunk 0; per location, the tokens of those chunks it holds there (a

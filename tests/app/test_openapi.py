@@ -26,7 +26,7 @@ ROUTES = {"/lookup", "/lookup/explain", "/health", "/clear", "/pin", "/compress"
           "/controller/overview", "/tokenize", "/metrics",
           # LMCache MP coordinator paths (app/coordinator.py)
           "/instances", "/instances/{instance_id}/heartbeat", "/instances/{instance_id}", "/config/chunk-size",
-          "/events", "/directory/lookup", "/directory/keys", "/directory/stats", "/directory/blend-lookup"}
+          "/healthz", "/events", "/directory/lookup", "/directory/keys", "/directory/stats", "/directory/blend-lookup"}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,7 @@ def test_the_document_is_valid_openapi_3_1_and_covers_every_route(fleet):
     ("post", "/events", {"batches": []}, "200"),
     ("post", "/events", {"batches": [{"instance_id": "mp-a"}]}, "422"),
     ("get", "/directory/stats", None, "200"),
+    ("get", "/healthz", None, "200"),
 ])
 def test_real_answers_match_the_schemas(fleet, method, path, body, status):
     doc = fleet.session.get(fleet.http + "/openapi.json", timeout=10).json()
@@ -83,6 +84,23 @@ def test_real_answers_match_the_schemas(fleet, method, path, body, status):
     assert str(resp.status_code) == status, resp.text
     errors = [e.message for e in schema_of(doc, path.split("?")[0], method, status).iter_errors(resp.json())]
     assert errors == [], json.dumps(resp.json())[:500]
+
+
+def test_every_route_the_app_serves_is_described(fleet, redis_settings):
+    """The Flask routes (url_map: every path and method) and the ASGI front's /lookup and
+    /lookup/explain, against the document's paths: a new route cannot go undescribed."""
+    import re
+
+    from kvlookup.app import create_app
+
+    app = create_app(redis_settings)
+    served = {(re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule), method.lower())
+              for rule in app.url_map.iter_rules() for method in rule.methods - {"HEAD", "OPTIONS"}}
+    served -= {("/", "get"), ("/docs", "get"), ("/openapi.json", "get"), ("/static/{filename}", "get")}
+    served |= {("/lookup", "post"), ("/lookup/explain", "post")}  # the ASGI front's own routes
+    doc = fleet.session.get(fleet.http + "/openapi.json", timeout=10).json()
+    described = {(path, method) for path, item in doc["paths"].items() for method in item if method != "parameters"}
+    assert sorted(served ^ described) == []
 
 
 def test_docs_render_swagger_ui_from_the_controller_only(fleet):

@@ -1,4 +1,5 @@
-"""The Lua walk (``LOOKUP``) against a plain-Python model of the matching rule, on random fleets.
+"""The walk (kvlookup.index.walk over staged digest reads) against a plain-Python model of the
+matching rule, on random fleets.
 
 Rule (docs/redis-schema.md, README): an instance is credited with its longest run of
 consecutive chunks from chunk 0 where every registered TP rank holds the chunk in some

@@ -18,6 +18,15 @@ def test_record_keys():
     assert keys.event_key("Clear1234") == "kvl:v2:event:Clear1234"
 
 
+
+def test_chunk_digest_member():
+    """The digest member of a chunk set (docs/redis-schema.md) and its arithmetic, as the scripts
+    compute it (redis.sha1hex): SHA-1("1") starts 356a192b7913."""
+    assert keys.CHUNK_DIGEST_MEMBER == "#" and keys.DIGEST_MOD == 2**48
+    assert keys.holder_digest("1") == 0x356A192B7913 == 58729805084947
+    assert keys.set_digest(["#", "1", "2"]) == (58729805084947 + 240018110528204) % 2**48 == 17272938902495
+    assert keys.holders_of(["#", "1", "2"]) == ["1", "2"] and keys.holders_of(["7"]) == ["7"]
+
 def test_registry_keys():
     assert keys.holders_key() == "kvl:v2:{r}:holders"
     assert keys.claims_key() == "kvl:v2:{r}:claims"

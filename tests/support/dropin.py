@@ -210,7 +210,8 @@ class Deployment:
         for h in self.universe:
             pipe.zrange(keys.chunk_key(h), 0, -1)
         members = pipe.execute()
-        return sum(m not in current for ms in members for m in ms) + self.r.zcard(keys.dead_holders_key())
+        return (sum(m not in current for ms in members for m in keys.holders_of(ms))
+                + self.r.zcard(keys.dead_holders_key()))
 
     def converge(self, scenario: str, timeout: float = 30.0) -> float:
         """Pause the traffic and wait until the index is exactly the engines' truth: the chunk

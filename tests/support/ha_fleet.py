@@ -104,7 +104,7 @@ def index_state(registry: redis.Redis, masters: Callable[[], list[redis.Redis]],
     for node in masters():
         for key in node.scan_iter(match=prefix + "*", count=1000):
             chunk = key[len(prefix):]
-            for hid in node.zrange(key, 0, -1):
+            for hid in keys.holders_of(node.zrange(key, 0, -1)):
                 if hid in live:
                     state.records.add((chunk, live[hid], CPU))
                 else:

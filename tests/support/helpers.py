@@ -149,3 +149,17 @@ def index_view(r, hashes) -> dict[tuple[str, str], set[int]]:
                 inst, _wid, loc, _space = keys.parse_holder(desc[hid])
                 out.setdefault((inst, loc), set()).add(h)
     return out
+
+
+def chunk_holders(r, key: str) -> set[str]:
+    """The holder ids of one chunk sorted set, after checking its digest member
+    (kvlookup.index.keys.CHUNK_DIGEST_MEMBER): first, with score ``-1 - set_digest(holders)``,
+    exactly when the set has two holders or more."""
+    from kvlookup.index import keys
+    raw = r.zrange(key, 0, -1, withscores=True)
+    holders = [m for m, _s in raw if m != keys.CHUNK_DIGEST_MEMBER]
+    if len(holders) >= 2:
+        assert raw[0] == (keys.CHUNK_DIGEST_MEMBER, -1 - keys.set_digest(holders)), (key, raw)
+    else:
+        assert len(raw) == len(holders), (key, raw)
+    return set(holders)
