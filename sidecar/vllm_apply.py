@@ -295,12 +295,16 @@ class BatchApplier:
         medium = ev.medium or DEFAULT_MEDIUM
         res = residency(medium, ev.ownership)
         for engine_hash, (own, space) in zip(ev.block_hashes, placed, strict=True):
-            f = engine_field(engine_hash, g)
-            old = self._get(f)
-            entry = Entry(own, set(old.media) if old and old.own == own else set(), space)
-            entry.media.add(res)
-            self.changed[f] = entry
-            self.ops.setdefault((medium, space), []).append((ADMIT, own))
+            self._place(engine_field(engine_hash, g), own, space, medium, res)
+
+    def _place(self, f, own: int, space, medium: str, res) -> None:
+        """Admit our chunk hash ``own`` under the engine field ``f`` in ``space`` for ``medium``
+        (residency ``res``), keeping the media the field already had for the same hash."""
+        old = self._get(f)
+        entry = Entry(own, set(old.media) if old and old.own == own else set(), space)
+        entry.media.add(res)
+        self.changed[f] = entry
+        self.ops.setdefault((medium, space), []).append((ADMIT, own))
 
     def _lookahead(self, ev: BlockStored) -> int:
         la = ev.lookahead_token_ids
@@ -358,12 +362,7 @@ class BatchApplier:
                 if own is None:
                     self.ctx.skipped["sparse_unplaced"] += 1
                     continue
-                f = engine_field(engine_hash, g)
-                old = self._get(f)
-                entry = Entry(own, set(old.media) if old and old.own == own else set(), space)
-                entry.media.add(res)
-                self.changed[f] = entry
-                self.ops.setdefault((medium, space), []).append((ADMIT, own))
+                self._place(engine_field(engine_hash, g), own, space, medium, res)
         self.sparse = []
 
     def _resolve_tokenless(self, ev: BlockStored) -> list[Entry]:
