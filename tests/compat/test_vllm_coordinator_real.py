@@ -55,14 +55,19 @@ def test_worked_example_is_what_vllm_computes():
     assert reusable_length(WORKED_GROUPS, held_from(WORKED_HELD), 100) == 32
 
 
-def test_model_matches_vllm_on_random_layouts():
-    rng = random.Random(20261202)
-    layouts = [random_layout(rng) for _ in range(200)]
+def assert_model_matches_vllm(layouts) -> None:
+    """Our reusable_length equals vLLM's own coordinator on every layout, and the layouts
+    exercise more than a few outcomes."""
     want = vllm_hits([case(*layout) for layout in layouts])
     got = [reusable_length(groups, held_from(held), n) for groups, held, n in layouts]
     mismatches = [(layouts[i], got[i], want[i]) for i in range(len(layouts)) if got[i] != want[i]]
     assert not mismatches, mismatches[:3]
-    assert len(set(want)) > 5  # the layouts exercise more than a few outcomes
+    assert len(set(want)) > 5
+
+
+def test_model_matches_vllm_on_random_layouts():
+    rng = random.Random(20261202)
+    assert_model_matches_vllm([random_layout(rng) for _ in range(200)])
 
 
 def mixed_layout(rng: random.Random) -> tuple[dict[int, GroupSpec], dict[int, list[bool]], int]:
@@ -80,9 +85,4 @@ def mixed_layout(rng: random.Random) -> tuple[dict[int, GroupSpec], dict[int, li
 
 def test_model_matches_vllm_with_mixed_block_sizes():
     rng = random.Random(20261203)
-    layouts = [mixed_layout(rng) for _ in range(200)]
-    want = vllm_hits([case(*layout) for layout in layouts])
-    got = [reusable_length(groups, held_from(held), n) for groups, held, n in layouts]
-    mismatches = [(layouts[i], got[i], want[i]) for i in range(len(layouts)) if got[i] != want[i]]
-    assert not mismatches, mismatches[:3]
-    assert len(set(want)) > 5
+    assert_model_matches_vllm([mixed_layout(rng) for _ in range(200)])
