@@ -174,20 +174,17 @@ class AsgiController:
 async def send_json(send: Send, status: int, body: dict | msgspec.Raw | None,
                     headers: list[tuple[str, str]] | None = None) -> None:
     """Answer with ``body`` as JSON (``None``: no body, the headers given name its length)."""
-    data = b"" if body is None else json_bytes(body)
-    head = [(b"content-type", b"application/json")] if body is not None else []
-    if body is not None:
-        head.append((b"content-length", str(len(data)).encode()))
+    await send_bytes(send, status, None if body is None else json_bytes(body), headers)
+
+
+async def send_bytes(send: Send, status: int, data: bytes | None,
+                     headers: list[tuple[str, str]] | None = None) -> None:
+    """Answer with ``data``, already JSON (``None``: no body, the headers given name its length)."""
+    head = [] if data is None else [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(data)).encode())]
     head += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers or ()]
     await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": data})
-
-
-async def send_bytes(send: Send, status: int, data: bytes) -> None:
-    """Answer with ``data``, already JSON."""
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": data})
+    await send({"type": "http.response.body", "body": data or b""})
 
 
 def _header(scope: dict, name: bytes) -> bytes | None:
