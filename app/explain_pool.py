@@ -95,9 +95,12 @@ class ExplainPool:
         except (EOFError, OSError):
             pass  # it died starting: ready() starts another
 
+    def _answering(self) -> bool:
+        return self._ready.is_set() and self._proc is not None and self._proc.is_alive()
+
     def ready(self) -> bool:
         """Is a child ready to answer? One that died is started again (not waited for)."""
-        if self._ready.is_set() and self._proc is not None and self._proc.is_alive():
+        if self._answering():
             return True
         if (self._proc is None or not self._proc.is_alive()) and time.monotonic() >= self._next_start:
             self._start()
@@ -106,8 +109,7 @@ class ExplainPool:
     def health(self, _app) -> list[tuple[str, dict, bool]]:
         """An app.health check: ``("explain process", {"state": "up", "ready": bool, "pid": ...},
         True)``; always up (until the child is ready the worker answers explains itself)."""
-        ready = self._ready.is_set() and self._proc is not None and self._proc.is_alive()
-        return [("explain process", {"state": "up", "ready": ready,
+        return [("explain process", {"state": "up", "ready": self._answering(),
                                      "pid": self._proc.pid if self._proc is not None else None}, True)]
 
     def respond(self, args: tuple, here: Callable[..., tuple]) -> tuple:
