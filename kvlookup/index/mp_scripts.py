@@ -20,15 +20,16 @@ hashes to the ``{mp}`` slot like every key it starts (docs/redis-schema.md).
 
 from __future__ import annotations
 
-from kvlookup.index.keys import MP_BUCKET_HEX, MP_L1_BUCKETS, MP_PAGE
+from kvlookup.index.keys import MP_BUCKET_HEX, MP_L1_BUCKETS, MP_L1_RUN, MP_PAGE
 
 #: Shared by MP_APPLY and MP_DEPART. KEYS[1] names, KEYS[2] stats, KEYS[3] cursors, KEYS[4]
 #: departed, KEYS[5] capacity, KEYS[6] instances, KEYS[7] heartbeats, KEYS[8] the chunk bucket
 #: prefix, KEYS[9] the key page prefix, KEYS[10] the L1 set prefix (the module docstring says why
 #: these three are prefixes). keys.mp_script_keys() lists KEYS[1..10].
 _MP_LIB = """
-local PAGE, L1B, BH = 128, 256, 3
+local PAGE, L1B, L1RUN, BH = 128, 256, 64, 3
 local function fmt(n) return string.format('%d', n) end
+local function l1b(kid) return math.floor(tonumber(kid) / L1RUN) % L1B end  -- keys.mp_l1_bucket
 local NAMES, STATS, CUR, DEP, CAP, INSTS, BEATS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local CPFX, KPFX, LPFX = KEYS[8], KEYS[9], KEYS[10]
 local CK = {}  -- bucket -> its chunk bucket key, as the caller passed it (KEYS[11..])
@@ -101,7 +102,7 @@ local function count(p, sign)
 end
 -- the L1 reverse index and per-instance key counts follow a record's change from before to after
 local function reindex(kid, before, after)
-  local b = fmt(tonumber(kid) % L1B)
+  local b = fmt(l1b(kid))
   for iid in pairs(before) do
     if not after[iid] then
       redis.call('SREM', lkey(iid, b), kid); add('l1k:' .. iname(iid), -1)
@@ -180,8 +181,8 @@ local function flush()
 end
 """
 
-_MP_LIB = _MP_LIB.replace("local PAGE, L1B, BH = 128, 256, 3",
-                          f"local PAGE, L1B, BH = {MP_PAGE}, {MP_L1_BUCKETS}, {MP_BUCKET_HEX}")
+_MP_LIB = _MP_LIB.replace("local PAGE, L1B, L1RUN, BH = 128, 256, 64, 3",
+                          f"local PAGE, L1B, L1RUN, BH = {MP_PAGE}, {MP_L1_BUCKETS}, {MP_L1_RUN}, {MP_BUCKET_HEX}")
 
 #: Apply one POST /events body: the gate, then each admitted batch, all or nothing.
 #: KEYS[1..10] as _MP_LIB, KEYS[11..] the chunk bucket hash (``keys.mp_chunks_key``) of each
@@ -308,7 +309,7 @@ for _ = 1, nb do
             if not pk then pk = KPFX .. fmt(pg); pnames[pg] = pk end
             later(pbuf, pk, fmt(kseq % PAGE), bucket .. field)
             if is_l1 then
-              local lb = kseq % L1B
+              local lb = l1b(kseq)
               local lk = lnames[lb]
               if not lk then lk = lkey(iid, fmt(lb)); lnames[lb] = lk end
               later(lbuf, lk, kid)
