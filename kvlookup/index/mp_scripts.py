@@ -187,12 +187,13 @@ _MP_LIB = _MP_LIB.replace("local PAGE, L1B, L1RUN, BH = 128, 256, 64, 3",
 #: Apply one POST /events body: the gate, then each admitted batch, all or nothing.
 #: KEYS[1..10] as _MP_LIB, KEYS[11..] the chunk bucket hash (``keys.mp_chunks_key``) of each
 #: bucket ARGV[3] names. ARGV[1] now (unix ms), ARGV[2] number of batches, ARGV[3] the buckets of
-#: the entries, comma-separated, in the order of KEYS[11..]; then per batch 13 fields
+#: the entries, comma-separated, in the order of KEYS[11..]; then per batch 12 fields
 #: (instance_id, incarnation, seq, event_type, tier, backend, shared 0|1, dropped_events,
-#: ts ms, capacity_bytes, capacity_revision, number of entries, the entries
-#: packed: one record per entry joined by byte 30, its 5 fields joined by byte 31: bucket, chunk
-#: b64, space text ``model\\tsalt\\tkv_rank\\tgroup`` or the bare space id (no tab) when the caller
-#: knows it, size_bytes, token binding ``offset\\tb64`` or ''). Returns {applied, duplicates, stale}.
+#: ts ms, capacity_bytes, capacity_revision, number of entries, the entries packed: per entry
+#: its ref ``<bucket><chunk b64>.<space id>`` (the key page's value as is), or
+#: ``<bucket><chunk b64>\t<model\tsalt\tkv_rank\tgroup>`` when the caller does not know the
+#: space's id; byte 31; size_bytes; byte 31; the token binding ``offset\tb64`` or ''; byte 30
+#: (one gmatch a batch yields the three). Returns {applied, duplicates, stale}.
 MP_APPLY = _MP_LIB + """
 local now = tonumber(ARGV[1])
 local nb = tonumber(ARGV[2])
@@ -292,14 +293,18 @@ for _ = 1, nb do
       if tb then epinfo[ep] = iid end
       local sfx = tb and (',0|' .. tb .. ',' .. ep .. ',')  -- a new record is <key id> .. sfx .. <size>
       local pnames, lnames = {}, {}  -- page number / L1 bucket -> its key name, made once a batch
-      for rec in string.gmatch(packed, '[^\\30]+') do
-        local bucket, chunk, space, size_s, tokens =
-          string.match(rec, '^([^\\31]*)\\31([^\\31]*)\\31([^\\31]*)\\31([^\\31]*)\\31(.*)$')
+      for ref, size_s, tokens in string.gmatch(packed, '([^\\31\\30]*)\\31([^\\31\\30]*)\\31([^\\30]*)\\30') do
+        local t = string.find(ref, '\t', 1, true)  -- the space's id is not known to the caller
+        if t then
+          local space = string.sub(ref, t + 1)
+          local sid = (etype == 'store') and intern('s', space) or redis.call('HGET', NAMES, 'n:s' .. space)
+          ref = sid and (string.sub(ref, 1, t - 1) .. '.' .. sid)
+        end
+        local bucket = ref and string.sub(ref, 1, BH)
+        local field = ref and string.sub(ref, BH + 1)
         local size = tonumber(size_s)
-        local bkey = ckey(bucket)
+        local bkey = ref and ckey(bucket)
         if etype == 'store' then
-          local sid = string.find(space, '\t', 1, true) and intern('s', space) or space
-          local field = chunk .. '.' .. sid
           if not kseq then kseq = tonumber(redis.call('HGET', STATS, 'kseq') or '0') end
           local kid = fmt(kseq + 1)  -- taken only if the key is new (the common case: one call)
           if redis.call('HSETNX', bkey, field, kid .. sfx .. size_s) == 1 then
@@ -307,7 +312,7 @@ for _ = 1, nb do
             local pg = math.floor(kseq / PAGE)
             local pk = pnames[pg]
             if not pk then pk = KPFX .. fmt(pg); pnames[pg] = pk end
-            later(pbuf, pk, fmt(kseq % PAGE), bucket .. field)
+            later(pbuf, pk, fmt(kseq % PAGE), ref)
             if is_l1 then
               local lb = l1b(kseq)
               local lk = lnames[lb]
@@ -332,11 +337,9 @@ for _ = 1, nb do
             reindex(kid, before, l1_iids(pl))
             redis.call('HSET', bkey, field, encode(kid, acc, pl))
           end
-          if tokens ~= '' then redis.call('HSET', bkey, chunk, tokens) end
+          if tokens ~= '' then redis.call('HSET', bkey, string.match(field, '^[^.]*'), tokens) end
         else
-          local sp = string.find(space, '\t', 1, true) and redis.call('HGET', NAMES, 'n:s' .. space) or space
-          local field = sp and (chunk .. '.' .. sp)
-          local v = field and redis.call('HGET', bkey, field)
+          local v = ref and redis.call('HGET', bkey, field)
           if v then
             local kid, acc, pl = parse(v)
             if etype == 'access' then
