@@ -15,8 +15,10 @@ Every request body is read here first, within ``max_body_bytes`` (413) and ``bod
 cached reads does no I/O, so it runs in the loop; one that must ask Redis (``lookup_cache:
 off``, Redis Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup.index.tracking's
 ``LOCAL_ONLY`` / ``NeedsRedis``) runs in the thread pool, so a slow round trip never holds
-the other connections. Every explain and every lookup with a large body (decoded and hashed
-off the loop) runs in a small bounded pool of its own (HEAVY_THREADS), so they never delay
+the other connections; one whose missing chunks were all missed for the first time (a fresh
+prompt) is read there by digest, untracked (:data:`FIRST_MISS`). Every explain and every
+lookup with a large body (decoded and hashed off the loop) runs in a small bounded pool of its
+own (HEAVY_THREADS), so they never delay
 /health or ordinary lookups; when it is full they are answered 503. An explain is answered by
 a child process of the worker (:mod:`app.explain_pool`), so its CPU-bound walk and reply
 parsing do not hold this process's GIL while /health waits for it.
@@ -60,10 +62,11 @@ BIG_BODY_BYTES = 64 * 1024
 #: request waiting behind a CPU-bound explain gets it back within this.
 SWITCH_INTERVAL_S = 0.0005
 #: How a lookup the copies could not answer, all of whose missing chunks were missed for the
-#: first time (a fresh prompt's new chunk), is read: ``tracked`` (through the copies, with
-#: ``CLIENT CACHING``) or ``digest`` (by digest, as ``lookup_cache: off`` reads; the chunks are
-#: read tracked when missed again). docs/benchmarks-notes.md "Fresh prompts, third pass".
-FIRST_MISS = os.environ.get("KVLOOKUP_FIRST_MISS", "tracked")
+#: first time (a fresh prompt's new chunk), is read: ``digest`` (the default: by digest, as
+#: ``lookup_cache: off`` reads, untracked; a chunk missed again is read tracked and kept) or
+#: ``tracked`` (through the copies, ``CLIENT CACHING YES`` + ``ZRANGE``; 0.92x the throughput
+#: and 1.15x the CPU on fresh prompts, docs/benchmarks-notes.md "Fresh prompts, third pass").
+FIRST_MISS = os.environ.get("KVLOOKUP_FIRST_MISS", "digest")
 
 
 class AsgiController:
