@@ -18,10 +18,10 @@ off``, Redis Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup
 the other connections; one whose missing chunks were all missed for the first time (a fresh
 prompt) is read there by digest, untracked (:data:`FIRST_MISS`). Every explain and every
 lookup with a large body (decoded and hashed off the loop) runs in a small bounded pool of its
-own (HEAVY_THREADS), so they never delay
-/health or ordinary lookups; when it is full they are answered 503. An explain is answered by
-a child process of the worker (:mod:`app.explain_pool`), so its CPU-bound walk and reply
-parsing do not hold this process's GIL while /health waits for it.
+own (HEAVY_THREADS), so they never delay /health or ordinary lookups; when it is full they are
+answered 503. An explain is answered by a child process of the worker (:mod:`app.explain_pool`),
+so its CPU-bound walk and reply parsing do not hold this process's GIL while /health waits for
+it.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ THREADS = 16
 #: /health, the control API and ordinary lookups never wait behind them (issue 20 item 8).
 HEAVY_THREADS = 1
 HEAVY_WAITING = 16
-FIRST_MISS_KEY = "kvlookup.first_miss"
 BIG_BODY_BYTES = 64 * 1024
 #: How long a thread holds the GIL before it must hand it over (CPython's default is 5 ms): a
 #: request waiting behind a CPU-bound explain gets it back within this.
@@ -67,6 +66,8 @@ SWITCH_INTERVAL_S = 0.0005
 #: ``tracked`` (through the copies, ``CLIENT CACHING YES`` + ``ZRANGE``; 0.92x the throughput
 #: and 1.15x the CPU on fresh prompts, docs/benchmarks-notes.md "Fresh prompts, third pass").
 FIRST_MISS = os.environ.get("KVLOOKUP_FIRST_MISS", "digest")
+#: Where the event-loop attempt leaves, in the request's ``keep``, that the thread reads by digest.
+FIRST_MISS_KEY = "kvlookup.first_miss"
 
 
 class AsgiController:

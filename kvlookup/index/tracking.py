@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 INVALIDATE = "__redis__:invalidate"
 #: Commands whose replies are kept: ``(name, key)``.
 CACHED = ("ZRANGE", "GET")
+#: Chunk keys remembered as lacked once (NeedsRedis.first_miss), at most: ~7 MiB of key names;
+#: all are forgotten when it is full (a hot prompt's chunk is then read by digest once more).
+MISSED_MAX = 50_000
 #: A broken invalidation connection is tried again after this long.
 RECONNECT_S = 1.0
 
@@ -283,12 +286,12 @@ class CachedReads:
 
     def _needs_redis(self, commands: Sequence[tuple], missing: list[int]) -> NeedsRedis:
         """The NeedsRedis for a LOCAL_ONLY read lacking ``missing``: ``first_miss`` when none of
-        the chunk sets lacked was lacked before (each is remembered, up to ``max_keys``)."""
+        the chunk sets lacked was lacked before (each is remembered, :data:`MISSED_MAX` at most)."""
         exc = NeedsRedis()
         lacked = [commands[i][1] for i in missing if commands[i][0] == "ZRANGE"]
         seen = self._missed
         exc.first_miss = bool(lacked) and not any(k in seen for k in lacked)
-        if len(seen) + len(lacked) > self.max_keys:
+        if len(seen) + len(lacked) > min(self.max_keys, MISSED_MAX):
             seen.clear()
         seen.update(dict.fromkeys(lacked))
         return exc
