@@ -145,13 +145,15 @@ MIRROR_LOAD_MAX = 50_000
 
 
 class Mirror:
-    """A rank's engine map (field -> raw value) as this sidecar read and wrote it. ``complete``:
-    it is the whole map (this sidecar emptied the map and wrote every field since), so a field it
-    lacks is absent; else it only caches what was read (None: read absent). The sidecar is the
-    map's only writer; a write that failed makes it partial and empty (:meth:`forget`)."""
+    """A rank's engine map (field -> parsed :class:`Entry`) as this sidecar read and wrote it.
+    ``complete``: it is the whole map (this sidecar emptied the map and wrote every field since),
+    so a field it lacks is absent, and a batch reads its fields straight from it; else it only
+    caches what was read (None: read absent). The sidecar is the map's only writer; a write that
+    failed makes it partial and empty (:meth:`forget`). Entries are never changed in place (an
+    applier makes a new one for every change), so the mirror and a batch share them."""
 
     def __init__(self) -> None:
-        self.entries: dict[str, str | None] = {}
+        self.entries: dict[str, Entry | None] = {}
         self.complete = False
         self.load_tried = False
 
@@ -159,7 +161,7 @@ class Mirror:
         """Once: read the whole map when it is small (then complete)."""
         self.load_tried = True
         if ranks.engine_map_size(rank) <= MIRROR_LOAD_MAX:
-            self.entries = dict(ranks.engine_map(rank))
+            self.entries = {f: Entry.parse(v) for f, v in ranks.engine_map(rank).items()}
             self.complete = True
 
     def emptied(self) -> None:
@@ -173,15 +175,15 @@ class Mirror:
         self.complete = False
         self.load_tried = False
 
-    def known(self, fields: set[str]) -> dict[str, str | None]:
+    def known(self, fields: set[str]) -> dict[str, Entry | None]:
         """What the mirror says of ``fields`` (every one of them when complete)."""
         e = self.entries
         if self.complete:
             return {f: e.get(f) for f in fields}
         return {f: e[f] for f in fields if f in e}
 
-    def update(self, values: dict[str, str | None]) -> None:
-        """Fields as written (None: deleted) or read."""
+    def update(self, values: dict[str, Entry | None]) -> None:
+        """Fields as written (None: deleted) or read (None: absent)."""
         if len(self.entries) + len(values) > MIRROR_MAX:
             self.entries.clear()
             self.complete = False
@@ -415,9 +417,21 @@ class BatchApplier:
     def _get(self, f: str) -> Entry | None:
         if f in self.changed:
             return self.changed[f]
-        return None if self.wiped else self.fetched.get(f)
+        if self.wiped:
+            return None
+        mirror = self.ctx.mirror
+        if mirror is not None and mirror.complete:
+            return mirror.entries.get(f)
+        return self.fetched.get(f)
 
     def _prefetch(self, events: Sequence[Event]) -> None:
+        """Read the engine map fields the batch may need (one HMGET), unless the mirror is complete
+        (then :meth:`_get` reads it as it goes)."""
+        mirror = self.ctx.mirror
+        if mirror is not None and not mirror.complete and not mirror.load_tried and events:
+            mirror.load(self.ranks, self.ctx.rank)
+        if mirror is not None and mirror.complete:
+            return
         wanted: set[str] = set()
         groups = {0, *self.ctx.groups}
         for ev in events:
@@ -438,20 +452,18 @@ class BatchApplier:
                     wanted.update(engine_field(ev.parent_block_hash, g) for g in groups)
                 if is_sparse(ev):
                     wanted.update(engine_field(h, g) for h in ev.block_hashes for g in groups)
-        mirror = self.ctx.mirror
-        raw: dict[str, str | None] = {}
+        known: dict[str, Entry | None] = {}
         if mirror is not None and wanted:
-            if not mirror.complete and not mirror.load_tried:
-                mirror.load(self.ranks, self.ctx.rank)
-            raw = mirror.known(wanted)
-            wanted.difference_update(raw)
+            known = mirror.known(wanted)
+            wanted.difference_update(known)
         if wanted:
             order = list(wanted)
-            got = dict(zip(order, self.ranks.engine_entries(self.ctx.rank, order), strict=True))
-            raw.update(got)
+            got = {f: Entry.parse(v) for f, v in zip(order, self.ranks.engine_entries(self.ctx.rank, order),
+                                                      strict=True)}
+            known.update(got)
             if mirror is not None:
                 mirror.update(got)
-        self.fetched = {f: Entry.parse(v) for f, v in raw.items()}
+        self.fetched = known
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -484,9 +496,10 @@ class BatchApplier:
             self._apply(batches, space, then if i == len(spaces) - 1 else ())
         if not spaces:
             self.ranks.send(then)
-        self.fetched.update(self.changed)
         if ctx.mirror is not None:  # the map as written: only now may the mirror say so
-            ctx.mirror.update({**sets, **dict.fromkeys(dels)})
+            ctx.mirror.update(self.changed)
+        if ctx.mirror is None or not ctx.mirror.complete:
+            self.fetched.update(self.changed)
         self.changed = {}
 
     def _apply(self, batches: list, space: str, then: Sequence[tuple]) -> None:
