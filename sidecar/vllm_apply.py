@@ -77,7 +77,7 @@ DEFAULT_MEDIUM = "GPU"
 REMOTE = "REMOTE"
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """Engine map value: our chunk hash, the residencies holding the block, its space ("" in
     entries written before spaces were kept: the rank's legacy block size applies)."""
@@ -271,7 +271,8 @@ class BatchApplier:
         return group_space(block_size, group_idx or 0)
 
     def _stored(self, ev: BlockStored) -> None:
-        spec = self._learn_group(ev)
+        g = ev.group_idx
+        spec = None if g is None else self._learn_group(ev)
         bs = ev.block_size
         tokenless = not ev.token_ids
         if not (tokenless and bs == 0) and (bs is None or not 0 < bs <= MAX_BLOCK_SIZE):
@@ -280,33 +281,34 @@ class BatchApplier:
             return
         if ev.session_id:
             self.session = ev.session_id
-        g = ev.group_idx
+        medium = ev.medium or DEFAULT_MEDIUM
+        res = medium if ev.ownership is None else residency(medium, ev.ownership)
         if tokenless:
             olds = self._resolve_tokenless(ev)
-            placed = [(e.own, self._entry_space(e)) for e in olds]
-        else:
-            lookahead = self._lookahead(ev)
-            space = self._space(g, bs, spec)
-            if space != prefix_space(bs) and is_sparse(ev):
-                self.sparse.append(ev)
-                return
-            placed = [(own, space) for own in self._own_hashes(ev, bs, lookahead)]
-            if space == prefix_space(bs) and (bs, lookahead) not in self.ctx.chains:
-                self.ctx.chains.add((bs, lookahead))
-                self.new_chains = True
-        medium = ev.medium or DEFAULT_MEDIUM
-        res = residency(medium, ev.ownership)
-        for engine_hash, (own, space) in zip(ev.block_hashes, placed, strict=True):
-            self._place(engine_field(engine_hash, g), own, space, medium, res)
+            for engine_hash, e in zip(ev.block_hashes, olds, strict=True):
+                self._place(engine_field(engine_hash, g), e.own, self._entry_space(e), medium, res)
+            return
+        lookahead = self._lookahead(ev) if ev.lookahead_token_ids else 0
+        chain_space = prefix_space(bs)
+        space = chain_space if g is None else self._space(g, bs, spec)
+        if space != chain_space and is_sparse(ev):
+            self.sparse.append(ev)
+            return
+        owns = self._own_hashes(ev, bs, lookahead)
+        if space == chain_space and (bs, lookahead) not in self.ctx.chains:
+            self.ctx.chains.add((bs, lookahead))
+            self.new_chains = True
+        ops = self.ops.setdefault((medium, space), [])
+        for engine_hash, own in zip(ev.block_hashes, owns, strict=True):
+            self._place(engine_field(engine_hash, g), own, space, medium, res, ops)
 
-    def _place(self, f, own: int, space, medium: str, res) -> None:
+    def _place(self, f, own: int, space, medium: str, res, ops: list | None = None) -> None:
         """Admit our chunk hash ``own`` under the engine field ``f`` in ``space`` for ``medium``
-        (residency ``res``), keeping the media the field already had for the same hash."""
+        (residency ``res``), keeping the media the field already had for the same hash. ops: the
+        (medium, space) op list, when the caller has it."""
         old = self._get(f)
-        entry = Entry(own, set(old.media) if old and old.own == own else set(), space)
-        entry.media.add(res)
-        self.changed[f] = entry
-        self.ops.setdefault((medium, space), []).append((ADMIT, own))
+        self.changed[f] = Entry(own, {*old.media, res} if old and old.own == own else {res}, space)
+        (self.ops.setdefault((medium, space), []) if ops is None else ops).append((ADMIT, own))
 
     def _lookahead(self, ev: BlockStored) -> int:
         la = ev.lookahead_token_ids
@@ -324,13 +326,14 @@ class BatchApplier:
         extra_keys = ev.extra_keys
         if extra_keys is not None and len(extra_keys) != n:
             raise WireError("extra_keys", f"{len(extra_keys)} extra_keys entries for {n} blocks")
-        per_block = [vh.split_extra_keys(e, ev.lora_name) for e in extra_keys] if extra_keys else [()] * n
-        extras = [tuple(e) or None for e in per_block]
+        per_block = [vh.split_extra_keys(e, ev.lora_name) for e in extra_keys] if extra_keys else None
+        extras = [tuple(e) or None for e in per_block] if per_block else None  # None: plain blocks
         if ev.parent_block_hash is None:
             lora = ev.lora_name if ev.lora_name is not None else (
                 None if ev.lora_id is None else f"lora_id:{ev.lora_id}")
-            parent = vh.namespace_root(bs, lora, per_block[0])
-            extras[0] = None  # the first block's extra keys are part of the root
+            parent = vh.namespace_root(bs, lora, per_block[0] if per_block else ())
+            if extras:
+                extras[0] = None  # the first block's extra keys are part of the root
         else:
             entry = self._get(engine_field(ev.parent_block_hash, ev.group_idx))
             found = entry.own if entry is not None else self._own_elsewhere(ev.parent_block_hash, ev.group_idx, bs)
@@ -338,7 +341,8 @@ class BatchApplier:
                 raise WireError("unknown_parent", f"parent {ev.parent_block_hash} is not known")
             parent = found
         if lookahead and ev.lookahead_token_ids:
-            extras = [vh.with_lookahead(e, la) for e, la in zip(extras, ev.lookahead_token_ids, strict=True)]
+            extras = [vh.with_lookahead(e, la) for e, la in zip(extras or [None] * n, ev.lookahead_token_ids,
+                                                                 strict=True)]
         return vh.chain(parent, ev.token_ids, bs, extras)
 
     def _own_elsewhere(self, engine_hash: int, group_idx: int | None, bs: int) -> int | None:
