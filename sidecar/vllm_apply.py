@@ -228,6 +228,13 @@ class BatchApplier:
         self.flush(persist)
 
     def _event(self, ev: Event) -> None:
+        t = type(ev)
+        if t is BlockStored and ev.locality is None:  # type: ignore[union-attr]
+            self._stored(ev)  # type: ignore[arg-type]
+            return
+        if t is BlockRemoved and ev.locality is None:  # type: ignore[union-attr]
+            self._removed(ev)  # type: ignore[arg-type]
+            return
         if isinstance(ev, Malformed):
             raise WireError(ev.reason, ev.detail)
         if isinstance(ev, AllBlocksCleared):
@@ -343,6 +350,8 @@ class BatchApplier:
         if lookahead and ev.lookahead_token_ids:
             extras = [vh.with_lookahead(e, la) for e, la in zip(extras or [None] * n, ev.lookahead_token_ids,
                                                                  strict=True)]
+        if not extras:
+            return vh.plain_chain(parent, ev.token_ids, bs)
         return vh.chain(parent, ev.token_ids, bs, extras)
 
     def _own_elsewhere(self, engine_hash: int, group_idx: int | None, bs: int) -> int | None:
@@ -384,17 +393,23 @@ class BatchApplier:
 
     def _removed(self, ev: BlockRemoved) -> None:
         medium = ev.medium or DEFAULT_MEDIUM
-        res = residency(medium, ev.ownership)
+        res = medium if ev.ownership is None else residency(medium, ev.ownership)
+        g = ev.group_idx
+        alone = not g and not self.ctx.groups  # no other group may hold the same record
+        changed = self.changed
         for engine_hash in ev.block_hashes:
-            f = engine_field(engine_hash, ev.group_idx)
+            f = engine_field(engine_hash, g)
             old = self._get(f)
             if old is None or res not in old.media:
                 self.ctx.skipped["remove_unknown"] += 1
                 continue
-            entry = Entry(old.own, old.media - {res}, old.space)
-            self.changed[f] = entry if entry.media else None
-            space = self._entry_space(old)
-            if space and not self._still_held(engine_hash, ev.group_idx, entry, medium, space):
+            media = old.media - {res}
+            entry = Entry(old.own, media, old.space)
+            changed[f] = entry if media else None
+            space = old.space or self.ctx.legacy_space
+            if not space or (media and alone and any(medium_of(r) == medium for r in media)):
+                continue
+            if (alone and not media) or not self._still_held(engine_hash, g, entry, medium, space):
                 self.ops.setdefault((medium, space), []).append((EVICT, old.own))
 
     def _still_held(self, engine_hash: int, group_idx: int | None, entry: Entry, medium: str, space: str) -> bool:
