@@ -334,30 +334,41 @@ def _checked(ev: Any) -> Event | None:
     frozen), or None when the generic path would find something wrong with it."""
     t = type(ev)
     if t is _ArrayStored:
-        ev = BlockStored(*_astuple(ev))
+        ev, t = BlockStored(*_astuple(ev)), BlockStored
     elif t is _ArrayRemoved:
-        ev = BlockRemoved(*_astuple(ev))
+        ev, t = BlockRemoved(*_astuple(ev)), BlockRemoved
     elif t is _ArrayCleared or t is AllBlocksCleared:
         return _CLEARED
-    names = (ev.medium, ev.locality, ev.ownership) if type(ev) is BlockRemoved else (
-        ev.medium, ev.lora_name, ev.kv_cache_spec_kind, ev.locality, ev.ownership, ev.session_id)
-    for name in names:
-        if name is not None and not keys.printable_name(name):
-            return None
+    stored = t is BlockStored
+    for name in (ev.medium, ev.lora_name, ev.kv_cache_spec_kind, ev.locality, ev.ownership, ev.session_id) \
+            if stored else (ev.medium, ev.locality, ev.ownership):
+        if name is not None and name not in _GOOD_NAMES:
+            if not keys.printable_name(name):
+                return None
+            if len(_GOOD_NAMES) < _GOOD_NAMES_MAX:
+                _GOOD_NAMES.add(name)
     fix: dict[str, Any] = {}
-    if not all(type(h) is int for h in ev.block_hashes):
+    if not all(map(_is_int, ev.block_hashes)):
         fix["block_hashes"] = _hashes(list(ev.block_hashes))
-    if type(ev) is BlockStored:
+    if stored:
         if type(ev.parent_block_hash) is bytes:
             fix["parent_block_hash"] = block_hash(ev.parent_block_hash)
         if ev.token_ids is None:
             fix["token_ids"] = ()
         if ev.extra_keys is not None:
             fix["extra_keys"] = _extra_keys(list(ev.extra_keys))
+    if not fix:
+        return ev
     try:
-        return _replace(ev, **fix) if fix else ev
+        return _replace(ev, **fix)
     except ValueError:  # an empty bytes hash
         return None
+
+
+#: Names already found printable (media, group kinds: a handful per engine), not checked again.
+_GOOD_NAMES: set[str] = set()
+_GOOD_NAMES_MAX = 1024
+_is_int = int.__instancecheck__  # typed hashes are int or bytes (never bool)
 
 
 #: The 8-byte seq of a replay terminator (vLLM sends -1 as a signed big-endian int).
