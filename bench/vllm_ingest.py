@@ -12,8 +12,9 @@ removed again later:
   two above use the positional form of vLLM <= 0.25, which the others relay too).
 
 Each shape is delivered one message per call (``handle_live``: the sidecar keeps up) and in
-groups of 8 (``handle_live_many``: what the sidecar's SUB handler reads at once when it is
-behind; consecutive batches are written as one).
+groups of 8 and 32 (``handle_live_many``: what the sidecar's SUB handler reads at once when it
+is behind, up to ``sidecar.vllm_zmq.MAX_BATCHES_PER_READ`` = 32; consecutive batches are
+written as one).
 
 Reported: blocks/s (wall), the ingesting process's CPU per block (``time.process_time``) and
 Redis's: ``redis_cpu_us_per_block`` from ``INFO commandstats`` usec (every command: a script's
@@ -74,7 +75,7 @@ def batches(shape: str, n_blocks: int, seed: int = 1) -> list[bytes]:
     return out
 
 
-def run(blocks: int = 100_000, groups: tuple[int, ...] = (1, 8)) -> dict:
+def run(blocks: int = 100_000, groups: tuple[int, ...] = (1, 8, 32)) -> dict:
     out: dict = {"blocks_per_shape": blocks, "shapes": {}}
     with Procs() as procs:
         url = procs.start_redis()
