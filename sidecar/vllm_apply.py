@@ -36,6 +36,7 @@ mirror does not know.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -142,6 +143,12 @@ class RankContext:
 MIRROR_MAX = 1_000_000
 #: A partial mirror reads the whole map once (HGETALL) when it has at most this many fields.
 MIRROR_LOAD_MAX = 50_000
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain_root(block_size: int, lora: str | None) -> int:
+    """``vh.namespace_root`` of a chain without namespace extras (memoized: a few per engine)."""
+    return vh.namespace_root(block_size, lora, ())
 
 
 class Mirror:
@@ -289,6 +296,10 @@ class BatchApplier:
         if ev.session_id:
             self.session = ev.session_id
         medium = ev.medium or DEFAULT_MEDIUM
+        if g is None and ev.ownership is None and ev.extra_keys is None and not ev.lookahead_token_ids \
+                and not tokenless:
+            self._stored_plain(ev, bs, medium)  # type: ignore[arg-type]
+            return
         res = medium if ev.ownership is None else residency(medium, ev.ownership)
         if tokenless:
             olds = self._resolve_tokenless(ev)
@@ -308,6 +319,34 @@ class BatchApplier:
         ops = self.ops.setdefault((medium, space), [])
         for engine_hash, own in zip(ev.block_hashes, owns, strict=True):
             self._place(engine_field(engine_hash, g), own, space, medium, res, ops)
+
+    def _stored_plain(self, ev: BlockStored, bs: int, medium: str) -> None:
+        """:meth:`_stored` of the usual store, in one loop: the prefix chain of a rank without groups
+        (group None), plain blocks (no extra keys, no lookahead), no ownership."""
+        hashes, tokens = ev.block_hashes, ev.token_ids
+        assert tokens is not None
+        if len(tokens) != len(hashes) * bs:
+            raise WireError("token_count", f"{len(tokens)} tokens for {len(hashes)} blocks of {bs}")
+        if ev.parent_block_hash is None:
+            lora = ev.lora_name if ev.lora_name is not None else (
+                None if ev.lora_id is None else f"lora_id:{ev.lora_id}")
+            parent = _plain_root(bs, lora)
+        else:
+            entry = self._get(engine_field(ev.parent_block_hash))
+            if entry is None:  # group None: no other group to place it from
+                raise WireError("unknown_parent", f"parent {ev.parent_block_hash} is not known")
+            parent = entry.own
+        space = prefix_space(bs)
+        if (bs, 0) not in self.ctx.chains:
+            self.ctx.chains.add((bs, 0))
+            self.new_chains = True
+        ops = self.ops.setdefault((medium, space), [])
+        changed, get = self.changed, self._get
+        for engine_hash, own in zip(hashes, vh.plain_chain(parent, tokens, bs), strict=True):
+            f = str(engine_hash)  # engine_field(engine_hash, None)
+            old = get(f)
+            changed[f] = Entry(own, {*old.media, medium} if old and old.own == own else {medium}, space)
+            ops.append((ADMIT, own))
 
     def _place(self, f, own: int, space, medium: str, res, ops: list | None = None) -> None:
         """Admit our chunk hash ``own`` under the engine field ``f`` in ``space`` for ``medium``
