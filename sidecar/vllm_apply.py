@@ -298,7 +298,7 @@ class BatchApplier:
         medium = ev.medium or DEFAULT_MEDIUM
         if g is None and ev.ownership is None and ev.extra_keys is None and not ev.lookahead_token_ids \
                 and not tokenless:
-            self._stored_plain(ev, bs, medium)  # type: ignore[arg-type]
+            self._stored_plain(ev, bs, medium)
             return
         res = medium if ev.ownership is None else residency(medium, ev.ownership)
         if tokenless:
@@ -324,7 +324,6 @@ class BatchApplier:
         """:meth:`_stored` of the usual store, in one loop: the prefix chain of a rank without groups
         (group None), plain blocks (no extra keys, no lookahead), no ownership."""
         hashes, tokens = ev.block_hashes, ev.token_ids
-        assert tokens is not None
         if len(tokens) != len(hashes) * bs:
             raise WireError("token_count", f"{len(tokens)} tokens for {len(hashes)} blocks of {bs}")
         if ev.parent_block_hash is None:

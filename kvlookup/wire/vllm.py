@@ -19,7 +19,7 @@ event inside a readable batch becomes a :class:`Malformed` entry, so the others 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -35,10 +35,15 @@ REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership"
 BATCH_FIELDS = ("ts", "events", "data_parallel_rank")
 
 
-#: A block hash as the typed decode takes it (an unsigned 64-bit int, or bytes to reduce);
-#: the generic path (``block_hash``) reads the other forms.
-_Hash = Annotated[int, msgspec.Meta(ge=0)] | bytes  # msgpack ints end at 2**64 - 1
-_Token = Annotated[int, msgspec.Meta(ge=0)]
+if TYPE_CHECKING:  # what the fields hold once decode_batch returns them
+    _Hash = int
+    _Token = int
+    _Tokens = tuple[int, ...]
+else:  # what the typed decode takes: a u64 (msgpack ints end at 2**64 - 1) or bytes to reduce
+    # (the generic path, ``block_hash``, reads the other forms); a token_ids of nil becomes ()
+    _Hash = Annotated[int, msgspec.Meta(ge=0)] | bytes
+    _Token = Annotated[int, msgspec.Meta(ge=0)]
+    _Tokens = tuple[_Token, ...] | None
 
 
 class BlockStored(msgspec.Struct, frozen=True, tag_field="type", tag="BlockStored"):
@@ -61,7 +66,7 @@ class BlockStored(msgspec.Struct, frozen=True, tag_field="type", tag="BlockStore
 
     block_hashes: tuple[_Hash, ...]
     parent_block_hash: _Hash | None
-    token_ids: tuple[_Token, ...] | None
+    token_ids: _Tokens
     block_size: int | None
     lora_id: int | None = None
     medium: str | None = None
@@ -267,7 +272,7 @@ class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored"):
 
     block_hashes: tuple[_Hash, ...]
     parent_block_hash: _Hash | None = None
-    token_ids: tuple[_Token, ...] | None = None
+    token_ids: _Tokens = None  # type: ignore[assignment]
     block_size: int | None = None
     lora_id: int | None = None
     medium: str | None = None
@@ -306,7 +311,8 @@ class _ArrayBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
-_DECODERS = [msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch)]
+_DECODERS: list[msgspec.msgpack.Decoder[Any]] = [msgspec.msgpack.Decoder(_MapBatch),
+                                                 msgspec.msgpack.Decoder(_ArrayBatch)]
 _CLEARED = AllBlocksCleared()
 _astuple = msgspec.structs.astuple
 _replace = msgspec.structs.replace
