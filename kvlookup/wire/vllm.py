@@ -1,8 +1,10 @@
-"""Decode vLLM's KV cache event payloads without a fixed schema (no sockets, no Redis here).
+"""Decode vLLM's KV cache event payloads (no sockets, no Redis here).
 
 vLLM (``vllm/distributed/kv_events.py``) sends one msgpack ``KVEventBatch`` per ZMQ message.
 Its shape changed across versions (docs/vllm-events.md §2, fixtures in
-tests/fixtures/vllm/), so every level is read generically:
+tests/fixtures/vllm/). vLLM's own two encodings (an array batch of tagged positional events, or
+of maps under ``"type"``) are decoded by msgspec into the event structs (:func:`decode_typed`,
+~5x faster); anything else is read generically, level by level, with the same result:
 
 - batch: an array ``[ts, events, data_parallel_rank?]`` or a map with those keys;
 - event: a positional array ``["BlockStored", block_hashes, parent_block_hash, token_ids,
