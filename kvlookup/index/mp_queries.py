@@ -70,26 +70,39 @@ class MPQueries(MPRecords):
         b64s = [base64.urlsafe_b64encode(h)[:43].decode() for h in hashes]
         flat = self.bucket_fields([(x[:K.MP_BUCKET_HEX], (f"{b}.{sid or 0}", b))
                                    for x, b in zip(hexes, b64s, strict=True) for sid in sids])
-        recs = [parse_record(v) if v else None for v in flat[0::2]]
-        pmap = self.placements(r for r in recs if r)
-        heads = {ref: (p["instance_id"], p["tier"], p["backend"],
-                       msgspec.json.encode({k: p[k] for k in ("instance_id", "incarnation", "tier", "backend")})
-                       [:-1].decode() + ',"size_bytes":', ',"shared":true}' if p["shared"] else ',"shared":false}')
-                 for ref, p in pmap.items()}
+        frags = self._placement_json({v.partition("|")[2] for v in flat[0::2] if v})
         parts = []
         n = len(ranks)
         for i, h in enumerate(hexes):
             for r in range(n):
-                rec, binding = recs[i * n + r], flat[2 * (i * n + r) + 1]
+                value, binding = flat[2 * (i * n + r)], flat[2 * (i * n + r) + 1]
                 toks = msgspec.json.encode(parse_tokens(binding)[0]).decode() if binding else "[]"
-                if rec is None:
-                    pls, acc = "", 0
+                if value:
+                    head, _, rest = value.partition("|")
+                    pls, acc = frags[rest], int(head.partition(",")[2])
                 else:
-                    got = sorted(((heads[(tb, ep)], sz) for tb, ep, sz in rec.placements), key=lambda x: x[0][:3])
-                    pls, acc = ",".join(f"{hd[3]}{sz}{hd[4]}" for hd, sz in got), rec.access_count
+                    pls, acc = "", 0
                 parts.append(f'{{"key":{{"chunk_hash_hex":"{h}",{tails[r]},"placements":[{pls}],'
                              f'"token_ids":{toks},"access_count":{acc}}}')
         return f'{{"chunks":{len(hashes)},"results":[{",".join(parts)}]}}\n'.encode()
+
+    def _placement_json(self, tails: set[str]) -> dict[str, str]:
+        """Each distinct placements part of a record (``<tb>,<epoch>,<size>|...``, what follows the
+        head) -> its ``placements`` JSON items, sorted as :meth:`lookup_keys` sorts them. The chunks of
+        one prompt mostly share one such part (the same holders, tiers and size), so each distinct
+        part is rendered once per call (never kept between calls)."""
+        parsed = {t: [(tb, ep, int(sz)) for tb, ep, sz in (p.split(",") for p in t.split("|"))] if t else []
+                  for t in tails}
+        pmap = self.placement_skeletons({(tb, ep) for pls in parsed.values() for tb, ep, _ in pls})
+        heads = {ref: (p["instance_id"], p["tier"], p["backend"],
+                       msgspec.json.encode({k: p[k] for k in ("instance_id", "incarnation", "tier", "backend")})
+                       [:-1].decode() + ',"size_bytes":', ',"shared":true}' if p["shared"] else ',"shared":false}')
+                 for ref, p in pmap.items()}
+        out = {}
+        for t, pls in parsed.items():
+            got = sorted(((heads[(tb, ep)], sz) for tb, ep, sz in pls), key=lambda x: x[0][:3])
+            out[t] = ",".join(f"{hd[3]}{sz}{hd[4]}" for hd, sz in got)
+        return out
 
     def keys_for_tokens(self, token_ids: Sequence[int], model_name: str, world_size: int = 1,
                         cache_salt: str = "") -> tuple[int, list[W.EncodedObjectKey]]:

@@ -50,7 +50,10 @@ class MPRecords(MPRegistry):
 
     def placements(self, recs: Iterable[Record]) -> dict[tuple[str, str], dict]:
         """(tb, epoch) -> a placement dict skeleton (instance_id, incarnation, tier, backend, shared)."""
-        pairs = {(tb, ep) for r in recs for tb, ep, _ in r.placements}
+        return self.placement_skeletons({(tb, ep) for r in recs for tb, ep, _ in r.placements})
+
+    def placement_skeletons(self, pairs: set[tuple[str, str]]) -> dict[tuple[str, str], dict]:
+        """(tb, epoch) -> a placement dict skeleton, for the given (tb, epoch) pairs of records."""
         tbs = self._reverse("t", {tb for tb, _ in pairs})
         eps = self._reverse("e", {ep for _, ep in pairs})
         iids = self._reverse("i", {eps[ep].split("\t")[0] for _, ep in pairs if eps[ep]})
