@@ -68,15 +68,16 @@ class MPQueries(MPRecords):
                                       "cache_salt": cache_salt})[1:].decode() for kr in ranks]
         hexes = [h.hex() for h in hashes]
         b64s = [base64.urlsafe_b64encode(h)[:43].decode() for h in hashes]
-        flat = self.bucket_fields([(x[:K.MP_BUCKET_HEX], (f"{b}.{sid or 0}", b))
-                                   for x, b in zip(hexes, b64s, strict=True) for sid in sids])
-        frags = self._placement_json({v.partition("|")[2] for v in flat[0::2] if v})
-        parts = []
         n = len(ranks)
+        flat = self.chunk_fields([(x[:K.MP_BUCKET_HEX], b) for x, b in zip(hexes, b64s, strict=True)],
+                                 [sid or "0" for sid in sids])  # space 0 never exists
+        frags = self._placement_json({v.partition("|")[2] for r in range(n) for v in flat[r::n + 1] if v})
+        parts = []
         for i, h in enumerate(hexes):
+            binding = flat[i * (n + 1) + n]
+            toks = msgspec.json.encode(parse_tokens(binding)[0]).decode() if binding else "[]"
             for r in range(n):
-                value, binding = flat[2 * (i * n + r)], flat[2 * (i * n + r) + 1]
-                toks = msgspec.json.encode(parse_tokens(binding)[0]).decode() if binding else "[]"
+                value = flat[i * (n + 1) + r]
                 if value:
                     head, _, rest = value.partition("|")
                     pls, acc = frags[rest], int(head.partition(",")[2])

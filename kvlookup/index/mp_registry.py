@@ -54,6 +54,7 @@ class MPRegistry:
         self._heartbeat = redis.register_script(S.MP_HEARTBEAT)
         self._bind = redis.register_script(S.MP_BIND_CHUNK)
         self._read_fields = redis.register_script(S.MP_READ_FIELDS)
+        self._read_chunks = redis.register_script(S.MP_READ_CHUNKS)
         self._foreign = redis.register_script(R.FOREIGN)
         self._hold = redis.register_script(R.MP_HOLD)
         self._writers: dict[str, tuple[float, str]] = {}  # instance -> (monotonic s, FOREIGN's answer)

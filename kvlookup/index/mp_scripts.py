@@ -435,3 +435,22 @@ for i = 1, #KEYS do
 end
 return out
 """
+
+#: The fields a tokens-form lookup reads of each chunk, in one call: the records of the chunk in m
+#: spaces and its token binding (MP_READ_FIELDS with the fields built here: ~half the arguments, and
+#: the binding read once per chunk, not once per rank). KEYS[i] the bucket of chunk i (repeats
+#: allowed); ARGV[1] m; ARGV[2 .. 1+m] space ids; ARGV[1+m+i] chunk i's unpadded base64url hash.
+#: Returns per chunk its m records (``<b64>.<space id>``) then its binding (``<b64>``), '' where
+#: missing. ``no-writes``: it runs on a replica and while writes are refused.
+MP_READ_CHUNKS = """#!lua flags=no-writes
+local m = tonumber(ARGV[1])
+local out, fields = {}, {}
+for i = 1, #KEYS do
+  local b = ARGV[1 + m + i]
+  for j = 1, m do fields[j] = b .. '.' .. ARGV[1 + j] end
+  fields[m + 1] = b
+  local got = redis.call('HMGET', KEYS[i], unpack(fields, 1, m + 1))
+  for j = 1, m + 1 do out[#out + 1] = got[j] or '' end
+end
+return out
+"""
