@@ -50,18 +50,21 @@ class MPQueries(MPRecords):
                         "token_ids": toks, "access_count": rec.access_count})
         return out
 
-    def lookup_tokens_json(self, token_ids: Sequence[int], model_name: str, world_size: int = 1,
+    def lookup_tokens_json(self, token_ids: Sequence[int] | memoryview, model_name: str, world_size: int = 1,
                            cache_salt: str = "") -> bytes:
         """``POST /directory/lookup`` in the tokens form, answered as JSON bytes: exactly
         ``{"chunks": n, "results": lookup_keys(keys_for_tokens(...))}`` but with no object per
         key (the per-key JSON is assembled from fragments: ~3x cheaper at 32k tokens). Falls back
         to that general path when the model also stores keys in other object groups. ValueError
-        for token ids MP cannot hash."""
-        hashes = mphash.chunk_hashes(token_ids, self.chunk_size())
+        for token ids MP cannot hash. ``token_ids``: the ids, or a memoryview of them packed as
+        big-endian uint32 (kvlookup.wire.mp_tokens)."""
+        hashes = (mphash.chunk_hashes_packed(token_ids, self.chunk_size()) if isinstance(token_ids, memoryview)
+                  else mphash.chunk_hashes(token_ids, self.chunk_size()))
         ranks = [mphash.kv_rank(world_size, r) for r in range(world_size)]
         if any(m == model_name and s == cache_salt and g != "0" and int(kr) in ranks
                for m, s, kr, g in (t.split("\t") for t in self.all_spaces(fresh=False).values())):
-            chunks, keys = self.keys_for_tokens(token_ids, model_name, world_size, cache_salt)
+            ids = mphash.unpack_ids(token_ids) if isinstance(token_ids, memoryview) else token_ids
+            chunks, keys = self.keys_for_tokens(ids, model_name, world_size, cache_salt)
             return msgspec.json.encode({"chunks": chunks, "results": self.lookup_keys(keys)}) + b"\n"
         sids = self.space_ids([f"{model_name}\t{cache_salt}\t{kr}\t0" for kr in ranks])
         tails = [msgspec.json.encode({"model_name": model_name, "kv_rank": kr, "object_group_id": 0,
