@@ -6,7 +6,7 @@ hashes it in place): no Python int per id, no list, no ``array`` built from one.
 is ~0.9 ms less CPU a lookup here than msgspec's ``list[int]`` plus packing (docs/benchmarks-notes.md
 "MP /directory/lookup at 32k tokens").
 
-It answers only bodies of the plain shape (one JSON array in the body, ``token_ids`` non-empty with
+It answers only bodies of at least :data:`MIN_BYTES` of the plain shape (one JSON array in the body, ``token_ids`` non-empty with
 every id in 0..2**32-1, ``model_name`` a string, ``world_size`` an int >= 1, ``cache_salt`` a string,
 no ``keys``, no repeated field); for anything else, and when either library is missing, it returns
 None and the caller decodes with :func:`kvlookup.wire.lmcache_mp.decode`, which gives the same
@@ -26,6 +26,9 @@ try:  # optional: without them every body takes msgspec's path
 except ImportError:  # pragma: no cover - the tests run both paths (monkeypatching simdjson to None)
     simdjson = None  # type: ignore[assignment]
 
+#: Smaller bodies take msgspec's path: below ~5k ids pysimdjson's per-call set-up costs more than
+#: the ints it saves (256 ids: 0.32 vs 0.25 ms CPU; 4k: even; 32k: 2.14 vs 2.86; bench/mp_decode.py).
+MIN_BYTES = 32 * 1024
 _FIELDS = frozenset(("token_ids", "model_name", "world_size", "cache_salt"))
 
 
@@ -45,7 +48,7 @@ _local = threading.local()  # one parser a thread: a parser is reused only once 
 def decode_tokens_form(body: bytes) -> TokensForm | None:
     """The tokens form of ``body`` (JSON) when it has the plain shape (module docstring); None
     otherwise (decode it with ``lmcache_mp.decode``). Never raises for bad input."""
-    if simdjson is None or sys.byteorder != "little" or body.count(b"[") != 1:
+    if simdjson is None or len(body) < MIN_BYTES or sys.byteorder != "little" or body.count(b"[") != 1:
         return None  # one '[': token_ids holds no nested array (as_buffer would flatten one)
     try:
         ids = _ids(body)

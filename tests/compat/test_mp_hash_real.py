@@ -15,7 +15,7 @@ import pytest
 
 from kvlookup.hashing import mp as mphash
 from kvlookup.wire import lmcache_mp as W
-from kvlookup.wire.mp_tokens import decode_tokens_form
+from kvlookup.wire import mp_tokens
 
 PYTHONS = [p for p in (os.environ.get("KVLOOKUP_LMCACHE_PYTHON"), os.environ.get("KVLOOKUP_LMCACHE057_PYTHON")) if p]
 pytestmark = [pytest.mark.lmcache,
@@ -32,7 +32,8 @@ print(json.dumps([[x.hex() for x in h.compute_chunk_hashes(p)] for p in json.loa
 
 
 @pytest.mark.parametrize("python", PYTHONS or [None])
-def test_both_decodes_hash_as_lmcache(python):
+def test_both_decodes_hash_as_lmcache(python, monkeypatch):
+    monkeypatch.setattr(mp_tokens, "MIN_BYTES", 0)  # the packed decode for the small prompts too
     with tempfile.TemporaryDirectory() as scratch:
         env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "NUMBA_CACHE_DIR": scratch}
         out = subprocess.run([python, "-c", HASHER], input=json.dumps(PROMPTS), capture_output=True, text=True,
@@ -40,7 +41,7 @@ def test_both_decodes_hash_as_lmcache(python):
     theirs = json.loads(out.strip().splitlines()[-1])
     for prompt, want in zip(PROMPTS, theirs, strict=True):
         raw = msgspec.json.encode({"token_ids": prompt, "model_name": "m"})
-        fast = decode_tokens_form(raw)
+        fast = mp_tokens.decode_tokens_form(raw)
         assert fast is not None
         assert [h.hex() for h in mphash.chunk_hashes_packed(fast.packed)] == want
         assert mphash.chunk_hashes_hex(W.decode(raw, W.DirectoryLookupRequest).token_ids) == want

@@ -42,6 +42,18 @@ ODD = [body(token_ids=[1, [2]]), body(token_ids=[[1, 2]]), body(token_ids=[1, -2
        msgspec.json.encode({"token_ids": list(range(300)), "model_name": "m"}).replace(b"m", b"\xff")]
 
 
+@pytest.fixture(autouse=True)
+def every_size(monkeypatch):
+    """The packed decode for small bodies too (it leaves those under MIN_BYTES to msgspec)."""
+    monkeypatch.setattr(mp_tokens, "MIN_BYTES", 0)
+
+
+def test_small_bodies_are_left_to_msgspec(monkeypatch):
+    monkeypatch.setattr(mp_tokens, "MIN_BYTES", 32 * 1024)
+    assert mp_tokens.decode_tokens_form(body()) is None
+    assert mp_tokens.decode_tokens_form(body(token_ids=RANDOM * 4)) is not None  # ~43 KB
+
+
 def test_plain_bodies_decode_to_msgspecs_request_packed():
     for raw in PLAIN:
         got = mp_tokens.decode_tokens_form(raw)
