@@ -6,7 +6,8 @@ hashes it in place): no Python int per id, no list, no ``array`` built from one.
 is ~0.9 ms less CPU a lookup here than msgspec's ``list[int]`` plus packing (docs/benchmarks-notes.md
 "MP /directory/lookup at 32k tokens").
 
-It answers only bodies of at least :data:`MIN_BYTES` of the plain shape (one JSON array in the body, ``token_ids`` non-empty with
+It answers only bodies of at least :data:`MIN_BYTES` of the plain shape (one JSON array in the
+body, ``token_ids`` non-empty with
 every id in 0..2**32-1, ``model_name`` a string, ``world_size`` an int >= 1, ``cache_salt`` a string,
 no ``keys``, no repeated field); for anything else, and when either library is missing, it returns
 None and the caller decodes with :func:`kvlookup.wire.lmcache_mp.decode`, which gives the same
