@@ -440,3 +440,46 @@ for i = 1, #KEYS do
 end
 return out
 """
+
+#: The fields a tokens-form lookup reads of each chunk, in one call: the records of the chunk in m
+#: spaces and its token binding (MP_READ_FIELDS with the fields built here: ~half the arguments, and
+#: the binding read once per chunk, not once per rank). KEYS[i] the bucket of chunk i (repeats
+#: allowed); ARGV[1] m; ARGV[2 .. 1+m] space ids; ARGV[1+m+i] chunk i's unpadded base64url hash.
+#: Returns per chunk its m records (``<b64>.<space id>``) then its binding (``<b64>``), '' where
+#: missing. ``no-writes``: it runs on a replica and while writes are refused.
+MP_READ_CHUNKS = """#!lua flags=no-writes
+local m = tonumber(ARGV[1])
+local out, fields = {}, {}
+for i = 1, #KEYS do
+  local b = ARGV[1 + m + i]
+  for j = 1, m do fields[j] = b .. '.' .. ARGV[1 + j] end
+  fields[m + 1] = b
+  local got = redis.call('HMGET', KEYS[i], unpack(fields, 1, m + 1))
+  for j = 1, m + 1 do out[#out + 1] = got[j] or '' end
+end
+return out
+"""
+
+#: What a prefix lookup (POST /lookup with model_name) reads, in one call: the live instances, the
+#: declared capacities (shared pools) and the records of the prompt's chunks in m spaces, chunk by
+#: chunk until the first chunk no space holds (the match cannot reach past it). KEYS[1] heartbeats,
+#: KEYS[2] capacity, KEYS[2+i] the bucket of chunk i; ARGV[1] the heartbeat cutoff (unix ms),
+#: ARGV[2] m, ARGV[3 .. 2+m] space ids, ARGV[2+m+i] chunk i's unpadded base64url hash. Returns
+#: {ZRANGEBYSCORE cutoff +inf WITHSCORES, HGETALL capacity, then m records a chunk read ('' missing)}.
+MP_READ_PREFIX = """#!lua flags=no-writes
+local m = tonumber(ARGV[2])
+local out = {redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf', 'WITHSCORES'), redis.call('HGETALL', KEYS[2])}
+local fields = {}
+for i = 3, #KEYS do
+  local b = ARGV[m + i]
+  for j = 1, m do fields[j] = b .. '.' .. ARGV[2 + j] end
+  local got = redis.call('HMGET', KEYS[i], unpack(fields, 1, m))
+  local held = false
+  for j = 1, m do
+    if got[j] then held = true end
+    out[#out + 1] = got[j] or ''
+  end
+  if not held then break end
+end
+return out
+"""
