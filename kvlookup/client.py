@@ -203,8 +203,8 @@ class VllmChains:
     def __call__(self, tokens: Sequence[int], namespace: Namespace = DEFAULT) -> list[Chain]:
         chains = []
         for bs, lookahead in self.chains_in_use():
-            hashes = vh.chain(vh.request_root(bs, namespace.lora_name, namespace.cache_salt), tokens, bs,
-                              lookahead=lookahead)
+            root = vh.request_root(bs, namespace.lora_name, namespace.cache_salt)
+            hashes = vh.chain(root, tokens, bs, lookahead=lookahead) if lookahead else vh.plain_chain(root, tokens, bs)
             chains.append(vllm_chain(bs, hashes))
         return chains
 
