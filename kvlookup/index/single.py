@@ -11,6 +11,7 @@ import redis
 from kvlookup.index import keys, scripts
 from kvlookup.index.copies import Digests
 from kvlookup.index.io import SingleIO, purge_step, raise_errors
+from kvlookup.index.kept import KeptLookups
 from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches
 from kvlookup.index.staged import HolderCache, StagedLookup
 from kvlookup.index.tracking import CachedReads
@@ -42,6 +43,7 @@ class SingleNodeRecords:
         if cache_reads:
             self.cached = CachedReads(client, max_keys=cache_keys, fence=cache_reads == "fenced")
             self._resolve = self.cached.register(scripts.RESOLVE)
+            self.kept = KeptLookups(self.cached, self.holder_cache, cache_keys)
         else:
             self._resolve = self.io.register(scripts.RESOLVE)
             self._heads = self.io.register(scripts.CHUNK_HEADS)
@@ -72,7 +74,8 @@ class SingleNodeRecords:
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         if self.cached is not None:
-            return StagedLookup(self.cached.execute, self._resolve, self.holder_cache, chains, live, memo=True).run()
+            return self.kept.lookup(chains, live, lambda execute: StagedLookup(
+                execute, self._resolve, self.holder_cache, chains, live, memo=True))
         return StagedLookup(self.io.execute, self._resolve, self.holder_cache, chains, live, memo=True,
                             digests=self.digests, heads=self._heads).run()
 

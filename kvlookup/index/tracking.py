@@ -28,6 +28,7 @@ import select
 import threading
 import time
 from collections.abc import Sequence
+from itertools import repeat
 from typing import cast
 
 import redis
@@ -88,7 +89,9 @@ class CachedReads:
             redis_connect_func=self._track, **kwargs))
         self.io = SingleIO(self.tracked)
         self.plain = SingleIO(client)  # reads while caching is off: no REDIRECT to a gone listener
-        self.stats = {"hits": 0, "misses": 0, "invalidations": 0, "resets": 0}
+        #: hits/misses: reads answered from copies / sent; kept: whole lookups vouched for by :meth:`unchanged`
+        self.stats = {"hits": 0, "misses": 0, "invalidations": 0, "resets": 0, "kept": 0}
+        self._plain_reads = 0  # reads sent untracked (caching off): no invalidation will tell of them
 
     def register(self, script: str) -> str:
         """A Lua script's sha for ``("EVALSHA", sha, ...)`` through :meth:`execute`."""
@@ -224,6 +227,30 @@ class CachedReads:
         """Are reads answered from copies now (unfenced, the invalidation connection up)?"""
         return not self.fence and self._listener is not None
 
+    # -- what changed since --------------------------------------------------------------
+
+    def since(self) -> tuple[int, int]:
+        """A mark for :meth:`unchanged`: taken before the reads it covers."""
+        return self._gen, self._plain_reads
+
+    def unchanged(self, names: Sequence[str], mark: tuple[int, int]) -> bool:
+        """Is no key of ``names`` (each read through :meth:`execute` after ``mark`` was taken)
+        known to have changed since? Takes every invalidation that has arrived first (with
+        ``fence``, every one queued: a round trip). False, never a wrong True, when caching is
+        off or was off meanwhile, a copy reset happened, or (under LOCAL_ONLY) the lock is busy."""
+        gen, plain = mark
+        if not self._lock.acquire(blocking=not LOCAL_ONLY.get()):
+            return False
+        try:
+            if not self._drain() or self._floor > gen or self._plain_reads != plain:
+                return False
+            if self._gen != gen and max(map(self._inv_at.get, names, repeat(-1)), default=-1) > gen:
+                return False
+            self.stats["kept"] += 1
+            return True
+        finally:
+            self._lock.release()
+
     # -- reads ------------------------------------------------------------------------------
 
     def execute(self, commands: Sequence[tuple]) -> list:
@@ -260,6 +287,7 @@ class CachedReads:
             where.append(len(sent) - 1)
         got = self._send(sent) if caching else None
         if got is None:  # caching is off, or the tracked connection failed: read plainly
+            self._plain_reads += 1
             return self._fill(out, missing, self.plain.execute([commands[i] for i in missing]))
         with self._lock:
             keep = self._take_arrived()
