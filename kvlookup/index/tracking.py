@@ -263,14 +263,11 @@ class CachedReads:
         try:
             caching = self._drain()
             gen = self._gen
-            out: list = [None] * len(commands)
-            missing = []
-            for i, cmd in enumerate(commands):
-                copy = self._copies.get((cmd[0], cmd[1])) if caching and _cacheable(cmd) else _MISS
-                if copy is _MISS:
-                    missing.append(i)
-                else:
-                    out[i] = copy
+            if caching:
+                out = self._copies.get_many([(c[0], c[1]) if _cacheable(c) else NOT_KEPT for c in commands])
+                missing = [i for i, copy in enumerate(out) if copy is _MISS]
+            else:
+                out, missing = [None] * len(commands), list(range(len(commands)))
             if missing and local:
                 raise NeedsRedis()
             self.stats["hits"] += len(commands) - len(missing)
@@ -330,8 +327,13 @@ def _run_id(conn) -> str:
     return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("run_id:")), "")
 
 
+_VERSION_KEY = keys.registry_version_key()
+#: The copy key of a command that is never kept (no copy has it).
+NOT_KEPT = ("", "")
+
+
 def _cacheable(cmd: tuple) -> bool:
-    return cmd[0] in CACHED and (cmd[0] == "ZRANGE" or cmd[1] == keys.registry_version_key())
+    return cmd[0] == "ZRANGE" or (cmd[0] == "GET" and cmd[1] == _VERSION_KEY)
 
 
 def bound_tracking_table(conn, max_keys: int) -> None:
