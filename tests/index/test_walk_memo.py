@@ -172,3 +172,16 @@ def test_a_kept_staged_lookup_is_not_used_once_caching_went_off(redis_url, r, lo
     r.client_kill_filter(_type="pubsub")  # the invalidation connection goes
     long_writer.apply([("long-a", 0, CPU, [(EVICT, LONG_HASHES[260])])])
     assert answer(client, LONG)[0] == {"long-a": 260 * 256, "long-b": 200 * 256}
+
+
+def test_a_request_scratch_keeps_its_chains(redis_url, writer):
+    """Client.matches(scratch=...): the chains hashed once per request (app.asgi retries a lookup
+    that needed Redis in a thread with the same scratch, and it does not hash again)."""
+    from kvlookup.client import CHAINS_KEY
+
+    client = Client(redis_url, instance_ttl_s=30, cache_reads="fenced")
+    scratch: dict = {}
+    assert [m.matched_prefix_length for m in client.matches(TOKENS, scratch=scratch)] == [1024] * 64
+    assert [c.hashes for c in scratch[CHAINS_KEY]] == [c.hashes for c in client.chains(TOKENS)]
+    kept = {CHAINS_KEY: client.chains(TOKENS[:512])}  # what a first try kept is what is walked
+    assert [m.matched_prefix_length for m in client.matches(TOKENS, scratch=kept)] == [512] * 64
