@@ -11,7 +11,8 @@ keep-alive, targets alternating in rounds: Dynamo ``POST /query {token_ids, mode
 kvlookup ``POST /lookup {tokens}`` as JSON and as packed uint32 (``application/octet-stream``).
 Two workloads: ``hot`` (the stored prompt, the same body every request) and ``fresh`` (the
 stored prompt with a new last block each request, as a new turn: nothing kept for it applies;
-the same bodies to both targets). Reported: p50/p99 per target, workload and length. Both
+the same bodies to both targets). Reported: p50/p99 per target, workload and length, each the
+best of ``rounds`` rounds (``$KVLOOKUP_DYNAMO_ROUNDS``, 2; ``$KVLOOKUP_DYNAMO_N`` requests each). Both
 targets must answer every stored prompt in full first (else it raises).
 """
 
@@ -183,4 +184,5 @@ def run(lengths=(64, 4096, 8192, 32768), n: int = 200, dynamo_python: str | None
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(n=int(os.environ.get("KVLOOKUP_DYNAMO_N", "200"))), indent=1))
+    print(json.dumps(run(n=int(os.environ.get("KVLOOKUP_DYNAMO_N", "200")),
+                         rounds=int(os.environ.get("KVLOOKUP_DYNAMO_ROUNDS", "2"))), indent=1))
