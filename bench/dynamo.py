@@ -12,7 +12,9 @@ kvlookup ``POST /lookup {tokens}`` as JSON and as packed uint32 (``application/o
 Two workloads: ``hot`` (the stored prompt, the same body every request) and ``fresh`` (the
 stored prompt with a new last block each request, as a new turn: nothing kept for it applies;
 the same bodies to both targets). Reported: p50/p99 per target, workload and length, each the
-best of ``rounds`` rounds (``$KVLOOKUP_DYNAMO_ROUNDS``, 2; ``$KVLOOKUP_DYNAMO_N`` requests each). Both
+best of ``rounds`` rounds (``$KVLOOKUP_DYNAMO_ROUNDS``, 2; ``$KVLOOKUP_DYNAMO_N`` requests each),
+and CPU time per request of that round (kvlookup: controller tree + sidecar + Redis; Dynamo: the
+indexer's tree), steadier than latency on a loaded box. Both
 targets must answer every stored prompt in full first (else it raises).
 """
 
@@ -32,6 +34,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from kvlookup.bench.fresh import tree_cpu_s
 from kvlookup.bench.loadgen import percentile
 from kvlookup.bench.procs import Procs
 from kvlookup.proc.redis_server import free_port
@@ -134,6 +137,9 @@ def run(lengths=(64, 4096, 8192, 32768), n: int = 200, dynamo_python: str | None
     with Procs() as procs:
         procs.spawn("dynamo-indexer", [py, "-m", "dynamo.indexer", "--port", str(dyn_port), "--threads", "2"])
         redis_url = procs.start_redis()
+        redis_proc = procs.redis[-1].proc
+        assert redis_proc is not None  # started just above
+        redis_pid = redis_proc.pid
         procs.spawn("sidecar-vllm", [sys.executable, "-m", "kvlookup", "sidecar", "--redis-url", redis_url,
                                      "--instance-id", "engine-1", "--vllm-endpoint", f"tcp://127.0.0.1:{pub_port}",
                                      "--log-level", "WARNING"])
@@ -165,12 +171,16 @@ def run(lengths=(64, 4096, 8192, 32768), n: int = 200, dynamo_python: str | None
             for workload in workloads:
                 row: dict = {"tokens": L, "workload": workload}
                 ports = {"kvlookup_json": kv_port, "kvlookup_packed": kv_port, "dynamo": dyn_port}
+                kv_tree = [procs.pid("kvlookup-controller"), procs.pid("sidecar-vllm"), redis_pid]
+                trees = {"kvlookup_json": kv_tree, "kvlookup_packed": kv_tree, "dynamo": [procs.pid("dynamo-indexer")]}
                 for rnd in range(rounds):
                     for name in (list(ENCODERS) if rnd % 2 == 0 else list(ENCODERS)[::-1]):
                         path, encode, ctype = ENCODERS[name]
                         def body(_i: int, e=encode, t=tokens, w=workload) -> bytes:
                             return e(prompt_of(t, w, rng))
+                        cpu0 = tree_cpu_s(trees[name])
                         got = time_posts(ports[name], path, body, n, ctype)
+                        got["cpu_ms_per_request"] = round((tree_cpu_s(trees[name]) - cpu0) / (n + 5) * 1000, 3)
                         if name not in row or got["p50_ms"] < row[name]["p50_ms"]:
                             row[name] = got
                 for name in ("kvlookup_json", "kvlookup_packed"):

@@ -62,7 +62,7 @@ class Copies:
     def get_many(self, keys: list) -> list:
         """:meth:`get` of each key, in order (one call: a lookup reads thousands)."""
         pget, pmove, get = self.protected.get, self.protected.move_to_end, self.get
-        out = []
+        out: list = []
         append = out.append
         for key in keys:
             value = pget(key, MISS)
