@@ -51,8 +51,10 @@ def _browser_refusal() -> tuple[int, str] | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)
 def is_loopback(host: str) -> bool:
-    """Whether a bind address or Host name is loopback (``localhost``, 127/8, ::1)."""
+    """Whether a bind address or Host name is loopback (``localhost``, 127/8, ::1); kept per name
+    (every /lookup asks twice, and parsing an address costs more than the lookup's hashing)."""
     if host.lower() in ("localhost", "localhost.") or host.lower().endswith(".localhost"):
         return True
     try:

@@ -182,8 +182,9 @@ class LookupRoute:
                 content_type: str = "") -> tuple[int, dict | msgspec.Raw | None, list[tuple[str, str]]]:
         """One request to ``path`` (PATH or EXPLAIN_PATH): ``(status, JSON body or None, extra
         headers)``, errors in the API's JSON shape. ``keep`` gets the decoded request under
-        :data:`REQUEST_KEY`, for the caller to free after the answer is sent (a 32k-token list
-        takes ~0.3 ms to free), and what :meth:`count` counts. OPTIONS answers the allowed
+        :data:`REQUEST_KEY` and its hashed chains (kvlookup.client.CHAINS_KEY: a retry after NeedsRedis
+        neither decodes nor hashes again), for the caller to free after the answer is sent (a
+        32k-token list takes ~0.3 ms to free), and what :meth:`count` counts. OPTIONS answers the allowed
         methods; other methods get 405."""
         if method == "OPTIONS":
             return 200, None, [("Allow", ALLOW), ("Content-Length", "0")]
@@ -234,7 +235,7 @@ class LookupRoute:
         try:
             matches = self.client.matches(req.tokens, validate=False,
                                           namespace=Namespace(req.lora_name, req.cache_salt), causes=causes,
-                                          model_name=req.model_name)
+                                          model_name=req.model_name, scratch=keep)
             if req.model_name is not None and self.mp is not None:
                 matches = self.mp(matches, req)
         except redis.RedisError as exc:

@@ -7,8 +7,15 @@ One ZMQ PUB socket plays a vLLM engine (bound, as vLLM binds ``tcp://*:5557``); 
 subscribes to it (``--vllm-endpoint``), writing to its Redis; a kvlookup controller (defaults)
 answers lookups. Prompts of each length are stored as chains of 16-token blocks
 (``BlockStored`` in vLLM's array form). Then each length is looked up sequentially over HTTP
-keep-alive, targets alternating: Dynamo ``POST /query {token_ids, model_name}``, kvlookup
-``POST /lookup {tokens}`` (JSON both). Reported: p50/p99 per target and length.
+keep-alive, targets alternating in rounds: Dynamo ``POST /query {token_ids, model_name}`` (JSON),
+kvlookup ``POST /lookup {tokens}`` as JSON and as packed uint32 (``application/octet-stream``).
+Two workloads: ``hot`` (the stored prompt, the same body every request) and ``fresh`` (the
+stored prompt with a new last block each request, as a new turn: nothing kept for it applies;
+the same bodies to both targets). Reported: p50/p99 per target, workload and length, each the
+best of ``rounds`` rounds (``$KVLOOKUP_DYNAMO_ROUNDS``, 2; ``$KVLOOKUP_DYNAMO_N`` requests each),
+and CPU time per request of that round (kvlookup: controller tree + sidecar + Redis; Dynamo: the
+indexer's tree), steadier than latency on a loaded box. Both
+targets must answer every stored prompt in full first (else it raises).
 """
 
 from __future__ import annotations
@@ -20,11 +27,14 @@ import random
 import sys
 import time
 import urllib.request
+from array import array
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import zmq
 
+from kvlookup.bench.fresh import tree_cpu_s
 from kvlookup.bench.loadgen import percentile
 from kvlookup.bench.procs import Procs
 from kvlookup.proc.redis_server import free_port
@@ -32,25 +42,52 @@ from kvlookup.proc.redis_server import free_port
 BLOCK = 16
 
 
-def post(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[int, bytes]:
-    conn.request("POST", path, body, {"Content-Type": "application/json"})
+def post(conn: http.client.HTTPConnection, path: str, body: bytes,
+         content_type: str = "application/json") -> tuple[int, bytes]:
+    conn.request("POST", path, body, {"Content-Type": content_type})
     resp = conn.getresponse()
     return resp.status, resp.read()
 
 
-def time_posts(port: int, path: str, body: bytes, n: int) -> dict:
+def time_posts(port: int, path: str, make_body: Callable[[int], bytes], n: int,
+               content_type: str = "application/json") -> dict:
+    """``n`` requests, body ``make_body(i)`` (built before its request is timed), after 5 warm-up
+    requests (bodies ``make_body(-1)``..)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    for _ in range(5):
-        post(conn, path, body)
+    for i in range(5):
+        post(conn, path, make_body(-1 - i), content_type)
     lat = []
-    for _ in range(n):
+    for i in range(n):
+        body = make_body(i)
         t = time.perf_counter()
-        status, _ = post(conn, path, body)
+        status, _ = post(conn, path, body, content_type)
         lat.append(time.perf_counter() - t)
         assert status == 200, status
     conn.close()
     lat.sort()
     return {"n": n, "p50_ms": round(percentile(lat, 50) * 1000, 3), "p99_ms": round(percentile(lat, 99) * 1000, 3)}
+
+
+def packed(tokens: list[int]) -> bytes:
+    """Token ids as /lookup's ``application/octet-stream`` body (little-endian uint32)."""
+    ids = array("I", tokens)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tobytes()
+
+
+def prompt_of(tokens: list[int], workload: str, rng: random.Random) -> list[int]:
+    """``hot``: the stored prompt; ``fresh``: it with a new last block (never sent before)."""
+    if workload == "hot":
+        return tokens
+    return tokens[:len(tokens) - BLOCK] + [rng.randrange(32_000, 2**31) for _ in range(BLOCK)]
+
+
+ENCODERS: dict[str, tuple[str, Callable[[list[int]], bytes], str]] = {
+    "kvlookup_json": ("/lookup", lambda t: json.dumps({"tokens": t}).encode(), "application/json"),
+    "kvlookup_packed": ("/lookup", lambda t: packed(t), "application/octet-stream"),
+    "dynamo": ("/query", lambda t: json.dumps({"token_ids": t, "model_name": "bench"}).encode(), "application/json"),
+}
 
 
 def stored_batches(tokens: list[int], first_hash: int, per_batch: int = 64) -> list[bytes]:
@@ -66,7 +103,26 @@ def stored_batches(tokens: list[int], first_hash: int, per_batch: int = 64) -> l
     return out
 
 
-def run(lengths=(64, 4096, 8192, 32768), n: int = 200, dynamo_python: str | None = None) -> dict:
+def wait_answered(kv_port: int, dyn_port: int, prompts: dict[int, list[int]], out: dict, deadline: float) -> None:
+    """Until both targets answer every stored prompt in full; RuntimeError past ``deadline``."""
+    for port, path, field in ((kv_port, "/lookup", "tokens"), (dyn_port, "/query", "token_ids")):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        for L, tokens in prompts.items():
+            want = str(L // BLOCK * BLOCK).encode()
+            body = json.dumps({field: tokens, "model_name": "bench"} if path == "/query" else {field: tokens}).encode()
+            while True:
+                _s, got = post(conn, path, body)
+                if (b'"engine-1"' in got or b'"1"' in got) and want in got:
+                    out.setdefault("answers", {}).setdefault(path, {})[L] = got.decode()[:300]
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{path} never answered the {L}-token prompt in full: {got[:300]!r}")
+                time.sleep(0.2)
+        conn.close()
+
+
+def run(lengths=(64, 4096, 8192, 32768), n: int = 200, dynamo_python: str | None = None,
+        workloads=("hot", "fresh"), rounds: int = 2) -> dict:
     py = dynamo_python or os.environ.get("KVLOOKUP_DYNAMO_PYTHON")
     if not py or not Path(py).exists():
         raise FileNotFoundError("set KVLOOKUP_DYNAMO_PYTHON to a venv python with ai-dynamo-runtime==1.6.1")
@@ -76,10 +132,14 @@ def run(lengths=(64, 4096, 8192, 32768), n: int = 200, dynamo_python: str | None
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{pub_port}")
-    out: dict = {"lengths": list(lengths), "requests_per_point": n, "rows": []}
+    out: dict = {"lengths": list(lengths), "requests_per_point": n, "rounds": rounds, "rows": [],
+                 "load_before": os.getloadavg()}
     with Procs() as procs:
         procs.spawn("dynamo-indexer", [py, "-m", "dynamo.indexer", "--port", str(dyn_port), "--threads", "2"])
         redis_url = procs.start_redis()
+        redis_proc = procs.redis[-1].proc
+        assert redis_proc is not None  # started just above
+        redis_pid = redis_proc.pid
         procs.spawn("sidecar-vllm", [sys.executable, "-m", "kvlookup", "sidecar", "--redis-url", redis_url,
                                      "--instance-id", "engine-1", "--vllm-endpoint", f"tcp://127.0.0.1:{pub_port}",
                                      "--log-level", "WARNING"])
@@ -99,45 +159,40 @@ def run(lengths=(64, 4096, 8192, 32768), n: int = 200, dynamo_python: str | None
                     raise RuntimeError(f"dynamo indexer: {exc}: {procs.log_tail('dynamo-indexer')}") from None
                 time.sleep(0.3)
         time.sleep(2.0)  # both subscribers connected (PUB drops what is sent before)
-        h = 1
+        h, seq = 1, 0
         for tokens in prompts.values():
             for payload in stored_batches(tokens, h):
-                pub.send_multipart([b"kv@bench", h.to_bytes(8, "big"), payload])
-                h += 1
+                pub.send_multipart([b"kv@bench", seq.to_bytes(8, "big"), payload])  # no gap: a gap is a loss
+                seq += 1
             h += len(tokens)
         kv_port = int(kv.rsplit(":", 1)[1])
-        conn = http.client.HTTPConnection("127.0.0.1", kv_port, timeout=30)
-        for L, tokens in prompts.items():  # wait until kvlookup has every prompt
-            want = L // BLOCK * BLOCK
-            body = json.dumps({"tokens": tokens}).encode()
-            while time.monotonic() < deadline + 60:
-                _s, got = post(conn, "/lookup", body)
-                if b'"engine-1"' in got and str(want).encode() in got:
-                    break
-                time.sleep(0.2)
-        conn.close()
-        dconn = http.client.HTTPConnection("127.0.0.1", dyn_port, timeout=30)
+        wait_answered(kv_port, dyn_port, prompts, out, deadline + 60)
         for L, tokens in prompts.items():
-            _s, got = post(dconn, "/query", json.dumps({"token_ids": tokens, "model_name": "bench"}).encode())
-            out.setdefault("dynamo_answers", {})[L] = got.decode()[:300]
-        dconn.close()
-        for L, tokens in prompts.items():
-            row: dict = {"tokens": L}
-            kv_body = json.dumps({"tokens": tokens}).encode()
-            dyn_body = json.dumps({"token_ids": tokens, "model_name": "bench"}).encode()
-            for rnd in range(2):
-                order = [("kvlookup", kv_port, "/lookup", kv_body), ("dynamo", dyn_port, "/query", dyn_body)]
-                for name, port, path, body in (order if rnd == 0 else order[::-1]):
-                    got = time_posts(port, path, body, n)
-                    if name not in row or got["p50_ms"] < row[name]["p50_ms"]:
-                        row[name] = got
-            row["p50_ratio_kvlookup_over_dynamo"] = round(row["kvlookup"]["p50_ms"] / row["dynamo"]["p50_ms"], 2)
-            out["rows"].append(row)
-            print(json.dumps(row), file=sys.stderr)
+            for workload in workloads:
+                row: dict = {"tokens": L, "workload": workload}
+                ports = {"kvlookup_json": kv_port, "kvlookup_packed": kv_port, "dynamo": dyn_port}
+                kv_tree = [procs.pid("kvlookup-controller"), procs.pid("sidecar-vllm"), redis_pid]
+                trees = {"kvlookup_json": kv_tree, "kvlookup_packed": kv_tree, "dynamo": [procs.pid("dynamo-indexer")]}
+                for rnd in range(rounds):
+                    for name in (list(ENCODERS) if rnd % 2 == 0 else list(ENCODERS)[::-1]):
+                        path, encode, ctype = ENCODERS[name]
+                        def body(_i: int, e=encode, t=tokens, w=workload) -> bytes:
+                            return e(prompt_of(t, w, rng))
+                        cpu0 = tree_cpu_s(trees[name])
+                        got = time_posts(ports[name], path, body, n, ctype)
+                        got["cpu_ms_per_request"] = round((tree_cpu_s(trees[name]) - cpu0) / (n + 5) * 1000, 3)
+                        if name not in row or got["p50_ms"] < row[name]["p50_ms"]:
+                            row[name] = got
+                for name in ("kvlookup_json", "kvlookup_packed"):
+                    row[f"p50_ratio_{name}_over_dynamo"] = round(row[name]["p50_ms"] / row["dynamo"]["p50_ms"], 2)
+                out["rows"].append(row)
+                print(json.dumps(row), file=sys.stderr)
     pub.close(0)
     ctx.term()
+    out["load_after"] = os.getloadavg()
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(), indent=1))
+    print(json.dumps(run(n=int(os.environ.get("KVLOOKUP_DYNAMO_N", "200")),
+                         rounds=int(os.environ.get("KVLOOKUP_DYNAMO_ROUNDS", "2"))), indent=1))

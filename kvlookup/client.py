@@ -140,6 +140,9 @@ class SharedAnswer(list):
     shared: dict
 
 
+#: Where :meth:`Client.matches` keeps a request's chains in its ``scratch`` dict.
+CHAINS_KEY = "kvlookup.chains"
+
 #: Merged kept answers a Client keeps (all dropped when full).
 MERGED_MAX = 4096
 
@@ -203,8 +206,8 @@ class VllmChains:
     def __call__(self, tokens: Sequence[int], namespace: Namespace = DEFAULT) -> list[Chain]:
         chains = []
         for bs, lookahead in self.chains_in_use():
-            hashes = vh.chain(vh.request_root(bs, namespace.lora_name, namespace.cache_salt), tokens, bs,
-                              lookahead=lookahead)
+            root = vh.request_root(bs, namespace.lora_name, namespace.cache_salt)
+            hashes = vh.chain(root, tokens, bs, lookahead=lookahead) if lookahead else vh.plain_chain(root, tokens, bs)
             chains.append(vllm_chain(bs, hashes))
         return chains
 
@@ -246,7 +249,8 @@ class Client:
         return chains
 
     def matches(self, tokens: Sequence[int], *, validate: bool = True, namespace: Namespace = DEFAULT,
-                causes: list[str] | None = None, model_name: str | None = None) -> list[InstanceMatch]:
+                causes: list[str] | None = None, model_name: str | None = None,
+                scratch: dict | None = None) -> list[InstanceMatch]:
         """Every instance holding a prefix of ``tokens``, longest first.
 
         validate: check tokens first (see :func:`validate_tokens`); callers that already
@@ -255,10 +259,16 @@ class Client:
         looked up as before). model_name: only instances serving that model (or naming none).
         causes: a list that gets the miss cause the
         walk knew for free appended (kvlookup.index.records.Matches.miss; '' on a hit or unknown).
+        scratch: a dict living as long as one request: the chains hashed are kept there, so the
+        same request asked again (app.asgi, after NeedsRedis) does not hash its prompt again.
         """
         if validate:
             validate_tokens(tokens, self.max_tokens)
-        chains = self.chains(tokens, namespace)
+        chains = scratch.get(CHAINS_KEY) if scratch is not None else None
+        if chains is None:
+            chains = self.chains(tokens, namespace)
+            if scratch is not None:
+                scratch[CHAINS_KEY] = chains
         found = self.store.lookup(chains)
         if causes is not None:
             causes.append(found.miss)

@@ -59,6 +59,20 @@ class Copies:
         self._bound()
         return value
 
+    def get_many(self, keys: list) -> list:
+        """:meth:`get` of each key, in order (one call: a lookup reads thousands)."""
+        pget, pmove, get = self.protected.get, self.protected.move_to_end, self.get
+        out: list = []
+        append = out.append
+        for key in keys:
+            value = pget(key, MISS)
+            if value is MISS:
+                value = get(key)
+            else:
+                pmove(key)
+            append(value)
+        return out
+
     def share(self, value):
         """``value`` as kept: a list becomes a tuple, equal to (and the same object as) an equal
         one already kept."""

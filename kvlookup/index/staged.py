@@ -122,6 +122,8 @@ class StagedLookup:
         self.read_upto = [0] * len(chains)  # chunks read per chain
         self.unfed: list[list] = [[] for _ in chains]  # member lists read, not walked yet
         self.stage = [FIRST_STAGE] * len(chains)
+        #: set when :meth:`run` answered from the memo: the earliest ``until`` of that answer's holders
+        self.kept_until: float | None = None
 
     def run(self) -> Matches:
         new_hids: list[str] = []
@@ -162,6 +164,7 @@ class StagedLookup:
                     memo = self._memo_key(reads, res, cache.gen)
                     hit = cache.memo.get(memo[0]) if memo is not None else None
                     if hit is not None and hit[1] >= self.live.now_ms:
+                        self.kept_until = hit[1]
                         return hit[0]
             first = False
             self._feed()  # what the previous round read is resolved now

@@ -28,6 +28,7 @@ import select
 import threading
 import time
 from collections.abc import Sequence
+from itertools import repeat
 from typing import cast
 
 import redis
@@ -100,7 +101,9 @@ class CachedReads:
             redis_connect_func=self._track, **kwargs))
         self.io = SingleIO(self.tracked)
         self.plain = SingleIO(client)  # reads while caching is off: no REDIRECT to a gone listener
-        self.stats = {"hits": 0, "misses": 0, "invalidations": 0, "resets": 0}
+        #: hits/misses: reads answered from copies / sent; kept: whole lookups vouched for by :meth:`unchanged`
+        self.stats = {"hits": 0, "misses": 0, "invalidations": 0, "resets": 0, "kept": 0}
+        self._plain_reads = 0  # reads sent untracked (caching off): no invalidation will tell of them
 
     def register(self, script: str) -> str:
         """A Lua script's sha for ``("EVALSHA", sha, ...)`` through :meth:`execute`."""
@@ -236,6 +239,30 @@ class CachedReads:
         """Are reads answered from copies now (unfenced, the invalidation connection up)?"""
         return not self.fence and self._listener is not None
 
+    # -- what changed since --------------------------------------------------------------
+
+    def since(self) -> tuple[int, int]:
+        """A mark for :meth:`unchanged`: taken before the reads it covers."""
+        return self._gen, self._plain_reads
+
+    def unchanged(self, names: Sequence[str], mark: tuple[int, int]) -> bool:
+        """Is no key of ``names`` (each read through :meth:`execute` after ``mark`` was taken)
+        known to have changed since? Takes every invalidation that has arrived first (with
+        ``fence``, every one queued: a round trip). False, never a wrong True, when caching is
+        off or was off meanwhile, a copy reset happened, or (under LOCAL_ONLY) the lock is busy."""
+        gen, plain = mark
+        if not self._lock.acquire(blocking=not LOCAL_ONLY.get()):
+            return False
+        try:
+            if not self._drain() or self._floor > gen or self._plain_reads != plain:
+                return False
+            if self._gen != gen and max(map(self._inv_at.get, names, repeat(-1)), default=-1) > gen:
+                return False
+            self.stats["kept"] += 1
+            return True
+        finally:
+            self._lock.release()
+
     # -- reads ------------------------------------------------------------------------------
 
     def execute(self, commands: Sequence[tuple]) -> list:
@@ -248,14 +275,11 @@ class CachedReads:
         try:
             caching = self._drain()
             gen = self._gen
-            out: list = [None] * len(commands)
-            missing = []
-            for i, cmd in enumerate(commands):
-                copy = self._copies.get((cmd[0], cmd[1])) if caching and _cacheable(cmd) else _MISS
-                if copy is _MISS:
-                    missing.append(i)
-                else:
-                    out[i] = copy
+            if caching:
+                out = self._copies.get_many([(c[0], c[1]) if _cacheable(c) else NOT_KEPT for c in commands])
+                missing = [i for i, copy in enumerate(out) if copy is _MISS]
+            else:
+                out, missing = [None] * len(commands), list(range(len(commands)))
             if missing and local:
                 raise self._needs_redis(commands, missing)
             self.stats["hits"] += len(commands) - len(missing)
@@ -272,6 +296,7 @@ class CachedReads:
             where.append(len(sent) - 1)
         got = self._send(sent) if caching else None
         if got is None:  # caching is off, or the tracked connection failed: read plainly
+            self._plain_reads += 1
             return self._fill(out, missing, self.plain.execute([commands[i] for i in missing]))
         with self._lock:
             keep = self._take_arrived()
@@ -326,8 +351,13 @@ def _run_id(conn) -> str:
     return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("run_id:")), "")
 
 
+_VERSION_KEY = keys.registry_version_key()
+#: The copy key of a command that is never kept (no copy has it).
+NOT_KEPT = ("", "")
+
+
 def _cacheable(cmd: tuple) -> bool:
-    return cmd[0] in CACHED and (cmd[0] == "ZRANGE" or cmd[1] == keys.registry_version_key())
+    return cmd[0] == "ZRANGE" or (cmd[0] == "GET" and cmd[1] == _VERSION_KEY)
 
 
 def bound_tracking_table(conn, max_keys: int) -> None:

@@ -124,3 +124,64 @@ def test_a_kept_answer_is_encoded_as_the_same_json(fmt):
     empty.shared = {}
     want = ["event_id", "layout_info"] if fmt == "layout_info" else ["event_id"]
     assert list(json.loads(json_bytes(response_body(empty, fmt, False)))) == want
+
+
+LONG = list(range(10_000, 10_000 + 300 * 256))  # 300 chunks: read in stages (128, then 1,024)
+LONG_HASHES = HashProfile().chunk_hashes(LONG)
+
+
+@pytest.fixture()
+def long_writer(redis_url):
+    store = Store(connect(redis_url), purge_grace_s=0, instance_ttl_s=30)
+    for inst in ("long-a", "long-b"):
+        store.register_worker(inst, 0)
+        store.own("sc-long", inst)
+    store.apply([("long-a", 0, CPU, [(ADMIT, h) for h in LONG_HASHES])])
+    store.apply([("long-b", 0, CPU, [(ADMIT, h) for h in LONG_HASHES[:200]])])  # chunks 200.. empty for b
+    return store
+
+
+def test_a_staged_lookup_is_kept_and_every_change_reaches_the_next(redis_url, long_writer):
+    """kvlookup.index.kept: a lookup read in several rounds is kept whole (the same answer object
+    again, no read), and a write deep in the chain, a filled chunk that was empty, a
+    deregistration and a lapsed lease each reach the next lookup."""
+    client = Client(redis_url, instance_ttl_s=30, cache_reads="fenced")
+    full = {"long-a": 300 * 256, "long-b": 200 * 256}
+    assert answer(client, LONG)[0] == full
+    got, kept = answer(client, LONG)
+    hits = client.store.records.cached.stats["hits"]
+    again, same = answer(client, LONG)
+    assert got == again == full and kept.kept and same is kept
+    assert client.store.records.cached.stats["hits"] == hits  # answered without reading a copy
+    long_writer.apply([("long-a", 0, CPU, [(EVICT, LONG_HASHES[250])])])  # past the first stage
+    assert answer(client, LONG)[0] == {"long-a": 250 * 256, "long-b": 200 * 256}
+    long_writer.apply([("long-b", 0, CPU, [(ADMIT, LONG_HASHES[200])])])  # an empty chunk filled
+    answer(client, LONG)
+    assert answer(client, LONG)[0] == {"long-a": 250 * 256, "long-b": 201 * 256}
+    long_writer.deregister_worker("long-b", 0)
+    assert answer(client, LONG)[0] == {"long-a": 250 * 256}
+    now = int(time.time() * 1000)
+    answer(client, LONG, now_ms=now), answer(client, LONG, now_ms=now)
+    assert answer(client, LONG, now_ms=now + 31_000)[0] == {}  # nobody renewed the lease
+
+
+def test_a_kept_staged_lookup_is_not_used_once_caching_went_off(redis_url, r, long_writer):
+    """Reads sent untracked (the invalidation connection gone) never vouch for a kept answer."""
+    client = Client(redis_url, instance_ttl_s=30, cache_reads="fenced")
+    answer(client, LONG), answer(client, LONG)
+    r.client_kill_filter(_type="pubsub")  # the invalidation connection goes
+    long_writer.apply([("long-a", 0, CPU, [(EVICT, LONG_HASHES[260])])])
+    assert answer(client, LONG)[0] == {"long-a": 260 * 256, "long-b": 200 * 256}
+
+
+def test_a_request_scratch_keeps_its_chains(redis_url, writer):
+    """Client.matches(scratch=...): the chains hashed once per request (app.asgi retries a lookup
+    that needed Redis in a thread with the same scratch, and it does not hash again)."""
+    from kvlookup.client import CHAINS_KEY
+
+    client = Client(redis_url, instance_ttl_s=30, cache_reads="fenced")
+    scratch: dict = {}
+    assert [m.matched_prefix_length for m in client.matches(TOKENS, scratch=scratch)] == [1024] * 64
+    assert [c.hashes for c in scratch[CHAINS_KEY]] == [c.hashes for c in client.chains(TOKENS)]
+    kept = {CHAINS_KEY: client.chains(TOKENS[:512])}  # what a first try kept is what is walked
+    assert [m.matched_prefix_length for m in client.matches(TOKENS, scratch=kept)] == [512] * 64

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+from array import array
 
 import msgspec
 import pytest
@@ -162,6 +164,23 @@ def test_own_chain_namespaces_and_blocks():
     assert vh.request_root(16, "x") == vh.namespace_root(16, "x", ())
     assert vh.split_extra_keys(("x", "salt"), "x") == ("salt",)
     assert vh.split_extra_keys(None, "x") == ()
+
+
+def test_plain_chain_is_chain():
+    """The lookup's fast chain (vh.plain_chain) gives chain's values: pinned, and equal over
+    block sizes, partial tails, roots and input types (list, array('I'), tuple)."""
+    assert vh.plain_chain(vh.request_root(16, "sql-lora", "salt"), list(TOKENS), 16) == \
+        [-8958035894212774435, 1083750489175896309]
+    assert vh.plain_chain(vh.request_root(16), list(TOKENS), 16) == [-3101933210439555288, -6188482805661908530]
+    rng = random.Random(5)
+    tokens = [rng.randrange(2**32) for _ in range(1000)]
+    for bs in (1, 2, 16, 32, 256):
+        for n in (0, 1, bs - 1, bs, bs + 1, 3 * bs + 5, 1000):
+            for root in (vh.request_root(bs), vh.request_root(bs, "x", "salt"), -1, 0):
+                want = vh.chain(root, tokens[:n], bs)
+                assert vh.plain_chain(root, tokens[:n], bs) == want
+                assert vh.plain_chain(root, array("I", tokens[:n]), bs) == want
+                assert vh.plain_chain(root, tuple(tokens[:n]), bs) == want
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
