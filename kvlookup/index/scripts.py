@@ -477,7 +477,15 @@ return out
 # has, written before digests, is summed in full once). A set of one holder costs one ZCARD more.
 _DIGEST = """
 local DIGEST, DMOD = '@DIGEST@', @DMOD@
-local function hdig(hid) return tonumber(string.sub(redis.sha1hex(hid), 1, 12), 16) end
+local hdigs = {}  -- hdig memo of one script call
+local function hdig(hid)
+  local d = hdigs[hid]
+  if not d then
+    d = tonumber(string.sub(redis.sha1hex(hid), 1, 12), 16)
+    hdigs[hid] = d
+  end
+  return d
+end
 local function redigest(key, hd, sign)
   local n = redis.call('ZCARD', key)
   if n < 2 then return end  -- one holder (or none): no digest
@@ -549,29 +557,32 @@ local hid, score, na = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local hd = hdig(hid)
 if redis.call('HEXISTS', KEYS[1], hid) == 0 or redis.call('ZSCORE', KEYS[2], hid) then return -1 end
 local n = (#KEYS - 5) / 2
-local delta, logged, marked = 0, 0, {}
+local delta, logged, marked, marks = 0, {}, {}, {}
 for i = 1, n do
+  local bucket = KEYS[3 + n + i]
   if i <= na then
-    local bucket = KEYS[3 + n + i]
     if not marked[bucket] then
       marked[bucket] = true
-      redis.call('SADD', KEYS[5 + 2 * n], string.match(bucket, '(%d+)$'))
+      marks[#marks + 1] = string.match(bucket, '(%d+)$')
     end
     if redis.call('ZADD', KEYS[3 + i], score, hid) == 1 then redigest(KEYS[3 + i], hd, 1) end
     delta = delta + redis.call('SADD', bucket, ARGV[3 + i])
   else
     if redis.call('ZREM', KEYS[3 + i], hid) == 1 then
       redigest(KEYS[3 + i], hd, -1)
-      redis.call('ZADD', KEYS[4 + 2 * n], score, ARGV[3 + i])
-      logged = logged + 1
+      logged[#logged + 1] = score
+      logged[#logged + 1] = ARGV[3 + i]
     end
-    delta = delta - redis.call('SREM', KEYS[3 + n + i], ARGV[3 + i])
+    delta = delta - redis.call('SREM', bucket, ARGV[3 + i])
   end
 end
+if #marks > 0 then redis.call('SADD', KEYS[5 + 2 * n], unpack(marks)) end
 if delta ~= 0 then redis.call('HINCRBY', KEYS[3], hid, delta) end
-if logged > 0 then
-  redis.call('ZREMRANGEBYRANK', KEYS[4 + 2 * n], 0, -1 - tonumber(ARGV[4 + n]))
-  redis.call('PEXPIRE', KEYS[4 + 2 * n], ARGV[5 + n])
+if #logged > 0 then
+  local log = KEYS[4 + 2 * n]
+  for i = 1, #logged, 4000 do redis.call('ZADD', log, unpack(logged, i, math.min(i + 3999, #logged))) end
+  redis.call('ZREMRANGEBYRANK', log, 0, -1 - tonumber(ARGV[4 + n]))
+  redis.call('PEXPIRE', log, ARGV[5 + n])
 end
 return 1
 """
