@@ -474,7 +474,8 @@ return out
 # A chunk set's digest member (keys.CHUNK_DIGEST_MEMBER), kept after every change of its holders:
 # hdig(hid) is keys.holder_digest; redigest(key, hd, sign) after holder hd joined (1) or left (-1)
 # the set: the digest is present while the set has two holders or more (a set without one that
-# has, written before digests, is summed in full once). A set of one holder costs one ZCARD more.
+# has, written before digests, is summed in full once). A set of one holder costs one ZCARD more;
+# a set going from one holder to two, or back, no ZSCORE (two members after a join are two holders).
 _DIGEST = """
 local DIGEST, DMOD = '@DIGEST@', @DMOD@
 local hdigs = {}  -- hdig memo of one script call
@@ -486,21 +487,26 @@ local function hdig(hid)
   end
   return d
 end
+local function resum(key)  -- the digest from the members (a second holder came, or written before digests)
+  local sum, n = 0, 0
+  for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    if m ~= DIGEST then
+      sum = (sum + hdig(m)) % DMOD
+      n = n + 1
+    end
+  end
+  if n < 2 then redis.call('ZREM', key, DIGEST) else redis.call('ZADD', key, -1 - sum, DIGEST) end
+end
 local function redigest(key, hd, sign)
   local n = redis.call('ZCARD', key)
   if n < 2 then return end  -- one holder (or none): no digest
-  local d = redis.call('ZSCORE', key, DIGEST)
-  if d then
-    if n <= 2 then
-      redis.call('ZREM', key, DIGEST)
-      return
-    end
-    redis.call('ZADD', key, -1 - ((-1 - tonumber(d) + sign * hd) % DMOD), DIGEST)
-  elseif n >= 2 then
-    local sum = 0
-    for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do sum = (sum + hdig(m)) % DMOD end
-    redis.call('ZADD', key, -1 - sum, DIGEST)
+  if n == 2 then  -- after a join: two holders; after a leave: the digest and one holder, or two holders
+    if sign < 0 and redis.call('ZREM', key, DIGEST) == 1 then return end
+    return resum(key)
   end
+  local d = redis.call('ZSCORE', key, DIGEST)
+  if not d then return resum(key) end
+  redis.call('ZADD', key, -1 - ((-1 - tonumber(d) + sign * hd) % DMOD), DIGEST)
 end
 """.replace("@DIGEST@", CHUNK_DIGEST_MEMBER).replace("@DMOD@", str(DIGEST_MOD))
 
