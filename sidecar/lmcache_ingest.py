@@ -162,8 +162,7 @@ class LMCacheIngest:
                       implicit=admit)
         elif tag == "BatchedKVOperationMsg":
             self._check_seq(msg)
-            self._add(msg.instance_id, msg.worker_id, msg.location,
-                      ((text(op.key), ADMIT if op.op_type == "admit" else EVICT) for op in msg.operations))
+            self._add(msg.instance_id, msg.worker_id, msg.location, _folded(msg.operations))
         elif tag == "FullSyncBatchMsg":
             self._add(msg.instance_id, msg.worker_id, msg.location, dict.fromkeys(map(text, msg.keys), ADMIT))
         elif tag == "RegisterMsg":
@@ -545,3 +544,10 @@ class LMCacheIngest:
         metrics.RESYNCS.labels("lmcache", reason).inc()
         log.info("asking %s worker %d for a full sync (%s)", msg.instance_id, msg.worker_id, reason)
         return proto.HeartbeatRetMsg(commands=[proto.FullSyncCommand(reason=reason)])
+
+
+def _folded(operations) -> dict[str, str]:
+    """A frame's ops as {chunk hash text: its last op (ADMIT or EVICT)}: one dict the queue
+    merges in one ``update`` (a generator of pairs cost ~0.5 us an op more, in Python calls)."""
+    return {(k if isinstance(k := op.key, str) else str(k)): (ADMIT if op.op_type == "admit" else EVICT)
+            for op in operations}

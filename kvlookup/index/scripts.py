@@ -474,25 +474,39 @@ return out
 # A chunk set's digest member (keys.CHUNK_DIGEST_MEMBER), kept after every change of its holders:
 # hdig(hid) is keys.holder_digest; redigest(key, hd, sign) after holder hd joined (1) or left (-1)
 # the set: the digest is present while the set has two holders or more (a set without one that
-# has, written before digests, is summed in full once). A set of one holder costs one ZCARD more.
+# has, written before digests, is summed in full once). A set of one holder costs one ZCARD more;
+# a set going from one holder to two, or back, no ZSCORE (two members after a join are two holders).
 _DIGEST = """
 local DIGEST, DMOD = '@DIGEST@', @DMOD@
-local function hdig(hid) return tonumber(string.sub(redis.sha1hex(hid), 1, 12), 16) end
+local hdigs = {}  -- hdig memo of one script call
+local function hdig(hid)
+  local d = hdigs[hid]
+  if not d then
+    d = tonumber(string.sub(redis.sha1hex(hid), 1, 12), 16)
+    hdigs[hid] = d
+  end
+  return d
+end
+local function resum(key)  -- the digest from the members (a second holder came, or written before digests)
+  local sum, n = 0, 0
+  for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    if m ~= DIGEST then
+      sum = (sum + hdig(m)) % DMOD
+      n = n + 1
+    end
+  end
+  if n < 2 then redis.call('ZREM', key, DIGEST) else redis.call('ZADD', key, -1 - sum, DIGEST) end
+end
 local function redigest(key, hd, sign)
   local n = redis.call('ZCARD', key)
   if n < 2 then return end  -- one holder (or none): no digest
-  local d = redis.call('ZSCORE', key, DIGEST)
-  if d then
-    if n <= 2 then
-      redis.call('ZREM', key, DIGEST)
-      return
-    end
-    redis.call('ZADD', key, -1 - ((-1 - tonumber(d) + sign * hd) % DMOD), DIGEST)
-  elseif n >= 2 then
-    local sum = 0
-    for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do sum = (sum + hdig(m)) % DMOD end
-    redis.call('ZADD', key, -1 - sum, DIGEST)
+  if n == 2 then  -- after a join: two holders; after a leave: the digest and one holder, or two holders
+    if sign < 0 and redis.call('ZREM', key, DIGEST) == 1 then return end
+    return resum(key)
   end
+  local d = redis.call('ZSCORE', key, DIGEST)
+  if not d then return resum(key) end
+  redis.call('ZADD', key, -1 - ((-1 - tonumber(d) + sign * hd) % DMOD), DIGEST)
 end
 """.replace("@DIGEST@", CHUNK_DIGEST_MEMBER).replace("@DMOD@", str(DIGEST_MOD))
 
@@ -549,29 +563,32 @@ local hid, score, na = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local hd = hdig(hid)
 if redis.call('HEXISTS', KEYS[1], hid) == 0 or redis.call('ZSCORE', KEYS[2], hid) then return -1 end
 local n = (#KEYS - 5) / 2
-local delta, logged, marked = 0, 0, {}
+local delta, logged, marked, marks = 0, {}, {}, {}
 for i = 1, n do
+  local bucket = KEYS[3 + n + i]
   if i <= na then
-    local bucket = KEYS[3 + n + i]
     if not marked[bucket] then
       marked[bucket] = true
-      redis.call('SADD', KEYS[5 + 2 * n], string.match(bucket, '(%d+)$'))
+      marks[#marks + 1] = string.match(bucket, '(%d+)$')
     end
     if redis.call('ZADD', KEYS[3 + i], score, hid) == 1 then redigest(KEYS[3 + i], hd, 1) end
     delta = delta + redis.call('SADD', bucket, ARGV[3 + i])
   else
     if redis.call('ZREM', KEYS[3 + i], hid) == 1 then
       redigest(KEYS[3 + i], hd, -1)
-      redis.call('ZADD', KEYS[4 + 2 * n], score, ARGV[3 + i])
-      logged = logged + 1
+      logged[#logged + 1] = score
+      logged[#logged + 1] = ARGV[3 + i]
     end
-    delta = delta - redis.call('SREM', KEYS[3 + n + i], ARGV[3 + i])
+    delta = delta - redis.call('SREM', bucket, ARGV[3 + i])
   end
 end
+if #marks > 0 then redis.call('SADD', KEYS[5 + 2 * n], unpack(marks)) end
 if delta ~= 0 then redis.call('HINCRBY', KEYS[3], hid, delta) end
-if logged > 0 then
-  redis.call('ZREMRANGEBYRANK', KEYS[4 + 2 * n], 0, -1 - tonumber(ARGV[4 + n]))
-  redis.call('PEXPIRE', KEYS[4 + 2 * n], ARGV[5 + n])
+if #logged > 0 then
+  local log = KEYS[4 + 2 * n]
+  for i = 1, #logged, 4000 do redis.call('ZADD', log, unpack(logged, i, math.min(i + 3999, #logged))) end
+  redis.call('ZREMRANGEBYRANK', log, 0, -1 - tonumber(ARGV[4 + n]))
+  redis.call('PEXPIRE', log, ARGV[5 + n])
 end
 return 1
 """

@@ -125,6 +125,33 @@ _json = msgspec.json.Decoder()
 _msgpack = msgspec.msgpack.Decoder()
 
 
+class _BatchedFrame(msgspec.Struct):
+    """A ``BatchedKVOperationMsg`` frame as sent (its tag a field), decoded straight into structs:
+    the hot message (LMCache's every admit and evict) skips the generic decode to dicts and the
+    convert, 5-8x the cost (docs/benchmarks-notes.md "Ingest, issue 18")."""
+
+    type: str
+    instance_id: str
+    worker_id: int
+    location: str
+    operations: list[KVOpEvent]
+
+
+_batched = msgspec.msgpack.Decoder(_BatchedFrame)
+
+
+def _decode_batched(frame: bytes) -> BatchedKVOperation | None:
+    """The frame as a BatchedKVOperation when it is a valid one, else None (the generic path
+    then decodes it, with its errors)."""
+    try:
+        f = _batched.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if f.type != "BatchedKVOperationMsg":
+        return None
+    return BatchedKVOperation(f.instance_id, f.worker_id, f.location, f.operations)
+
+
 def decode_frame(frame: bytes) -> tuple[str, Any]:
     """Decode one worker frame into ``(tag, message)``.
 
@@ -132,6 +159,9 @@ def decode_frame(frame: bytes) -> tuple[str, Any]:
     instance of its target struct. Raises WireError(reason) with reason one of
     ``undecodable``, ``not_a_map``, ``unknown_type``, ``invalid_fields``, ``invalid_key``.
     """
+    if frame[:1] != b"{" and (batched := _decode_batched(frame)) is not None:
+        _check("BatchedKVOperationMsg", batched)
+        return "BatchedKVOperationMsg", batched
     try:
         raw = _json.decode(frame) if frame[:1] == b"{" else _msgpack.decode(frame)
     except (msgspec.DecodeError, UnicodeDecodeError, ValueError) as exc:
@@ -178,11 +208,22 @@ def _check(tag: str, msg: Any) -> None:
         keys = [op.key for op in msg.operations]
     elif isinstance(msg, FullSyncBatch):
         keys = msg.keys
+    if _all_int64(keys):
+        return
     for key in keys:
         if isinstance(key, int) and not -(1 << 63) <= key < 1 << 64:
             raise WireError("invalid_key", f"{tag}: chunk key {str(key)[:40]} is outside the 64-bit range")
         if isinstance(key, str) and not _HEX_KEY.fullmatch(key):
             raise WireError("invalid_key", f"{tag}: chunk key {key[:80]!r} is neither an int nor a hex digest")
+
+
+def _all_int64(keys: list) -> bool:
+    """Are all keys ints within the 64-bit range? (the common case, checked in C: min and max;
+    False for an empty list or any other key, which the per-key checks then judge)."""
+    try:
+        return bool(keys) and all(type(k) is int for k in keys) and -(1 << 63) <= min(keys) and max(keys) < 1 << 64
+    except TypeError:
+        return False
 
 
 # -- exact encodings (what LMCache itself sends and expects) ---------------------------------

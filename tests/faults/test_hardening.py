@@ -16,7 +16,7 @@ from kvlookup.client import MAX_BLOCK_SIZES, Client, VllmChains
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.index import keys
 from kvlookup.index import single as records_mod
-from kvlookup.index.store import ADMIT, Store
+from kvlookup.index.store import ADMIT, EVICT, Store
 from kvlookup.proc.redis_server import free_port
 from kvlookup.sidecar.lmcache_ingest import MAX_REDIS_FAILURES, LMCacheIngest
 from kvlookup.sidecar.vllm_zmq import ReplayClient
@@ -44,6 +44,22 @@ def test_huge_batches_run_in_bounded_slices(store, r, monkeypatch):
     assert calls == [1000, 1000, 1000, 1000, 500]
     assert r.hget(keys.records_key(), "1") == "4500"
     assert r.zrange(keys.chunk_key(hashes[-1]), 0, -1) == ["1"]
+
+
+@pytest.mark.single_node  # APPLY_OPS's steps
+def test_a_call_of_many_evictions_logs_them_in_steps(store, r):
+    """4,500 evictions in one APPLY_OPS call: logged by one ZADD per 2,000, trimmed to EVICTED_MAX,
+    every record gone from its chunk set and reverse index."""
+    store.register_worker("a", 0)
+    hashes = [str(h) for h in HashProfile(chunk_size=1).chunk_hashes(list(range(4500)))]
+    assert store.apply([("a", 0, CPU, [(ADMIT, h) for h in hashes])], now_ms=1_000) == 4500
+    assert store.apply([("a", 0, CPU, [(EVICT, h) for h in hashes])], now_ms=2_000) == 4500
+    logged = r.zrange(keys.holder_evicted_key("1"), 0, -1, withscores=True)
+    assert len(logged) == keys.EVICTED_MAX
+    assert {s for _h, s in logged} == {2000.0} and {h for h, _s in logged} <= set(hashes)
+    assert r.hget(keys.records_key(), "1") == "0"
+    assert not any(r.exists(keys.chunk_key(h)) for h in hashes[::97])
+    assert sum(r.scard(keys.holder_chunks_key("1", b)) for b in range(keys.HOLDER_CHUNK_BUCKETS)) == 0
 
 
 def test_redis_errors_keep_ops_pending_then_drop_them(store, monkeypatch):

@@ -8,6 +8,7 @@ an independent encoder (msgpack with ordered maps), fields in LMCache 0.3.7 decl
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 
 from kvlookup.devtools.workersim import WorkerSim
@@ -103,6 +104,37 @@ def test_decode_batched_ops_and_json_frames():
              b'"key":"61c2b0ee121bc0763dbbeea739151226a766c47730c3a57bb614a91f1734493d","location":"LocalCPUBackend"}')
     tag, msg = proto.decode_frame(frame)
     assert (tag, msg.key) == ("KVAdmitMsg", "61c2b0ee121bc0763dbbeea739151226a766c47730c3a57bb614a91f1734493d")
+
+
+def _batched(ops, **fields) -> bytes:
+    msg = {"type": "BatchedKVOperationMsg", "instance_id": "i", "worker_id": 3, "location": "LocalCPUBackend",
+           "operations": [{"op_type": t, "key": k, "seq_num": n} for n, (t, k) in enumerate(ops)]}
+    return msgpack.packb({**msg, **fields})
+
+
+def test_batched_frames_decode_alike_on_the_typed_path_and_the_generic_one():
+    """decode_frame reads BatchedKVOperationMsg frames with a typed decoder; what it returns is what
+    the generic decode-then-convert gives (int and hex keys, the extremes of the 64-bit range)."""
+    ops = [("admit", -(1 << 63)), ("evict", (1 << 64) - 1), ("admit", "61c2b0ee"), ("admit", SEED_HASH)]
+    frame = _batched(ops)
+    tag, msg = proto.decode_frame(frame)
+    generic = msgspec.convert(msgspec.msgpack.decode(frame), proto.BatchedKVOperation)
+    assert (tag, msg) == ("BatchedKVOperationMsg", generic)
+    assert [(o.op_type, o.key, o.seq_num) for o in msg.operations] == [(t, k, n) for n, (t, k) in enumerate(ops)]
+    assert (msg.instance_id, msg.worker_id, msg.location) == ("i", 3, "LocalCPUBackend")
+
+
+@pytest.mark.parametrize(("frame", "reason"), [
+    (_batched([("admit", "../x")]), "invalid_key"),
+    (_batched([("bogus", 1)]), "invalid_fields"),  # the typed decode refuses; the generic path names why
+    (_batched([("admit", 1)], worker_id="0"), "invalid_fields"),
+    (_batched([("admit", 1)], instance_id=""), "invalid_fields"),
+    (_batched([("admit", 1)], type="KVAdmitMsg"), "invalid_fields"),  # the tag decides, not the fields
+])
+def test_batched_frames_are_refused_as_before(frame, reason):
+    with pytest.raises(WireError) as info:
+        proto.decode_frame(frame)
+    assert info.value.reason == reason
 
 
 @pytest.mark.parametrize(("frame", "reason"), [
