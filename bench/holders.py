@@ -1,26 +1,34 @@
 """``kvlookup bench holders``: a lookup's cost against how many instances hold its prompt.
 
 N instances (one worker each, CPU tier) all hold the same prompt (a system prompt shared by the
-whole fleet: the normal case for a router). Each point looks that prompt up in process
-(``Client.matches``), through each read path, and reports p50/p99 latency, the caller's CPU per
-lookup (process time) and Redis busy time per lookup (``INFO commandstats`` usec deltas over
-every command, divided by lookups; and ``INFO cpu`` of the Redis processes, which a loaded box
-does not inflate). Targets alternate per point, so a drifting machine
-slows each alike.
+whole fleet: the normal case for a router). Each point compares, per read path, a prompt held by
+N instances with another prompt of the same length held by :data:`REF_HOLDERS` (8), both in the
+same Redis (and the same cluster), looked up in process (``Client.matches``).
+
+Latency is measured **interleaved per request**: one loop looks up the reference prompt and the
+N-holder prompt in turn, on every read path in turn (which goes first alternates each pass), so a
+moment of box noise, a GC pass, a lease renewal or a RESOLVE lands on both prompts alike; the
+ratio p50(N) / p50(ref) (and p99) is quoted from those same samples. The caller's CPU is
+``time.process_time`` around each request (nothing else runs in this process while a point is
+timed but the lease renewer, paused then: see below).
+
+Redis busy time per lookup is measured apart, in alternating blocks of one prompt's lookups
+(``INFO commandstats`` usec deltas over every command but ``INFO`` itself, every master, divided
+by lookups; and ``INFO cpu`` of the Redis processes, which a loaded box does not inflate), with
+the lease renewer paused during each block so its ``TOUCH`` calls are not counted.
 
 - ``off``: one Redis, ``lookup_cache: off`` (what Sentinel runs): every chunk's digest read by
-  one ``CHUNK_HEADS`` call (before issue 18: the ``LOOKUP`` script, which walked every member);
-- ``cached``: cached reads, fenced (kvlookup.index.tracking; the single-server default);
+  one ``CHUNK_HEADS`` call;
+- ``cached``: cached reads, unfenced (kvlookup.index.tracking; the single-server default);
 - ``cluster``: a local Redis Cluster (3 masters, no replicas: kvlookup.devtools.local_cluster)
-  holding the same fleet, read in stages (kvlookup.index.staged); Redis busy summed over masters.
-
-Both walks read a chunk's digest (keys.CHUNK_DIGEST_MEMBER) and its member list only where the
-holder set changes, so ``off`` and ``cluster`` cost O(chunks + holders) in Redis.
+  holding the same fleet, with its default read path (cached reads per master,
+  kvlookup.index.cluster_cache); ``cluster-off``: the same with ``lookup_cache: off``.
 
 leases=True (the default, as a deployment): every instance has a 30 s liveness lease that a
-thread renews every second (as a sidecar does), and lookups check it; False: no leases.
-http: also each point over HTTP at concurrency 1 (``kvlookup controller``, gunicorn uvicorn:2,
-its defaults: cached reads; bench.procs starts it with ``--instance-ttl 0``).
+thread renews every second (as a sidecar does) and lookups check it; the renewer is paused
+while a point is timed (a point lasts far less than a lease). http: also each point over HTTP at
+concurrency 1 (``kvlookup controller``, gunicorn uvicorn:2, its defaults), the two prompts in
+alternating rounds.
 """
 
 from __future__ import annotations
@@ -40,60 +48,109 @@ from kvlookup.devtools.local_cluster import LocalCluster
 from kvlookup.index.store import Store
 from kvlookup.proc.redis_server import connect
 
-MODES = {"off": False, "cached": "fenced"}
+#: single-server read paths: lookup_cache setting per mode
+MODES = {"off": False, "cached": True}
+CLUSTER_MODES = {"cluster": True, "cluster-off": False}
+#: The holder count every point is compared with.
+REF_HOLDERS = 8
 
 
 def redis_usec(r) -> int:
-    """Microseconds Redis spent in commands so far (``INFO commandstats``, every command; every
-    master of a cluster)."""
+    """Microseconds Redis spent in commands so far (``INFO commandstats``, every command but
+    ``INFO``; every master of a cluster)."""
     nodes = [n.redis_connection for n in r.get_primaries()] if hasattr(r, "get_primaries") else [r]
-    return sum(int(v["usec"]) for node in nodes for v in node.info("commandstats").values())
+    return sum(int(v["usec"]) for node in nodes for k, v in node.info("commandstats").items()
+               if k != "cmdstat_info")
 
 
 def redis_cpu_s(r) -> float:
     """CPU seconds the Redis process(es) used so far (``INFO cpu`` user + system, every master):
     unlike commandstats' usec, not inflated by time a busy box leaves a command descheduled, but
-    counting the server's background work (lease renewals, cron) too."""
+    counting the server's background work (cron) too."""
     nodes = [n.redis_connection for n in r.get_primaries()] if hasattr(r, "get_primaries") else [r]
     return sum(float(i["used_cpu_user"]) + float(i["used_cpu_sys"]) for i in (n.info("cpu") for n in nodes))
 
 
-def time_lookups(client: Client, r, tokens: list[int], seconds: float) -> dict:
-    client.matches(tokens, validate=False)  # warm (holders resolved, chunk sets cached)
-    lat = []
-    u0, c0, rc0 = redis_usec(r), time.process_time(), redis_cpu_s(r)
+class Renewer:
+    """A thread renewing the leases of every instance owned by "bench-sidecar", every second, on
+    each store; :meth:`paused` holds it off (a point is timed far within a lease)."""
+
+    def __init__(self, stores: list[Store]):
+        self.stores, self.stop, self.lock = stores, threading.Event(), threading.Lock()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.wait(1.0):
+            with self.lock:
+                for store in self.stores:
+                    store.renew("bench-sidecar")
+
+    def renew_now(self) -> None:
+        with self.lock:
+            for store in self.stores:
+                store.renew("bench-sidecar")
+
+    def paused(self):
+        return self.lock
+
+
+def interleaved(clients: dict, prompts: dict[str, list[int]], seconds: float) -> dict:
+    """Per mode and prompt: latency and caller CPU of each request, the prompts (and modes)
+    looked up in turn in one loop."""
+    for client, _r in clients.values():
+        for t in prompts.values():
+            client.matches(t, validate=False)  # warm (holders resolved, chunk sets read)
+    names = list(prompts)
+    lat = {(m, p): [] for m in clients for p in names}
+    cpu = {(m, p): 0.0 for m in clients for p in names}
+    got = {}
+    order = [(m, c, p, prompts[p]) for m, (c, _r) in clients.items() for p in names]
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(lat) < 10:
-        t = time.perf_counter()
-        got = client.matches(tokens, validate=False)
-        lat.append(time.perf_counter() - t)
-    cpu = time.process_time() - c0
-    busy = redis_usec(r) - u0
-    rcpu = redis_cpu_s(r) - rc0
-    lat.sort()
-    return {"n": len(lat), "matched": len(got), "p50_ms": round(percentile(lat, 50) * 1000, 3),
-            "p99_ms": round(percentile(lat, 99) * 1000, 3),
-            "cpu_ms_per_lookup": round(cpu * 1000 / len(lat), 3),
-            "redis_ms_per_lookup": round(busy / 1000 / len(lat), 3),
-            "redis_cpu_ms_per_lookup": round(rcpu * 1000 / len(lat), 3)}
+    turn = 0
+    while time.perf_counter() < end or turn < 20:
+        for m, client, p, tokens in (order if turn % 2 == 0 else order[::-1]):
+            c0 = time.process_time()
+            t = time.perf_counter()
+            got[m, p] = client.matches(tokens, validate=False)
+            lat[m, p].append(time.perf_counter() - t)
+            cpu[m, p] += time.process_time() - c0
+        turn += 1
+    out: dict = {}
+    for (m, p), ls in lat.items():
+        ls.sort()
+        out.setdefault(m, {})[p] = {"n": len(ls), "matched": len(got[m, p]),
+                                    "p50_ms": round(percentile(ls, 50) * 1000, 3),
+                                    "p99_ms": round(percentile(ls, 99) * 1000, 3),
+                                    "cpu_ms_per_lookup": round(cpu[m, p] * 1000 / len(ls), 3)}
+    return out
 
 
-def renewing(store: Store, stop: threading.Event) -> threading.Thread:
-    """A thread renewing the leases of every instance owned by "bench-sidecar", every second."""
-    def loop() -> None:
-        while not stop.wait(1.0):
-            store.renew("bench-sidecar")
-    t = threading.Thread(target=loop, daemon=True)
-    t.start()
-    return t
+def redis_per_lookup(client: Client, r, prompts: dict[str, list[int]], seconds: float, blocks: int) -> dict:
+    """Redis busy time per lookup of each prompt, in ``blocks`` alternating blocks."""
+    tot = {p: [0, 0.0, 0] for p in prompts}  # usec, cpu s, lookups
+    for b in range(blocks):
+        for p in (list(prompts) if b % 2 == 0 else list(prompts)[::-1]):
+            tokens = prompts[p]
+            u0, rc0, n = redis_usec(r), redis_cpu_s(r), 0
+            end = time.perf_counter() + seconds / blocks
+            while time.perf_counter() < end or n < 10:
+                client.matches(tokens, validate=False)
+                n += 1
+            tot[p][0] += redis_usec(r) - u0
+            tot[p][1] += redis_cpu_s(r) - rc0
+            tot[p][2] += n
+    return {p: {"redis_ms_per_lookup": round(u / 1000 / n, 3), "redis_cpu_ms_per_lookup": round(c * 1000 / n, 3)}
+            for p, (u, c, n) in tot.items()}
 
 
 def run(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds: float = 2.0, rounds: int = 1,
         leases: bool = True, http: bool = True, with_cluster: bool = True) -> dict:
     ttl = 30.0 if leases else 0.0
-    out: dict = {"seconds_per_point": seconds, "modes": list(MODES), "leases": leases, "points": []}
-    stop = threading.Event()
+    out: dict = {"seconds_per_point": seconds, "rounds": rounds, "ref_holders": REF_HOLDERS, "leases": leases,
+                 "interleaved": "per request", "points": []}
     cluster = None
+    renewer = None
     with Procs() as procs:
         url = procs.start_redis()
         r = connect(url)
@@ -102,62 +159,91 @@ def run(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds: flo
             cluster = LocalCluster(procs.tmp / "cluster", masters=3, replicas=0)
             curl = cluster.start()
             backends["cluster"] = (connect(curl, cluster=True), curl, True)
-        out["modes"] = [*MODES, *(["cluster"] if with_cluster else [])]
         stores = {b: Store(c, instance_ttl_s=ttl) for b, (c, _u, _k) in backends.items()}
         clients = {m: (Client(redis=connect(url), instance_ttl_s=ttl, cache_reads=c), r) for m, c in MODES.items()}
         if with_cluster:
             rc, curl, _ = backends["cluster"]
-            clients["cluster"] = (Client(redis=connect(curl, cluster=True), instance_ttl_s=ttl), rc)
+            for m, c in CLUSTER_MODES.items():
+                clients[m] = (Client(redis=connect(curl, cluster=True), instance_ttl_s=ttl, cache_reads=c), rc)
+        out["modes"] = list(clients)
         if leases:
-            for _c, u, k in backends.values():
-                renewing(Store(connect(u, cluster=k), instance_ttl_s=ttl), stop)
+            renewer = Renewer([Store(connect(u, cluster=k), instance_ttl_s=ttl) for _c, u, k in backends.values()])
         base = procs.start_controller(url) if http else None
         try:
-            _points(out, stores, clients, lengths, holder_counts, seconds, rounds, leases, base, procs)
+            _points(out, stores, clients, lengths, holder_counts, seconds, rounds, renewer, base, procs)
         finally:
-            stop.set()
+            if renewer is not None:
+                renewer.stop.set()
             r.close()
             if cluster is not None:
                 cluster.stop()
     return out
 
 
-def _points(out, stores, clients, lengths, holder_counts, seconds, rounds, leases, base, procs) -> None:
-    """Each holder count: the fleet grown to it on every backend, then each length timed."""
-    held = 0
+def _fleet(stores, renewer, tokens: list[int], names: list[str]) -> None:
+    for store in stores.values():
+        hold(store, tokens, names)
+        if renewer is not None:
+            for inst in names:
+                store.own("bench-sidecar", inst)
+
+
+def _points(out, stores, clients, lengths, holder_counts, seconds, rounds, renewer, base, procs) -> None:
+    """The reference prompt held by REF_HOLDERS instances; each holder count N its own prompt
+    held by N instances; each point the two timed interleaved."""
+    top = max(lengths)
+    ref = prompt(top, 7)
+    _fleet(stores, renewer, ref, [f"ref-{i}" for i in range(REF_HOLDERS)])
     for n in sorted(holder_counts):
-        p = prompt(max(lengths), 7)
-        fleet = [f"fleet-{i}" for i in range(held, n)]
-        for store in stores.values():
-            hold(store, p, fleet)  # the same prompt, more holders
-            if leases:
-                for inst in fleet:
-                    store.own("bench-sidecar", inst)
-        held = n
+        held = prompt(top, 1000 + n)
+        _fleet(stores, renewer, held, [f"fleet-{i}" for i in range(n)])
         for length in lengths:
-            row = {"tokens": length, "holders": n}
-            for _ in range(rounds):
-                for mode, (client, rr) in clients.items():
-                    got = time_lookups(client, rr, p[:length], seconds)
-                    best = row.get(mode)
-                    if best is None or got["p50_ms"] < best["p50_ms"]:
-                        row[mode] = got
-                if base:
-                    body = procs.tmp / "holders-body.pkl"
-                    body.write_bytes(pickle.dumps([json.dumps({"tokens": p[:length]}).encode()]))
-                    got = {k: v for k, v in _load(base, body, 1, seconds).items()
-                           if k in ("requests", "req_s", "p50_ms", "p99_ms")}
-                    if "http_c1" not in row or got["p50_ms"] < row["http_c1"]["p50_ms"]:
-                        row["http_c1"] = got
-            progress.note(f"  {length} tokens, {n} holders: " + " | ".join(
-                f"{m} p50 {row[m]['p50_ms']} p99 {row[m]['p99_ms']} ms cpu {row[m]['cpu_ms_per_lookup']} "
-                f"redis {row[m]['redis_ms_per_lookup']} ms (cpu {row[m]['redis_cpu_ms_per_lookup']})" for m in clients)
-                + (f" | HTTP p50 {row['http_c1']['p50_ms']} p99 {row['http_c1']['p99_ms']} ms" if base else ""))
+            prompts = {"ref": ref[:length], "n": held[:length]}
+            row: dict = {"tokens": length, "holders": n, "ref_holders": REF_HOLDERS}
+            if renewer is not None:
+                renewer.renew_now()
+            with renewer.paused() if renewer is not None else _Null():
+                row.update(interleaved(clients, prompts, seconds * rounds))
+                for m, (client, rr) in clients.items():
+                    for p, got in redis_per_lookup(client, rr, prompts, seconds, 2 * rounds).items():
+                        row[m][p].update(got)
+            for m in clients:
+                row[m]["p50_ratio"] = round(row[m]["n"]["p50_ms"] / row[m]["ref"]["p50_ms"], 2)
+                row[m]["p99_ratio"] = round(row[m]["n"]["p99_ms"] / row[m]["ref"]["p99_ms"], 2)
+            if base:
+                row["http_c1"] = _http(base, procs, prompts, seconds, rounds)
+            progress.note(f"  {length} tokens, {n} vs {REF_HOLDERS} holders: " + " | ".join(
+                f"{m} p50 {row[m]['n']['p50_ms']}/{row[m]['ref']['p50_ms']} ms ({row[m]['p50_ratio']}x) "
+                f"p99 {row[m]['n']['p99_ms']}/{row[m]['ref']['p99_ms']} ({row[m]['p99_ratio']}x) "
+                f"cpu {row[m]['n']['cpu_ms_per_lookup']} redis {row[m]['n']['redis_ms_per_lookup']} ms"
+                for m in clients)
+                + (f" | HTTP p50 {row['http_c1']['n']['p50_ms']}/{row['http_c1']['ref']['p50_ms']} ms" if base else ""))
             out["points"].append(row)
 
 
+def _http(base, procs, prompts, seconds, rounds) -> dict:
+    """Each prompt over HTTP at c=1, in alternating rounds (each prompt's best round by p50)."""
+    best: dict = {}
+    for i in range(max(rounds, 2)):
+        for p in (list(prompts) if i % 2 == 0 else list(prompts)[::-1]):
+            body = procs.tmp / "holders-body.pkl"
+            body.write_bytes(pickle.dumps([json.dumps({"tokens": prompts[p]}).encode()]))
+            got = {k: v for k, v in _load(base, body, 1, seconds / 2).items()
+                   if k in ("requests", "req_s", "p50_ms", "p99_ms")}
+            if p not in best or got["p50_ms"] < best[p]["p50_ms"]:
+                best[p] = got
+    return best
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 if __name__ == "__main__":
-    import json
     import sys
 
     counts = tuple(int(x) for x in sys.argv[1].split(",")) if len(sys.argv) > 1 else (1, 8, 64, 512, 1024)
