@@ -6,11 +6,12 @@ N instances with another prompt of the same length held by :data:`REF_HOLDERS` (
 same Redis (and the same cluster), looked up in process (``Client.matches``).
 
 Latency is measured **interleaved per request**: one loop looks up the reference prompt and the
-N-holder prompt in turn, on every read path in turn (which goes first alternates each pass), so a
-moment of box noise, a GC pass, a lease renewal or a RESOLVE lands on both prompts alike; the
-ratio p50(N) / p50(ref) (and p99) is quoted from those same samples. The caller's CPU is
+N-holder prompt in turn (which goes first alternates each pass), so a moment of box noise, a GC
+pass or a RESOLVE lands on both prompts alike; the read paths take turns (``rounds`` of
+``seconds`` each, in alternating order), every sample of a prompt counts, and the ratio
+p50(N) / p50(ref) (and p99) is quoted from those same samples. The caller's CPU is
 ``time.process_time`` around each request (nothing else runs in this process while a point is
-timed but the lease renewer, paused then: see below).
+timed: the lease renewer is paused, see below).
 
 Redis busy time per lookup is measured apart, in alternating blocks of one prompt's lookups
 (``INFO commandstats`` usec deltas over every command but ``INFO`` itself, every master, divided
@@ -27,19 +28,19 @@ the lease renewer paused during each block so its ``TOUCH`` calls are not counte
 leases=True (the default, as a deployment): every instance has a 30 s liveness lease that a
 thread renews every second (as a sidecar does) and lookups check it; the renewer is paused
 while a point is timed (a point lasts far less than a lease). http: also each point over HTTP at
-concurrency 1 (``kvlookup controller``, gunicorn uvicorn:2, its defaults), the two prompts in
-alternating rounds.
+concurrency 1 (``kvlookup controller``, gunicorn uvicorn:2, its defaults), the two prompts
+interleaved per request on one keep-alive connection.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
-import pickle
 import threading
 import time
+from urllib.parse import urlsplit
 
 from kvlookup.bench import progress
-from kvlookup.bench.compare import _load
 from kvlookup.bench.loadgen import percentile
 from kvlookup.bench.procs import Procs
 from kvlookup.bench.sweeps import hold, prompt
@@ -95,34 +96,37 @@ class Renewer:
         return self.lock
 
 
-def interleaved(clients: dict, prompts: dict[str, list[int]], seconds: float) -> dict:
-    """Per mode and prompt: latency and caller CPU of each request, the prompts (and modes)
-    looked up in turn in one loop."""
-    for client, _r in clients.values():
-        for t in prompts.values():
-            client.matches(t, validate=False)  # warm (holders resolved, chunk sets read)
+def interleaved(client: Client, prompts: dict[str, list[int]], seconds: float, acc: dict | None = None) -> dict:
+    """Per prompt: latency and caller CPU of each request, the prompts looked up in turn in one
+    loop (which goes first alternates each pass); added to ``acc`` (samples of earlier rounds)."""
+    for t in prompts.values():
+        client.matches(t, validate=False)  # warm (holders resolved, chunk sets read)
     names = list(prompts)
-    lat = {(m, p): [] for m in clients for p in names}
-    cpu = {(m, p): 0.0 for m in clients for p in names}
-    got = {}
-    order = [(m, c, p, prompts[p]) for m, (c, _r) in clients.items() for p in names]
+    acc = acc if acc is not None else {}
+    for p in names:
+        acc.setdefault(p, {"lat": [], "cpu": 0.0, "matched": 0})
     end = time.perf_counter() + seconds
     turn = 0
     while time.perf_counter() < end or turn < 20:
-        for m, client, p, tokens in (order if turn % 2 == 0 else order[::-1]):
+        for p in (names if turn % 2 == 0 else names[::-1]):
+            tokens, a = prompts[p], acc[p]
             c0 = time.process_time()
             t = time.perf_counter()
-            got[m, p] = client.matches(tokens, validate=False)
-            lat[m, p].append(time.perf_counter() - t)
-            cpu[m, p] += time.process_time() - c0
+            a["matched"] = len(client.matches(tokens, validate=False))
+            a["lat"].append(time.perf_counter() - t)
+            a["cpu"] += time.process_time() - c0
         turn += 1
-    out: dict = {}
-    for (m, p), ls in lat.items():
-        ls.sort()
-        out.setdefault(m, {})[p] = {"n": len(ls), "matched": len(got[m, p]),
-                                    "p50_ms": round(percentile(ls, 50) * 1000, 3),
-                                    "p99_ms": round(percentile(ls, 99) * 1000, 3),
-                                    "cpu_ms_per_lookup": round(cpu[m, p] * 1000 / len(ls), 3)}
+    return acc
+
+
+def summary(acc: dict) -> dict:
+    """p50/p99 (ms) and caller CPU (ms per lookup) of each prompt's samples."""
+    out = {}
+    for p, a in acc.items():
+        ls = sorted(a["lat"])
+        out[p] = {"n": len(ls), "matched": a["matched"], "p50_ms": round(percentile(ls, 50) * 1000, 3),
+                  "p99_ms": round(percentile(ls, 99) * 1000, 3),
+                  "cpu_ms_per_lookup": round(a["cpu"] * 1000 / len(ls), 3)}
     return out
 
 
@@ -203,7 +207,13 @@ def _points(out, stores, clients, lengths, holder_counts, seconds, rounds, renew
             if renewer is not None:
                 renewer.renew_now()
             with renewer.paused() if renewer is not None else _Null():
-                row.update(interleaved(clients, prompts, seconds * rounds))
+                modes = list(clients)
+                acc: dict = {m: {} for m in modes}
+                for i in range(rounds):  # the modes in turn, in alternating order
+                    for m in (modes if i % 2 == 0 else modes[::-1]):
+                        interleaved(clients[m][0], prompts, seconds, acc[m])
+                for m in modes:
+                    row[m] = summary(acc[m])
                 for m, (client, rr) in clients.items():
                     for p, got in redis_per_lookup(client, rr, prompts, seconds, 2 * rounds).items():
                         row[m][p].update(got)
@@ -211,28 +221,50 @@ def _points(out, stores, clients, lengths, holder_counts, seconds, rounds, renew
                 row[m]["p50_ratio"] = round(row[m]["n"]["p50_ms"] / row[m]["ref"]["p50_ms"], 2)
                 row[m]["p99_ratio"] = round(row[m]["n"]["p99_ms"] / row[m]["ref"]["p99_ms"], 2)
             if base:
-                row["http_c1"] = _http(base, procs, prompts, seconds, rounds)
+                row["http_c1"] = _http(base, prompts, seconds, rounds)
             progress.note(f"  {length} tokens, {n} vs {REF_HOLDERS} holders: " + " | ".join(
                 f"{m} p50 {row[m]['n']['p50_ms']}/{row[m]['ref']['p50_ms']} ms ({row[m]['p50_ratio']}x) "
                 f"p99 {row[m]['n']['p99_ms']}/{row[m]['ref']['p99_ms']} ({row[m]['p99_ratio']}x) "
                 f"cpu {row[m]['n']['cpu_ms_per_lookup']} redis {row[m]['n']['redis_ms_per_lookup']} ms"
                 for m in clients)
-                + (f" | HTTP p50 {row['http_c1']['n']['p50_ms']}/{row['http_c1']['ref']['p50_ms']} ms" if base else ""))
+                + (f" | HTTP p50 {row['http_c1']['n']['p50_ms']}/{row['http_c1']['ref']['p50_ms']} ms "
+                   f"({row['http_c1']['p50_ratio']}x) p99 {row['http_c1']['n']['p99_ms']}/"
+                   f"{row['http_c1']['ref']['p99_ms']} ({row['http_c1']['p99_ratio']}x)" if base else ""))
             out["points"].append(row)
 
 
-def _http(base, procs, prompts, seconds, rounds) -> dict:
-    """Each prompt over HTTP at c=1, in alternating rounds (each prompt's best round by p50)."""
-    best: dict = {}
-    for i in range(max(rounds, 2)):
-        for p in (list(prompts) if i % 2 == 0 else list(prompts)[::-1]):
-            body = procs.tmp / "holders-body.pkl"
-            body.write_bytes(pickle.dumps([json.dumps({"tokens": prompts[p]}).encode()]))
-            got = {k: v for k, v in _load(base, body, 1, seconds / 2).items()
-                   if k in ("requests", "req_s", "p50_ms", "p99_ms")}
-            if p not in best or got["p50_ms"] < best[p]["p50_ms"]:
-                best[p] = got
-    return best
+def _http(base, prompts, seconds, rounds) -> dict:
+    """Each prompt over HTTP at c=1, interleaved per request on one keep-alive connection (the
+    controller's answer is read whole; its size grows with the holders: a complete layout)."""
+    parts = urlsplit(base)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    headers = {"Content-Type": "application/json", "Connection": "keep-alive"}
+    bodies = {p: json.dumps({"tokens": t}).encode() for p, t in prompts.items()}
+    lat: dict[str, list[float]] = {p: [] for p in prompts}
+    size = dict.fromkeys(prompts, 0)
+    names = list(prompts)
+    end = time.perf_counter() + seconds * rounds
+    turn = 0
+    while time.perf_counter() < end or turn < 20:
+        for p in (names if turn % 2 == 0 else names[::-1]):
+            t = time.perf_counter()
+            conn.request("POST", "/lookup", bodies[p], headers)
+            resp = conn.getresponse()
+            size[p] = len(resp.read())
+            if resp.status != 200:
+                raise RuntimeError(f"/lookup answered {resp.status}")
+            if turn >= 4:  # warm-up: both workers have read both prompts
+                lat[p].append(time.perf_counter() - t)
+        turn += 1
+    conn.close()
+    out: dict = {}
+    for p, ls in lat.items():
+        ls.sort()
+        out[p] = {"requests": len(ls), "p50_ms": round(percentile(ls, 50) * 1000, 3),
+                  "p99_ms": round(percentile(ls, 99) * 1000, 3), "response_bytes": size[p]}
+    out["p50_ratio"] = round(out["n"]["p50_ms"] / out["ref"]["p50_ms"], 2)
+    out["p99_ratio"] = round(out["n"]["p99_ms"] / out["ref"]["p99_ms"], 2)
+    return out
 
 
 class _Null:
