@@ -11,7 +11,7 @@ pass or a RESOLVE lands on both prompts alike; the read paths take turns (``roun
 ``seconds`` each, in alternating order), every sample of a prompt counts, and the ratio
 p50(N) / p50(ref) (and p99) is quoted from those same samples. The caller's CPU is
 ``time.process_time`` around each request (nothing else runs in this process while a point is
-timed: the lease renewer is paused, see below).
+timed but the lease renewer, see below).
 
 Redis busy time per lookup is measured apart, in alternating blocks of one prompt's lookups
 (``INFO commandstats`` usec deltas over every command but ``INFO`` itself, every master, divided
@@ -26,8 +26,10 @@ the lease renewer paused during each block so its ``TOUCH`` calls are not counte
   kvlookup.index.cluster_cache); ``cluster-off``: the same with ``lookup_cache: off``.
 
 leases=True (the default, as a deployment): every instance has a 30 s liveness lease that a
-thread renews every second (as a sidecar does) and lookups check it; the renewer is paused
-while a point is timed (a point lasts far less than a lease). http: also each point over HTTP at
+thread of this process renews every second (as a sidecar does; its calls land on both prompts
+alike) and lookups check it; it is paused only during each Redis block (far shorter than a
+lease). A lapsed lease is not what this measures: a holder whose lease has lapsed costs a
+RESOLVE on every lookup (docs/benchmarks-notes.md, "Holder fan-out"). http: also each point over HTTP at
 concurrency 1 (``kvlookup controller``, gunicorn uvicorn:2, its defaults), the two prompts
 interleaved per request on one keep-alive connection.
 """
@@ -87,10 +89,10 @@ class Renewer:
                 for store in self.stores:
                     store.renew("bench-sidecar")
 
-    def renew_now(self) -> None:
-        with self.lock:
-            for store in self.stores:
-                store.renew("bench-sidecar")
+    def renew_locked(self) -> None:
+        """Renew now (the caller holds :meth:`paused`)."""
+        for store in self.stores:
+            store.renew("bench-sidecar")
 
     def paused(self):
         return self.lock
@@ -130,19 +132,25 @@ def summary(acc: dict) -> dict:
     return out
 
 
-def redis_per_lookup(client: Client, r, prompts: dict[str, list[int]], seconds: float, blocks: int) -> dict:
-    """Redis busy time per lookup of each prompt, in ``blocks`` alternating blocks."""
+def redis_per_lookup(client: Client, r, prompts: dict[str, list[int]], seconds: float, blocks: int,
+                     renewer: Renewer | None = None) -> dict:
+    """Redis busy time per lookup of each prompt, in ``blocks`` alternating blocks; the leases
+    renewed before each block and the renewer held off during it (its TOUCH calls not counted)."""
     tot = {p: [0, 0.0, 0] for p in prompts}  # usec, cpu s, lookups
     for b in range(blocks):
         for p in (list(prompts) if b % 2 == 0 else list(prompts)[::-1]):
             tokens = prompts[p]
-            u0, rc0, n = redis_usec(r), redis_cpu_s(r), 0
-            end = time.perf_counter() + seconds / blocks
-            while time.perf_counter() < end or n < 10:
-                client.matches(tokens, validate=False)
-                n += 1
-            tot[p][0] += redis_usec(r) - u0
-            tot[p][1] += redis_cpu_s(r) - rc0
+            with renewer.paused() if renewer is not None else _Null():
+                if renewer is not None:
+                    renewer.renew_locked()
+                client.matches(tokens, validate=False)  # holders known again after the renewal
+                u0, rc0, n = redis_usec(r), redis_cpu_s(r), 0
+                end = time.perf_counter() + seconds / blocks
+                while time.perf_counter() < end or n < 10:
+                    client.matches(tokens, validate=False)
+                    n += 1
+                tot[p][0] += redis_usec(r) - u0
+                tot[p][1] += redis_cpu_s(r) - rc0
             tot[p][2] += n
     return {p: {"redis_ms_per_lookup": round(u / 1000 / n, 3), "redis_cpu_ms_per_lookup": round(c * 1000 / n, 3)}
             for p, (u, c, n) in tot.items()}
@@ -204,19 +212,16 @@ def _points(out, stores, clients, lengths, holder_counts, seconds, rounds, renew
         for length in lengths:
             prompts = {"ref": ref[:length], "n": held[:length]}
             row: dict = {"tokens": length, "holders": n, "ref_holders": REF_HOLDERS}
-            if renewer is not None:
-                renewer.renew_now()
-            with renewer.paused() if renewer is not None else _Null():
-                modes = list(clients)
-                acc: dict = {m: {} for m in modes}
-                for i in range(rounds):  # the modes in turn, in alternating order
-                    for m in (modes if i % 2 == 0 else modes[::-1]):
-                        interleaved(clients[m][0], prompts, seconds, acc[m])
-                for m in modes:
-                    row[m] = summary(acc[m])
-                for m, (client, rr) in clients.items():
-                    for p, got in redis_per_lookup(client, rr, prompts, seconds, 2 * rounds).items():
-                        row[m][p].update(got)
+            modes = list(clients)
+            acc: dict = {m: {} for m in modes}
+            for i in range(rounds):  # the modes in turn, in alternating order
+                for m in (modes if i % 2 == 0 else modes[::-1]):
+                    interleaved(clients[m][0], prompts, seconds, acc[m])
+            for m in modes:
+                row[m] = summary(acc[m])
+            for m, (client, rr) in clients.items():
+                for p, got in redis_per_lookup(client, rr, prompts, seconds, 2 * rounds, renewer).items():
+                    row[m][p].update(got)
             for m in clients:
                 row[m]["p50_ratio"] = round(row[m]["n"]["p50_ms"] / row[m]["ref"]["p50_ms"], 2)
                 row[m]["p99_ratio"] = round(row[m]["n"]["p99_ms"] / row[m]["ref"]["p99_ms"], 2)
