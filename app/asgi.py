@@ -15,16 +15,19 @@ Every request body is read here first, within ``max_body_bytes`` (413) and ``bod
 cached reads does no I/O, so it runs in the loop; one that must ask Redis (``lookup_cache:
 off``, Redis Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup.index.tracking's
 ``LOCAL_ONLY`` / ``NeedsRedis``) runs in the thread pool, so a slow round trip never holds
-the other connections. Every explain and every lookup with a large body (decoded and hashed
-off the loop) runs in a small bounded pool of its own (HEAVY_THREADS), so they never delay
-/health or ordinary lookups; when it is full they are answered 503. An explain is answered by
-a child process of the worker (:mod:`app.explain_pool`), so its CPU-bound walk and reply
-parsing do not hold this process's GIL while /health waits for it.
+the other connections; one whose missing chunks were all missed for the first time (a fresh
+prompt) is read there by digest, untracked (:data:`FIRST_MISS`). Every explain and every
+lookup with a large body (decoded and hashed off the loop) runs in a small bounded pool of its
+own (HEAVY_THREADS), so they never delay /health or ordinary lookups; when it is full they are
+answered 503. An explain is answered by a child process of the worker (:mod:`app.explain_pool`),
+so its CPU-bound walk and reply parsing do not hold this process's GIL while /health waits for
+it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +42,7 @@ from kvlookup.app.body import declared_length
 from kvlookup.app.errors import ApiError, json_bytes
 from kvlookup.app.explain_pool import ExplainPool
 from kvlookup.app.lookup import EXPLAIN_PATH, LookupRoute
-from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
+from kvlookup.index.tracking import LOCAL_ONLY, UNTRACKED, NeedsRedis
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -57,6 +60,14 @@ BIG_BODY_BYTES = 64 * 1024
 #: How long a thread holds the GIL before it must hand it over (CPython's default is 5 ms): a
 #: request waiting behind a CPU-bound explain gets it back within this.
 SWITCH_INTERVAL_S = 0.0005
+#: How a lookup the copies could not answer, all of whose missing chunks were missed for the
+#: first time (a fresh prompt's new chunk), is read: ``digest`` (the default: by digest, as
+#: ``lookup_cache: off`` reads, untracked; a chunk missed again is read tracked and kept) or
+#: ``tracked`` (through the copies, ``CLIENT CACHING YES`` + ``ZRANGE``; 0.92x the throughput
+#: and 1.15x the CPU on fresh prompts, docs/benchmarks-notes.md "Fresh prompts, third pass").
+FIRST_MISS = os.environ.get("KVLOOKUP_FIRST_MISS", "digest")
+#: Where the event-loop attempt leaves, in the request's ``keep``, that the thread reads by digest.
+FIRST_MISS_KEY = "kvlookup.first_miss"
 
 
 class AsgiController:
@@ -113,7 +124,8 @@ class AsgiController:
         if heavy:
             answer = await self._heavy(args, path == EXPLAIN_PATH)
         elif answer is None:  # the request decoded in the loop (in ``keep``) is not decoded again
-            answer = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self.route.respond, *args)
+            answer = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self._respond_there, args,
+                                                                      keep.pop(FIRST_MISS_KEY, False))
         status, body, headers = answer
         await send_json(send, status, body, headers)
         self.route.count(keep)  # counted, and the decoded request freed, after the answer is out
@@ -141,10 +153,23 @@ class AsgiController:
         token = LOCAL_ONLY.set(True)
         try:
             return self.route.respond(*args)
-        except NeedsRedis:
+        except NeedsRedis as exc:
+            if exc.first_miss and FIRST_MISS == "digest":
+                args[4][FIRST_MISS_KEY] = True
             return None
         finally:
             LOCAL_ONLY.reset(token)
+
+    def _respond_there(self, args: tuple, untracked: bool) -> tuple:
+        """The answer from a pool thread (may wait on Redis); ``untracked``: read by digest,
+        not through the copies (a fresh prompt's new chunk, :data:`FIRST_MISS`)."""
+        if not untracked:
+            return self.route.respond(*args)
+        token = UNTRACKED.set(True)
+        try:
+            return self.route.respond(*args)
+        finally:
+            UNTRACKED.reset(token)
 
     async def read(self, scope: dict, receive: Receive) -> bytes:
         """The whole body; ApiError 400 (bad Content-Length), 408 (too slow), 413 (too large)."""

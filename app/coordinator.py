@@ -36,6 +36,7 @@ from kvlookup.app import mp_metrics
 from kvlookup.app.errors import json_bytes
 from kvlookup.index.mp import ChunkSizeConflict, HeldBySidecar, MPDirectory
 from kvlookup.wire import lmcache_mp as W
+from kvlookup.wire.mp_tokens import decode_tokens_form
 
 log = logging.getLogger(__name__)
 bp = Blueprint("coordinator", __name__)
@@ -170,6 +171,9 @@ def directory_lookup(d: MPDirectory, data: bytes) -> tuple[int, bytes]:
     """``POST /directory/lookup`` from the raw body to (status, JSON answer): the keys form, or
     the tokens form (``model_name`` required; 400 over :data:`MAX_LOOKUP_TOKENS` ids or a bad
     salt); 422 ``{"error", "detail"}`` naming the field for a bad body."""
+    form = decode_tokens_form(data)  # the plain tokens form, ids packed for the hash (no int objects)
+    if form is not None:
+        return _tokens_lookup(d, form.packed, form.n_ids, form.model_name, form.world_size, form.cache_salt)
     try:
         req = W.decode(data, W.DirectoryLookupRequest)
     except W.MPBodyError as exc:
@@ -180,11 +184,17 @@ def directory_lookup(d: MPDirectory, data: bytes) -> tuple[int, bytes]:
         return 200, json_bytes({"chunks": len(req.keys), "results": d.lookup_keys(req.keys)})
     if req.model_name is None:
         return _fail(422, "invalid request: 'model_name' is required with 'token_ids'")
-    if len(req.token_ids) > MAX_LOOKUP_TOKENS:
-        return _fail(400, f"'token_ids' has {len(req.token_ids)} ids, more than {MAX_LOOKUP_TOKENS}")
+    return _tokens_lookup(d, req.token_ids, len(req.token_ids), req.model_name, req.world_size, req.cache_salt)
+
+
+def _tokens_lookup(d: MPDirectory, ids: list[int] | memoryview, count: int, model_name: str, world_size: int,
+                   cache_salt: str) -> tuple[int, bytes]:
+    """The tokens form's answer; 400 over :data:`MAX_LOOKUP_TOKENS` ids, for a bad salt or an id MP cannot hash."""
+    if count > MAX_LOOKUP_TOKENS:
+        return _fail(400, f"'token_ids' has {count} ids, more than {MAX_LOOKUP_TOKENS}")
     try:
-        W.check_salt(req.cache_salt, "$.cache_salt")
-        return 200, d.lookup_tokens_json(req.token_ids, req.model_name, req.world_size, req.cache_salt)
+        W.check_salt(cache_salt, "$.cache_salt")
+        return 200, d.lookup_tokens_json(ids, model_name, world_size, cache_salt)
     except (W.MPBodyError, ValueError) as exc:
         return _fail(400, str(exc))
 

@@ -1,12 +1,15 @@
 """``kvlookup bench fresh``: prompts whose last chunk is new (a new turn: what a router sees),
 kvlookup (cached reads on, the default; ``lookup_cache: off``; and, with ``designs``, variants
-of the default: ``nocork``, uvicorn's two writes per response) beside LMCache 0.5.6's
-controller, with the CPU each request costs.
+of the default, :func:`design_env`) beside LMCache 0.5.6's controller, with the CPU each
+request costs.
 
-Every body differs: the held prefix of one prompt per length, then a last chunk of random
-tokens (a prompt of one chunk or less, 12 and 256 tokens, is new entirely). 2,000 bodies per
-length, taken in turn by wrk (bench.wrkload: its C client keeps the load generator out of the
-measurement). Both indexes are fed the same 0.5.6 worker traffic (8 instances, instance i
+Every body differs, within a run and across runs: the held prefix of one prompt per length,
+then a last chunk of random tokens (a prompt of one chunk or less, 12 and 256 tokens, is new
+entirely) that wrk's Lua script draws for each request (bench.wrkload: its C client keeps the
+load generator out of the measurement). Until 2026-12-02 14:00 UTC the bodies were 2,000 per
+length taken in turn, so each "fresh" chunk came back every 2,000 requests.
+
+Both indexes are fed the same 0.5.6 worker traffic (8 instances, instance i
 holding the first (i + 1) / 8 of each prompt's chunks). CPU per request: user + system time of
 the target's process tree (kvlookup: controller with its gunicorn workers, its Redis and its
 sidecar; LMCache: its controller) over the run, from /proc, divided by the requests answered.
@@ -15,6 +18,7 @@ Targets alternate at each point (order reversed at odd concurrencies).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -28,18 +32,19 @@ from kvlookup.bench.procs import Procs, wrk_and_lmcache
 from kvlookup.bench.wrkload import FIRST_WARMUP_S, WARMUP_S, feed_prompts
 from kvlookup.hashing.lmcache import HashProfile
 
-#: Bodies per prompt length.
-BODIES = 2000
-
 LUA = """wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-local bodies = {{}}
-for line in io.lines("{path}") do bodies[#bodies + 1] = line end
-local i = 0
-init = function(args) i = math.random(#bodies) end
+local head, tail = '{head}', {tail}
+local n = 0
+setup = function(thread)
+  n = n + 1
+  thread:set("id", n)
+end
+init = function(args) math.randomseed({seed} + 7919 * id) end
 request = function()
-  i = i % #bodies + 1
-  return wrk.format(nil, nil, nil, bodies[i])
+  local t = {{}}
+  for j = 1, tail do t[j] = math.random(0, 127999) end
+  return wrk.format(nil, nil, nil, head .. table.concat(t, ",") .. "]}}")
 end
 done = function(summary, latency, requests)
   io.write(string.format("RESULT %d %d %f %f %f\\n", summary.requests, summary.errors.status + summary.errors.read
@@ -47,6 +52,7 @@ done = function(summary, latency, requests)
     latency:percentile(99), summary.duration))
 end
 """
+_SEEDS = itertools.count(int(time.time()) % 100_000 * 1000)
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -74,9 +80,13 @@ def tree_cpu_s(pids: list[int]) -> float:
     return sum(cpu.get(p, 0.0) for p in want)
 
 
-def wrk(url: str, bodies: Path, concurrency: int, seconds: float, tmp: Path) -> dict:
-    script = tmp / f"fresh-{bodies.stem}.lua"
-    script.write_text(LUA.format(path=bodies))
+def wrk(url: str, prompt: list[int], concurrency: int, seconds: float, tmp: Path) -> dict:
+    """wrk at ``concurrency`` for ``seconds``, every body :func:`fresh_body` of ``prompt``: its
+    last chunk's tokens drawn by the Lua script for each request (seeded anew for every run and
+    thread), so no body repeats, within a run or across runs."""
+    head, tail = fresh_split(prompt)
+    script = tmp / f"fresh-{len(prompt)}.lua"
+    script.write_text(LUA.format(head=head, tail=tail, seed=next(_SEEDS)))
     cmd = ["wrk", "-t", str(min(concurrency, 4)), "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s",
            "-s", str(script), url + "/lookup"]
     try:
@@ -91,22 +101,27 @@ def wrk(url: str, bodies: Path, concurrency: int, seconds: float, tmp: Path) -> 
             "p99_ms": round(p99 / 1000, 3), "errors": errors}
 
 
-def fresh_bodies(prompt: list[int], n: int, rng: random.Random) -> list[str]:
-    """``n`` bodies: ``prompt`` with its last chunk (all of it when it is one chunk or less) new."""
+def fresh_split(prompt: list[int]) -> tuple[str, int]:
+    """(the JSON body's text up to its new tokens, how many new tokens): ``prompt`` with its last
+    chunk (all of it when it is one chunk or less) new in every body."""
     size = HashProfile().chunk_size
     keep = (len(prompt) - 1) // size * size
-    return [json.dumps({"tokens": prompt[:keep] + [rng.randrange(128_000) for _ in range(len(prompt) - keep)]})
-            for _ in range(n)]
+    head = json.dumps({"tokens": prompt[:keep]})[:-2]  # '{"tokens": [1, 2' (or '{"tokens": [')
+    return head + (", " if keep else ""), len(prompt) - keep
 
 
 def design_env(design: str) -> dict:
     """The environment of a ``designs`` controller: ``nocork`` (uvicorn's two writes per
-    response instead of app.asgi_worker._Coalescing's one). The other designs measured in
-    docs/benchmarks-notes.md "Fresh prompts again" (in-loop reads, the LOOKUP script for a first
-    miss) lost and are kept only on the branch named there."""
-    if design != "nocork":
-        raise ValueError(f"unknown design {design!r}: the one variant is 'nocork'")
-    return {"KVLOOKUP_COALESCE_WRITES": "0"}
+    response instead of app.asgi_worker._Coalescing's one); ``digest`` / ``tracked``
+    (app.asgi.FIRST_MISS: how a lookup whose missing chunks were all missed for the first time
+    is read). The other designs measured in docs/benchmarks-notes.md "Fresh prompts again"
+    (in-loop reads, the LOOKUP script for a first miss) lost and are kept only on the branch
+    named there."""
+    envs = {"nocork": {"KVLOOKUP_COALESCE_WRITES": "0"}, "digest": {"KVLOOKUP_FIRST_MISS": "digest"},
+            "tracked": {"KVLOOKUP_FIRST_MISS": "tracked"}}
+    if design not in envs:
+        raise ValueError(f"unknown design {design!r}: one of {', '.join(envs)}")
+    return envs[design]
 
 
 def run(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seconds: float = 2.0,
@@ -141,8 +156,7 @@ def run(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seco
         ws += feed_prompts(kv_pull, kv_reply, list(prompts.values()), instances)
         time.sleep(3)
         for n, tokens in prompts.items():
-            path = procs.tmp / f"fresh{n}.jsonl"
-            path.write_text("\n".join(fresh_bodies(tokens, BODIES, rng)) + "\n")
+            path = tokens
             if n == lengths[0]:
                 for url in urls.values():  # fresh processes: their first seconds are slow
                     wrk(url, path, 1, FIRST_WARMUP_S, procs.tmp)
@@ -165,5 +179,5 @@ def run(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seco
                     f"cpu {row[k]['cpu_ms_per_req']} ms/req" for k in urls) + f" | {row['throughput_ratio']}x")
         for w in ws:
             w.close()
-    return {"instances": instances, "seconds": seconds, "bodies_per_length": BODIES, "rounds": rounds,
-            "designs": list(designs), "rows": rows}
+    return {"instances": instances, "seconds": seconds, "bodies": "every body new (Lua-drawn last chunk)",
+            "rounds": rounds, "designs": list(designs), "rows": rows}

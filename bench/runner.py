@@ -142,7 +142,8 @@ def run_part(name: str, params: dict, args: argparse.Namespace) -> dict:
         res = run(**params)
         for shape, s in res["shapes"].items():
             progress.note(f"  vLLM {shape}: {s['blocks_per_s']:,} blocks/s (CPU per block: sidecar "
-                          f"{s['sidecar_cpu_us_per_block']} us, Redis {s['redis_cpu_us_per_block']} us)")
+                          f"{s['sidecar_cpu_us_per_block']} us, Redis {s['redis_proc_cpu_us_per_block']} us; "
+                          f"commandstats {s['redis_cpu_us_per_block']} us)")
     elif name == "fresh":
         from kvlookup.bench.fresh import run
 

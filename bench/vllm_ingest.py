@@ -7,14 +7,20 @@ earlier ones (every store names its parent, as vLLM does) with 10% of the stored
 removed again later:
 
 - ``prefill``: 32 blocks per BlockStored, 4 stores per batch (prompts being prefilled);
-- ``decode``: 1 block per BlockStored, 16 stores per batch (sequences growing token by token).
+- ``decode``: 1 block per BlockStored, 16 stores per batch (sequences growing token by token);
+- ``decode-map``: the same with each event a map under ``"type"`` (vLLM 0.25+'s encoding; the
+  two above use the positional form of vLLM <= 0.25, which the others relay too).
 
 Each shape is delivered one message per call (``handle_live``: the sidecar keeps up) and in
-groups of 8 (``handle_live_many``: what the sidecar's SUB handler reads at once when it is
-behind; consecutive batches are written as one).
+groups of 8 and 32 (``handle_live_many``: what the sidecar's SUB handler reads at once when it
+is behind, up to ``sidecar.vllm_zmq.MAX_BATCHES_PER_READ`` = 32; consecutive batches are
+written as one).
 
 Reported: blocks/s (wall), the ingesting process's CPU per block (``time.process_time``) and
-Redis's (``INFO commandstats`` usec, every command), per shape and delivery.
+Redis's: ``redis_cpu_us_per_block`` from ``INFO commandstats`` usec (every command: a script's
+own ``redis.call``s are counted again beside its ``EVALSHA``, and a descheduled command's wait is
+in it) and ``redis_proc_cpu_us_per_block`` from ``INFO cpu`` (the server process's CPU, this
+Redis serves nothing else), per shape and delivery.
 """
 
 from __future__ import annotations
@@ -24,19 +30,21 @@ import time
 
 import msgspec
 
-from kvlookup.bench.holders import redis_usec
+from kvlookup.bench.holders import redis_cpu_s, redis_usec
 from kvlookup.bench.procs import Procs
 from kvlookup.index.store import Store
 from kvlookup.proc.redis_server import connect
 from kvlookup.sidecar.vllm_ingest import VllmIngest
 
-SHAPES = {"prefill": (32, 4), "decode": (1, 16)}
+SHAPES = {"prefill": (32, 4), "decode": (1, 16), "decode-map": (1, 16)}
+STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
 BLOCK = 16
 
 
 def batches(shape: str, n_blocks: int, seed: int = 1) -> list[bytes]:
     """Payloads storing about ``n_blocks`` blocks in chains (see the module docstring)."""
     per_store, per_batch = SHAPES[shape]
+    as_map = shape.endswith("-map")
     rng = random.Random(seed)
     next_hash = 1
     tips: list[int] = []  # chain ends a store may continue
@@ -60,11 +68,14 @@ def batches(shape: str, n_blocks: int, seed: int = 1) -> list[bytes]:
             gone, stored = stored[:200], stored[200:]
             tips = [t for t in tips if t not in set(gone)]
             events.append(["BlockRemoved", gone, "GPU"])
+        if as_map:
+            events = [{"type": e[0], **dict(zip(STORED_FIELDS if e[0] == "BlockStored" else ("block_hashes", "medium"),
+                                                e[1:], strict=True))} for e in events]
         out.append(msgspec.msgpack.encode([1_700_000_000.5 + len(out), events, 0]))
     return out
 
 
-def run(blocks: int = 100_000, groups: tuple[int, ...] = (1, 8)) -> dict:
+def run(blocks: int = 100_000, groups: tuple[int, ...] = (1, 8, 32)) -> dict:
     out: dict = {"blocks_per_shape": blocks, "shapes": {}}
     with Procs() as procs:
         url = procs.start_redis()
@@ -73,7 +84,7 @@ def run(blocks: int = 100_000, groups: tuple[int, ...] = (1, 8)) -> dict:
             payloads = batches(shape, blocks)
             ingest = VllmIngest(Store(connect(url), instance_ttl_s=0), f"bench-{shape}-{group}")
             msgs = [[b"kv@bench", seq.to_bytes(8, "big"), p] for seq, p in enumerate(payloads)]
-            u0, c0, t0 = redis_usec(r), time.process_time(), time.perf_counter()
+            u0, p0, c0, t0 = redis_usec(r), redis_cpu_s(r), time.process_time(), time.perf_counter()
             many = getattr(ingest, "handle_live_many", None)  # older checkouts: one message a call
             for i in range(0, len(msgs), group):
                 if many is not None:
@@ -82,11 +93,13 @@ def run(blocks: int = 100_000, groups: tuple[int, ...] = (1, 8)) -> dict:
                     for msg in msgs[i:i + group]:
                         ingest.handle_live(0, msg)
             wall, cpu, busy = time.perf_counter() - t0, time.process_time() - c0, redis_usec(r) - u0
+            proc = redis_cpu_s(r) - p0
             rejected = dict(ingest.rejected)
             out["shapes"][f"{shape}/{group}"] = {"blocks": blocks, "batches": len(payloads), "seconds": round(wall, 3),
                                     "blocks_per_s": round(blocks / wall),
                                     "sidecar_cpu_us_per_block": round(cpu * 1e6 / blocks, 2),
-                                    "redis_cpu_us_per_block": round(busy / blocks, 2), "rejected": rejected}
+                                    "redis_cpu_us_per_block": round(busy / blocks, 2),
+                                    "redis_proc_cpu_us_per_block": round(proc * 1e6 / blocks, 2), "rejected": rejected}
         r.close()
     return out
 

@@ -36,6 +36,7 @@ mirror does not know.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -77,7 +78,7 @@ DEFAULT_MEDIUM = "GPU"
 REMOTE = "REMOTE"
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """Engine map value: our chunk hash, the residencies holding the block, its space ("" in
     entries written before spaces were kept: the rank's legacy block size applies)."""
@@ -144,14 +145,22 @@ MIRROR_MAX = 1_000_000
 MIRROR_LOAD_MAX = 50_000
 
 
+@functools.lru_cache(maxsize=1024)
+def _plain_root(block_size: int, lora: str | None) -> int:
+    """``vh.namespace_root`` of a chain without namespace extras (memoized: a few per engine)."""
+    return vh.namespace_root(block_size, lora, ())
+
+
 class Mirror:
-    """A rank's engine map (field -> raw value) as this sidecar read and wrote it. ``complete``:
-    it is the whole map (this sidecar emptied the map and wrote every field since), so a field it
-    lacks is absent; else it only caches what was read (None: read absent). The sidecar is the
-    map's only writer; a write that failed makes it partial and empty (:meth:`forget`)."""
+    """A rank's engine map (field -> parsed :class:`Entry`) as this sidecar read and wrote it.
+    ``complete``: it is the whole map (this sidecar emptied the map and wrote every field since),
+    so a field it lacks is absent, and a batch reads its fields straight from it; else it only
+    caches what was read (None: read absent). The sidecar is the map's only writer; a write that
+    failed makes it partial and empty (:meth:`forget`). Entries are never changed in place (an
+    applier makes a new one for every change), so the mirror and a batch share them."""
 
     def __init__(self) -> None:
-        self.entries: dict[str, str | None] = {}
+        self.entries: dict[str, Entry | None] = {}
         self.complete = False
         self.load_tried = False
 
@@ -159,7 +168,7 @@ class Mirror:
         """Once: read the whole map when it is small (then complete)."""
         self.load_tried = True
         if ranks.engine_map_size(rank) <= MIRROR_LOAD_MAX:
-            self.entries = dict(ranks.engine_map(rank))
+            self.entries = {f: Entry.parse(v) for f, v in ranks.engine_map(rank).items()}
             self.complete = True
 
     def emptied(self) -> None:
@@ -173,15 +182,15 @@ class Mirror:
         self.complete = False
         self.load_tried = False
 
-    def known(self, fields: set[str]) -> dict[str, str | None]:
+    def known(self, fields: set[str]) -> dict[str, Entry | None]:
         """What the mirror says of ``fields`` (every one of them when complete)."""
         e = self.entries
         if self.complete:
             return {f: e.get(f) for f in fields}
         return {f: e[f] for f in fields if f in e}
 
-    def update(self, values: dict[str, str | None]) -> None:
-        """Fields as written (None: deleted) or read."""
+    def update(self, values: dict[str, Entry | None]) -> None:
+        """Fields as written (None: deleted) or read (None: absent)."""
         if len(self.entries) + len(values) > MIRROR_MAX:
             self.entries.clear()
             self.complete = False
@@ -226,6 +235,13 @@ class BatchApplier:
         self.flush(persist)
 
     def _event(self, ev: Event) -> None:
+        t = type(ev)
+        if t is BlockStored and ev.locality is None:  # type: ignore[union-attr]
+            self._stored(ev)  # type: ignore[arg-type]
+            return
+        if t is BlockRemoved and ev.locality is None:  # type: ignore[union-attr]
+            self._removed(ev)  # type: ignore[arg-type]
+            return
         if isinstance(ev, Malformed):
             raise WireError(ev.reason, ev.detail)
         if isinstance(ev, AllBlocksCleared):
@@ -269,7 +285,8 @@ class BatchApplier:
         return group_space(block_size, group_idx or 0)
 
     def _stored(self, ev: BlockStored) -> None:
-        spec = self._learn_group(ev)
+        g = ev.group_idx
+        spec = None if g is None else self._learn_group(ev)
         bs = ev.block_size
         tokenless = not ev.token_ids
         if not (tokenless and bs == 0) and (bs is None or not 0 < bs <= MAX_BLOCK_SIZE):
@@ -278,33 +295,65 @@ class BatchApplier:
             return
         if ev.session_id:
             self.session = ev.session_id
-        g = ev.group_idx
+        medium = ev.medium or DEFAULT_MEDIUM
+        if g is None and ev.ownership is None and ev.extra_keys is None and not ev.lookahead_token_ids \
+                and not tokenless:
+            self._stored_plain(ev, bs, medium)
+            return
+        res = medium if ev.ownership is None else residency(medium, ev.ownership)
         if tokenless:
             olds = self._resolve_tokenless(ev)
-            placed = [(e.own, self._entry_space(e)) for e in olds]
-        else:
-            lookahead = self._lookahead(ev)
-            space = self._space(g, bs, spec)
-            if space != prefix_space(bs) and is_sparse(ev):
-                self.sparse.append(ev)
-                return
-            placed = [(own, space) for own in self._own_hashes(ev, bs, lookahead)]
-            if space == prefix_space(bs) and (bs, lookahead) not in self.ctx.chains:
-                self.ctx.chains.add((bs, lookahead))
-                self.new_chains = True
-        medium = ev.medium or DEFAULT_MEDIUM
-        res = residency(medium, ev.ownership)
-        for engine_hash, (own, space) in zip(ev.block_hashes, placed, strict=True):
-            self._place(engine_field(engine_hash, g), own, space, medium, res)
+            for engine_hash, e in zip(ev.block_hashes, olds, strict=True):
+                self._place(engine_field(engine_hash, g), e.own, self._entry_space(e), medium, res)
+            return
+        lookahead = self._lookahead(ev) if ev.lookahead_token_ids else 0
+        chain_space = prefix_space(bs)
+        space = chain_space if g is None else self._space(g, bs, spec)
+        if space != chain_space and is_sparse(ev):
+            self.sparse.append(ev)
+            return
+        owns = self._own_hashes(ev, bs, lookahead)
+        if space == chain_space and (bs, lookahead) not in self.ctx.chains:
+            self.ctx.chains.add((bs, lookahead))
+            self.new_chains = True
+        ops = self.ops.setdefault((medium, space), [])
+        for engine_hash, own in zip(ev.block_hashes, owns, strict=True):
+            self._place(engine_field(engine_hash, g), own, space, medium, res, ops)
 
-    def _place(self, f, own: int, space, medium: str, res) -> None:
+    def _stored_plain(self, ev: BlockStored, bs: int, medium: str) -> None:
+        """:meth:`_stored` of the usual store, in one loop: the prefix chain of a rank without groups
+        (group None), plain blocks (no extra keys, no lookahead), no ownership."""
+        hashes, tokens = ev.block_hashes, ev.token_ids
+        if len(tokens) != len(hashes) * bs:
+            raise WireError("token_count", f"{len(tokens)} tokens for {len(hashes)} blocks of {bs}")
+        if ev.parent_block_hash is None:
+            lora = ev.lora_name if ev.lora_name is not None else (
+                None if ev.lora_id is None else f"lora_id:{ev.lora_id}")
+            parent = _plain_root(bs, lora)
+        else:
+            entry = self._get(engine_field(ev.parent_block_hash))
+            if entry is None:  # group None: no other group to place it from
+                raise WireError("unknown_parent", f"parent {ev.parent_block_hash} is not known")
+            parent = entry.own
+        space = prefix_space(bs)
+        if (bs, 0) not in self.ctx.chains:
+            self.ctx.chains.add((bs, 0))
+            self.new_chains = True
+        ops = self.ops.setdefault((medium, space), [])
+        changed, get = self.changed, self._get
+        for engine_hash, own in zip(hashes, vh.plain_chain(parent, tokens, bs), strict=True):
+            f = str(engine_hash)  # engine_field(engine_hash, None)
+            old = get(f)
+            changed[f] = Entry(own, {*old.media, medium} if old and old.own == own else {medium}, space)
+            ops.append((ADMIT, own))
+
+    def _place(self, f, own: int, space, medium: str, res, ops: list | None = None) -> None:
         """Admit our chunk hash ``own`` under the engine field ``f`` in ``space`` for ``medium``
-        (residency ``res``), keeping the media the field already had for the same hash."""
+        (residency ``res``), keeping the media the field already had for the same hash. ops: the
+        (medium, space) op list, when the caller has it."""
         old = self._get(f)
-        entry = Entry(own, set(old.media) if old and old.own == own else set(), space)
-        entry.media.add(res)
-        self.changed[f] = entry
-        self.ops.setdefault((medium, space), []).append((ADMIT, own))
+        self.changed[f] = Entry(own, {*old.media, res} if old and old.own == own else {res}, space)
+        (self.ops.setdefault((medium, space), []) if ops is None else ops).append((ADMIT, own))
 
     def _lookahead(self, ev: BlockStored) -> int:
         la = ev.lookahead_token_ids
@@ -322,13 +371,14 @@ class BatchApplier:
         extra_keys = ev.extra_keys
         if extra_keys is not None and len(extra_keys) != n:
             raise WireError("extra_keys", f"{len(extra_keys)} extra_keys entries for {n} blocks")
-        per_block = [vh.split_extra_keys(e, ev.lora_name) for e in extra_keys] if extra_keys else [()] * n
-        extras = [tuple(e) or None for e in per_block]
+        per_block = [vh.split_extra_keys(e, ev.lora_name) for e in extra_keys] if extra_keys else None
+        extras = [tuple(e) or None for e in per_block] if per_block else None  # None: plain blocks
         if ev.parent_block_hash is None:
             lora = ev.lora_name if ev.lora_name is not None else (
                 None if ev.lora_id is None else f"lora_id:{ev.lora_id}")
-            parent = vh.namespace_root(bs, lora, per_block[0])
-            extras[0] = None  # the first block's extra keys are part of the root
+            parent = vh.namespace_root(bs, lora, per_block[0] if per_block else ())
+            if extras:
+                extras[0] = None  # the first block's extra keys are part of the root
         else:
             entry = self._get(engine_field(ev.parent_block_hash, ev.group_idx))
             found = entry.own if entry is not None else self._own_elsewhere(ev.parent_block_hash, ev.group_idx, bs)
@@ -336,7 +386,10 @@ class BatchApplier:
                 raise WireError("unknown_parent", f"parent {ev.parent_block_hash} is not known")
             parent = found
         if lookahead and ev.lookahead_token_ids:
-            extras = [vh.with_lookahead(e, la) for e, la in zip(extras, ev.lookahead_token_ids, strict=True)]
+            extras = [vh.with_lookahead(e, la) for e, la in zip(extras or [None] * n, ev.lookahead_token_ids,
+                                                                 strict=True)]
+        if not extras:
+            return vh.plain_chain(parent, ev.token_ids, bs)
         return vh.chain(parent, ev.token_ids, bs, extras)
 
     def _own_elsewhere(self, engine_hash: int, group_idx: int | None, bs: int) -> int | None:
@@ -378,17 +431,23 @@ class BatchApplier:
 
     def _removed(self, ev: BlockRemoved) -> None:
         medium = ev.medium or DEFAULT_MEDIUM
-        res = residency(medium, ev.ownership)
+        res = medium if ev.ownership is None else residency(medium, ev.ownership)
+        g = ev.group_idx
+        alone = not g and not self.ctx.groups  # no other group may hold the same record
+        changed = self.changed
         for engine_hash in ev.block_hashes:
-            f = engine_field(engine_hash, ev.group_idx)
+            f = engine_field(engine_hash, g)
             old = self._get(f)
             if old is None or res not in old.media:
                 self.ctx.skipped["remove_unknown"] += 1
                 continue
-            entry = Entry(old.own, old.media - {res}, old.space)
-            self.changed[f] = entry if entry.media else None
-            space = self._entry_space(old)
-            if space and not self._still_held(engine_hash, ev.group_idx, entry, medium, space):
+            media = old.media - {res}
+            entry = Entry(old.own, media, old.space)
+            changed[f] = entry if media else None
+            space = old.space or self.ctx.legacy_space
+            if not space or (media and alone and any(medium_of(r) == medium for r in media)):
+                continue
+            if (alone and not media) or not self._still_held(engine_hash, g, entry, medium, space):
                 self.ops.setdefault((medium, space), []).append((EVICT, old.own))
 
     def _still_held(self, engine_hash: int, group_idx: int | None, entry: Entry, medium: str, space: str) -> bool:
@@ -415,9 +474,21 @@ class BatchApplier:
     def _get(self, f: str) -> Entry | None:
         if f in self.changed:
             return self.changed[f]
-        return None if self.wiped else self.fetched.get(f)
+        if self.wiped:
+            return None
+        mirror = self.ctx.mirror
+        if mirror is not None and mirror.complete:
+            return mirror.entries.get(f)
+        return self.fetched.get(f)
 
     def _prefetch(self, events: Sequence[Event]) -> None:
+        """Read the engine map fields the batch may need (one HMGET), unless the mirror is complete
+        (then :meth:`_get` reads it as it goes)."""
+        mirror = self.ctx.mirror
+        if mirror is not None and not mirror.complete and not mirror.load_tried and events:
+            mirror.load(self.ranks, self.ctx.rank)
+        if mirror is not None and mirror.complete:
+            return
         wanted: set[str] = set()
         groups = {0, *self.ctx.groups}
         for ev in events:
@@ -438,20 +509,18 @@ class BatchApplier:
                     wanted.update(engine_field(ev.parent_block_hash, g) for g in groups)
                 if is_sparse(ev):
                     wanted.update(engine_field(h, g) for h in ev.block_hashes for g in groups)
-        mirror = self.ctx.mirror
-        raw: dict[str, str | None] = {}
+        known: dict[str, Entry | None] = {}
         if mirror is not None and wanted:
-            if not mirror.complete and not mirror.load_tried:
-                mirror.load(self.ranks, self.ctx.rank)
-            raw = mirror.known(wanted)
-            wanted.difference_update(raw)
+            known = mirror.known(wanted)
+            wanted.difference_update(known)
         if wanted:
             order = list(wanted)
-            got = dict(zip(order, self.ranks.engine_entries(self.ctx.rank, order), strict=True))
-            raw.update(got)
+            got = {f: Entry.parse(v) for f, v in zip(order, self.ranks.engine_entries(self.ctx.rank, order),
+                                                      strict=True)}
+            known.update(got)
             if mirror is not None:
                 mirror.update(got)
-        self.fetched = {f: Entry.parse(v) for f, v in raw.items()}
+        self.fetched = known
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -484,9 +553,10 @@ class BatchApplier:
             self._apply(batches, space, then if i == len(spaces) - 1 else ())
         if not spaces:
             self.ranks.send(then)
-        self.fetched.update(self.changed)
         if ctx.mirror is not None:  # the map as written: only now may the mirror say so
-            ctx.mirror.update({**sets, **dict.fromkeys(dels)})
+            ctx.mirror.update(self.changed)
+        if ctx.mirror is None or not ctx.mirror.complete:
+            self.fetched.update(self.changed)
         self.changed = {}
 
     def _apply(self, batches: list, space: str, then: Sequence[tuple]) -> None:

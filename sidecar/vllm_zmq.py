@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 
 #: A replay longer than this many batches is not vLLM's (it buffers ``buffer_steps`` = 10,000).
 MAX_REPLAY_BATCHES = 10_000
-#: Live messages of one rank read together (and written as one batch when consecutive).
-MAX_BATCHES_PER_READ = 8
+#: Live messages of one rank read together (and written as one batch when consecutive): 32, not
+#: 8, cut decode-shaped sidecar CPU per block by ~20% when behind (docs/benchmarks-notes.md).
+MAX_BATCHES_PER_READ = 32
 #: A whole replay may take this many per-reply timeouts.
 TOTAL_TIMEOUTS = 5
 #: When a SUB socket (re)connects, catch up after each of these delays (seconds).

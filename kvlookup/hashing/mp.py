@@ -43,16 +43,30 @@ def chunk_hashes(tokens: Sequence[int], chunk_size: int = DEFAULT_CHUNK_SIZE) ->
         raise ValueError("token ids must be 0 <= id < 2**32 for the MP chunk hash") from None
     if sys.byteorder == "little":
         packed.byteswap()
-    data = memoryview(packed).cast("B")  # no copy of the chunks: BLAKE3 reads them in place
+    return chunk_hashes_packed(memoryview(packed).cast("B"), chunk_size)
+
+
+def chunk_hashes_packed(data: memoryview, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
+    """:func:`chunk_hashes` of ids already packed as big-endian uint32 (``data``: bytes, 4 a token;
+    kvlookup.wire.mp_tokens decodes a body to this). BLAKE3 reads the chunks in place."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, not {chunk_size}")
     step = 4 * chunk_size
     out: list[bytes] = []
     prev = NONE_HASH
-    for i in range(n):
-        h = blake3(prev)
-        h.update(data[i * step:(i + 1) * step])
-        prev = h.digest()
+    for i in range(0, len(data) - step + 1, step):
+        prev = blake3(prev).update(data[i:i + step]).digest()
         out.append(prev)
     return out
+
+
+def unpack_ids(data: memoryview) -> list[int]:
+    """The token ids of big-endian uint32 bytes (the inverse of the packing in :func:`chunk_hashes`)."""
+    ids = array("I")
+    ids.frombytes(data)
+    if sys.byteorder == "little":
+        ids.byteswap()
+    return ids.tolist()
 
 
 def chunk_hashes_hex(tokens: Sequence[int], chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[str]:

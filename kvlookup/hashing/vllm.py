@@ -93,6 +93,20 @@ def chain(parent: int, tokens: Sequence[int], block_size: int,
     return out
 
 
+def plain_chain(parent: int, tokens: Sequence[int], block_size: int) -> list[int]:
+    """:func:`chain` of plain blocks (no extras, no lookahead), the same values, faster: the
+    blocks are cut by ``zip`` at C speed (``zip(*[iter(tokens)] * block_size)`` yields each block
+    as the tuple :func:`chain_step` would build), so a step is one 2-tuple and one C hash, no
+    slice or call per block. tokens: any iterable of ints (list, ``array('I')``)."""
+    out: list[int] = []
+    append = out.append
+    h = parent
+    for block in zip(*[iter(tokens)] * block_size, strict=False):  # a partial tail is dropped
+        h = hash((h, block))
+        append(h)
+    return out
+
+
 def split_extra_keys(extra: Any, lora_name: str | None) -> tuple:
     """One block's vLLM extra keys without the LoRA name (which vLLM lists first); () if none."""
     if extra is None:

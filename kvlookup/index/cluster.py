@@ -25,6 +25,7 @@ from kvlookup.index.copies import Digests
 from kvlookup.index.io import purge_step, raise_errors
 from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches
 from kvlookup.index.staged import HolderCache, StagedLookup
+from kvlookup.index.tracking import UNTRACKED
 
 #: (holder, bucket) pairs a ClusterRecords remembers as named in their holder's bucket set.
 MARKS_KEPT = 1_000_000
@@ -108,7 +109,7 @@ class ClusterRecords:
     # -- lookup ------------------------------------------------------------------------------
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
-        if self.cached is not None:
+        if self.cached is not None and not UNTRACKED.get():  # UNTRACKED: a first miss (kvlookup.index.single)
             return StagedLookup(self.cached.execute, self.resolve_sha, self.cache, chains, live, memo=True).run()
         return StagedLookup(self.io.execute, self.resolve_sha, self.cache, chains, live, memo=True,
                             digests=self.digests).run()

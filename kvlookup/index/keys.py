@@ -446,6 +446,9 @@ MP_BUCKET_HEX = 3
 MP_PAGE = 128
 #: Buckets of an instance's L1 reverse index (sets of key ids; intsets while small).
 MP_L1_BUCKETS = 256
+#: Consecutive key ids per run of one L1 bucket: a store batch allocates consecutive ids, so its
+#: new L1 keys land in a few buckets (one SADD each) instead of one bucket per key.
+MP_L1_RUN = 64
 
 
 def mp_bucket(chunk_hash_hex: str) -> str:
@@ -488,8 +491,13 @@ def mp_l1_prefix() -> str:
 
 def mp_l1_key(instance_num: int | str, bucket: int) -> str:
     """Set of the key ids holding an L1 placement last reported by instance number
-    ``instance_num``, bucket ``key id % MP_L1_BUCKETS`` (fencing never scans)."""
+    ``instance_num``, bucket :func:`mp_l1_bucket` of the key id (fencing never scans)."""
     return f"{MP}l1:{instance_num}:{bucket}"
+
+
+def mp_l1_bucket(key_id: int) -> int:
+    """The L1 bucket of a key id: ``key_id // MP_L1_RUN % MP_L1_BUCKETS`` (runs of ids share one)."""
+    return key_id // MP_L1_RUN % MP_L1_BUCKETS
 
 
 def mp_blend_key(namespace_id: int | str) -> str:

@@ -23,14 +23,13 @@ mp_values holds the value formats.
 
 from __future__ import annotations
 
-import base64
 import time
 from collections.abc import Sequence
 
 from kvlookup.index import keys as K
 from kvlookup.index.mp_blend import MPBlend
 from kvlookup.index.mp_registry import DEFAULT_CHUNK_SIZE, DEFAULT_INSTANCE_TIMEOUT_S, ChunkSizeConflict, HeldBySidecar
-from kvlookup.index.mp_values import tokens_text
+from kvlookup.index.mp_values import raw_b64, tokens_text
 from kvlookup.wire import lmcache_mp as W
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_INSTANCE_TIMEOUT_S", "ChunkSizeConflict", "HeldBySidecar", "MPDirectory"]
@@ -52,13 +51,12 @@ class MPDirectory(MPBlend):
         args: list = [int(now * 1000), len(batches)]
         known = self._names
         buckets: set[str] = set()
-        spaces: dict[tuple, str] = {}  # (model, salt, kv_rank, group) -> its space id, or text when new
+        spaces: dict[tuple, str] = {}  # (model, salt, kv_rank, group) -> ".<space id>", or "\t<text>" when new
         fresh: set[str] = set()  # space texts stored by this request and not interned yet
         bound = False  # any store entry with a token binding (the blend index wants it)
-        b64 = base64.urlsafe_b64encode
         for b in batches:
             args += [b.instance_id, b.incarnation, b.seq, b.event_type, b.tier, b.backend, int(b.shared),
-                     b.dropped_events, int(b.ts * 1000), b.capacity_bytes, b.capacity_revision, 0]
+                     b.dropped_events, int(b.ts * 1000), b.capacity_bytes, b.capacity_revision, len(b.entries)]
             store = b.event_type == "store"
             parts = []
             for e in b.entries:
@@ -68,17 +66,17 @@ class MPDirectory(MPBlend):
                 space = spaces.get(sk)
                 if space is None:
                     text = f"{sk[0]}\t{sk[1]}\t{sk[2]}\t{sk[3]}"  # mp_values.space_text
-                    space = spaces[sk] = known.get("n:s" + text) or text
-                if store and "\t" in space:
-                    fresh.add(space)
+                    sid = known.get("n:s" + text)
+                    space = spaces[sk] = "." + sid if sid else "\t" + text
+                if store and space[0] == "\t":
+                    fresh.add(space[1:])
                 tokens = ""
                 if store and e.token_ids:
                     tokens, bound = tokens_text(e.token_ids, e.token_offset), True
                 bucket = K.mp_bucket(raw[:2].hex())
                 buckets.add(bucket)
-                parts.append(f"{bucket}\x1f{b64(raw).rstrip(b'=').decode()}\x1f{space}\x1f{e.size_bytes}"
-                             f"\x1f{tokens}")
-            args[-1:] = [len(b.entries), "\x1e".join(parts)]
+                parts.append(f"{bucket}{raw_b64(raw)}{space}\x1f{e.size_bytes}\x1f{tokens}\x1e")
+            args.append("".join(parts))
         order = sorted(buckets)  # KEYS[11..]: the chunk bucket of every entry
         applied, dup, stale = self._apply(keys=K.mp_script_keys() + [K.mp_chunks_key(b) for b in order],
                                           args=[args[0], args[1], ",".join(order), *args[2:]])

@@ -26,32 +26,27 @@ class MPLookup(MPQueries):
         timeout count for nothing. ValueError for token ids MP cannot hash.
         """
         cs = self.chunk_size()
-        hashes = mphash.chunk_hashes_hex(tokens, cs)
+        hashes = mphash.chunk_hashes(tokens, cs)
         ranks = [mphash.kv_rank(world_size, r) for r in range(world_size)]
         sids = self.space_ids([f"{model_name}\t{cache_salt}\t{kr}\t0" for kr in ranks])
-        live = self.live_instances(now)
-        if not hashes or None in sids or not live:
+        if not hashes or None in sids:
             return []
-        refs = [(K.mp_bucket(h), f"{chunk_b64(h)}.{sid}") for h in hashes for sid in sids]
-        recs = self.records(refs)
-        pmap = self.placements(r for r in recs if r)
-        shared_by = self._shared_pools(live)
+        live, capacity, flat = self.prefix_fields(hashes, [s for s in sids if s], now)
+        if not live:
+            return []
+        holders = self._holders({v.partition("|")[2] for v in flat if v}, self._shared_pools(live, capacity))
         n = len(ranks)
         # per instance: per chunk, the locations every rank holds (None: some rank lacks it)
         run: dict[str, int] = {inst: 0 for inst in live}
         locs: dict[str, dict[str, int]] = {inst: {} for inst in live}
         open_ = set(live)
-        for c in range(len(hashes)):
+        for c in range(len(flat) // n):
             held: dict[str, list[set[str]]] = {}
             for r in range(n):
-                rec = recs[c * n + r]
-                for tb, ep, _ in rec.placements if rec else ():
-                    p = pmap[(tb, ep)]
-                    loc = f"{p['tier']}/{p['backend']}"
-                    owners = shared_by.get((p["tier"], p["backend"]), ()) if p["shared"] else (p["instance_id"],)
-                    for inst in owners:
-                        if inst in open_:
-                            held.setdefault(inst, [set() for _ in range(n)])[r].add(loc)
+                value = flat[c * n + r]
+                for inst, loc in holders[value.partition("|")[2]] if value else ():
+                    if inst in open_:
+                        held.setdefault(inst, [set() for _ in range(n)])[r].add(loc)
             for inst in list(open_):
                 per_rank = held.get(inst)
                 if not per_rank or not all(per_rank):
@@ -132,10 +127,28 @@ class MPLookup(MPQueries):
                     out.append(size)
         return out
 
-    def _shared_pools(self, live: dict[str, float]) -> dict[tuple[str, str], list[str]]:
+    def _holders(self, rests: set[str],
+                 shared_by: dict[tuple[str, str], list[str]]) -> dict[str, list[tuple[str, str]]]:
+        """Each distinct placements part of a record (``<tb>,<epoch>,<size>|...``) -> the (instance,
+        ``tier/backend``) pairs it credits, in its order; a shared placement credits every instance
+        of ``shared_by`` for its pool. Rendered once per distinct part per call (chunks of one prompt
+        mostly share one), never kept between calls."""
+        parsed = {t: [(tb, ep) for tb, ep, _ in (p.split(",") for p in t.split("|"))] if t else [] for t in rests}
+        pmap = self.placement_skeletons({pair for pls in parsed.values() for pair in pls})
+        out: dict[str, list[tuple[str, str]]] = {}
+        for t, pls in parsed.items():
+            out[t] = []
+            for pair in pls:
+                p = pmap[pair]
+                owners = shared_by.get((p["tier"], p["backend"]), []) if p["shared"] else [p["instance_id"]]
+                out[t] += [(inst, f"{p['tier']}/{p['backend']}") for inst in owners]
+        return out
+
+    @staticmethod
+    def _shared_pools(live: dict[str, float], capacity: dict[str, dict]) -> dict[tuple[str, str], list[str]]:
         """(tier, backend) of each shared pool -> the live instances whose capacity declares it."""
         out: dict[tuple[str, str], list[str]] = {}
-        for inst, decl in self.capacity().items():
+        for inst, decl in capacity.items():
             if inst in live:
                 for m in decl["modules"]:
                     if m["shared"]:

@@ -50,46 +50,63 @@ class MPQueries(MPRecords):
                         "token_ids": toks, "access_count": rec.access_count})
         return out
 
-    def lookup_tokens_json(self, token_ids: Sequence[int], model_name: str, world_size: int = 1,
+    def lookup_tokens_json(self, token_ids: Sequence[int] | memoryview, model_name: str, world_size: int = 1,
                            cache_salt: str = "") -> bytes:
         """``POST /directory/lookup`` in the tokens form, answered as JSON bytes: exactly
         ``{"chunks": n, "results": lookup_keys(keys_for_tokens(...))}`` but with no object per
         key (the per-key JSON is assembled from fragments: ~3x cheaper at 32k tokens). Falls back
         to that general path when the model also stores keys in other object groups. ValueError
-        for token ids MP cannot hash."""
-        hashes = mphash.chunk_hashes(token_ids, self.chunk_size())
+        for token ids MP cannot hash. ``token_ids``: the ids, or a memoryview of them packed as
+        big-endian uint32 (kvlookup.wire.mp_tokens)."""
+        hashes = (mphash.chunk_hashes_packed(token_ids, self.chunk_size()) if isinstance(token_ids, memoryview)
+                  else mphash.chunk_hashes(token_ids, self.chunk_size()))
         ranks = [mphash.kv_rank(world_size, r) for r in range(world_size)]
         if any(m == model_name and s == cache_salt and g != "0" and int(kr) in ranks
                for m, s, kr, g in (t.split("\t") for t in self.all_spaces(fresh=False).values())):
-            chunks, keys = self.keys_for_tokens(token_ids, model_name, world_size, cache_salt)
+            ids = mphash.unpack_ids(token_ids) if isinstance(token_ids, memoryview) else token_ids
+            chunks, keys = self.keys_for_tokens(ids, model_name, world_size, cache_salt)
             return msgspec.json.encode({"chunks": chunks, "results": self.lookup_keys(keys)}) + b"\n"
         sids = self.space_ids([f"{model_name}\t{cache_salt}\t{kr}\t0" for kr in ranks])
         tails = [msgspec.json.encode({"model_name": model_name, "kv_rank": kr, "object_group_id": 0,
                                       "cache_salt": cache_salt})[1:].decode() for kr in ranks]
         hexes = [h.hex() for h in hashes]
         b64s = [base64.urlsafe_b64encode(h)[:43].decode() for h in hashes]
-        flat = self.bucket_fields([(x[:K.MP_BUCKET_HEX], (f"{b}.{sid or 0}", b))
-                                   for x, b in zip(hexes, b64s, strict=True) for sid in sids])
-        recs = [parse_record(v) if v else None for v in flat[0::2]]
-        pmap = self.placements(r for r in recs if r)
+        n = len(ranks)
+        flat = self.chunk_fields([(x[:K.MP_BUCKET_HEX], b) for x, b in zip(hexes, b64s, strict=True)],
+                                 [sid or "0" for sid in sids])  # space 0 never exists
+        frags = self._placement_json({v.partition("|")[2] for r in range(n) for v in flat[r::n + 1] if v})
+        parts = []
+        for i, h in enumerate(hexes):
+            binding = flat[i * (n + 1) + n]
+            toks = msgspec.json.encode(parse_tokens(binding)[0]).decode() if binding else "[]"
+            for r in range(n):
+                value = flat[i * (n + 1) + r]
+                if value:
+                    head, _, rest = value.partition("|")
+                    pls, acc = frags[rest], int(head.partition(",")[2])
+                else:
+                    pls, acc = "", 0
+                parts.append(f'{{"key":{{"chunk_hash_hex":"{h}",{tails[r]},"placements":[{pls}],'
+                             f'"token_ids":{toks},"access_count":{acc}}}')
+        return f'{{"chunks":{len(hashes)},"results":[{",".join(parts)}]}}\n'.encode()
+
+    def _placement_json(self, tails: set[str]) -> dict[str, str]:
+        """Each distinct placements part of a record (``<tb>,<epoch>,<size>|...``, what follows the
+        head) -> its ``placements`` JSON items, sorted as :meth:`lookup_keys` sorts them. The chunks of
+        one prompt mostly share one such part (the same holders, tiers and size), so each distinct
+        part is rendered once per call (never kept between calls)."""
+        parsed = {t: [(tb, ep, int(sz)) for tb, ep, sz in (p.split(",") for p in t.split("|"))] if t else []
+                  for t in tails}
+        pmap = self.placement_skeletons({(tb, ep) for pls in parsed.values() for tb, ep, _ in pls})
         heads = {ref: (p["instance_id"], p["tier"], p["backend"],
                        msgspec.json.encode({k: p[k] for k in ("instance_id", "incarnation", "tier", "backend")})
                        [:-1].decode() + ',"size_bytes":', ',"shared":true}' if p["shared"] else ',"shared":false}')
                  for ref, p in pmap.items()}
-        parts = []
-        n = len(ranks)
-        for i, h in enumerate(hexes):
-            for r in range(n):
-                rec, binding = recs[i * n + r], flat[2 * (i * n + r) + 1]
-                toks = msgspec.json.encode(parse_tokens(binding)[0]).decode() if binding else "[]"
-                if rec is None:
-                    pls, acc = "", 0
-                else:
-                    got = sorted(((heads[(tb, ep)], sz) for tb, ep, sz in rec.placements), key=lambda x: x[0][:3])
-                    pls, acc = ",".join(f"{hd[3]}{sz}{hd[4]}" for hd, sz in got), rec.access_count
-                parts.append(f'{{"key":{{"chunk_hash_hex":"{h}",{tails[r]},"placements":[{pls}],'
-                             f'"token_ids":{toks},"access_count":{acc}}}')
-        return f'{{"chunks":{len(hashes)},"results":[{",".join(parts)}]}}\n'.encode()
+        out = {}
+        for t, pls in parsed.items():
+            got = sorted(((heads[(tb, ep)], sz) for tb, ep, sz in pls), key=lambda x: x[0][:3])
+            out[t] = ",".join(f"{hd[3]}{sz}{hd[4]}" for hd, sz in got)
+        return out
 
     def keys_for_tokens(self, token_ids: Sequence[int], model_name: str, world_size: int = 1,
                         cache_salt: str = "") -> tuple[int, list[W.EncodedObjectKey]]:

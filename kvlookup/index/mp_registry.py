@@ -54,6 +54,8 @@ class MPRegistry:
         self._heartbeat = redis.register_script(S.MP_HEARTBEAT)
         self._bind = redis.register_script(S.MP_BIND_CHUNK)
         self._read_fields = redis.register_script(S.MP_READ_FIELDS)
+        self._read_chunks = redis.register_script(S.MP_READ_CHUNKS)
+        self._read_prefix = redis.register_script(S.MP_READ_PREFIX)
         self._foreign = redis.register_script(R.FOREIGN)
         self._hold = redis.register_script(R.MP_HOLD)
         self._writers: dict[str, tuple[float, str]] = {}  # instance -> (monotonic s, FOREIGN's answer)
@@ -188,8 +190,7 @@ class MPRegistry:
 
     def live_instances(self, now: float | None = None) -> dict[str, float]:
         """instance_id -> last heartbeat (unix s) of instances heard within the timeout."""
-        now = time.time() if now is None else now
-        cutoff = (now - self.instance_timeout_s) * 1000
+        cutoff = self.heartbeat_cutoff_ms(now)
         return {m: s / 1000 for m, s in self.r.zrangebyscore(K.mp_heartbeats_key(), cutoff, "+inf", withscores=True)}
 
     def cursors(self) -> dict[str, dict]:
@@ -213,18 +214,27 @@ class MPRegistry:
 
     def capacity(self) -> dict[str, dict]:
         """instance_id -> {incarnation, revision, modules: [{tier, backend, shared, capacity_bytes}]}."""
-        out = {}
-        for inst, raw in self.r.hgetall(K.mp_capacity_key()).items():
-            inc, rev, mods = raw.split("\t", 2)
-            modules = []
-            for m in filter(None, mods.split(";")):
-                tier, backend, shared, cap = m.split(",")
-                modules.append({"tier": tier, "backend": backend, "shared": shared == "1", "capacity_bytes": int(cap)})
-            out[inst] = {"incarnation": int(inc), "revision": int(rev), "modules": modules}
-        return out
+        return capacity_of(self.r.hgetall(K.mp_capacity_key()))
+
+    def heartbeat_cutoff_ms(self, now: float | None = None) -> float:
+        """The last heartbeat (unix ms) that still makes an instance live at ``now``."""
+        return ((time.time() if now is None else now) - self.instance_timeout_s) * 1000
 
     def counters(self) -> dict[str, int]:
         """Ingest counters: batches_applied/duplicate/stale/missing, events_dropped."""
         s = self.r.hgetall(K.mp_stats_key())
         return {k: int(s.get(k, 0)) for k in ("batches_applied", "batches_duplicate", "batches_stale",
                                               "batches_missing", "events_dropped")}
+
+
+def capacity_of(stored: dict[str, str]) -> dict[str, dict]:
+    """:meth:`MPRegistry.capacity` of the capacity hash's fields and values."""
+    out = {}
+    for inst, raw in stored.items():
+        inc, rev, mods = raw.split("\t", 2)
+        modules = []
+        for m in filter(None, mods.split(";")):
+            tier, backend, shared, cap = m.split(",")
+            modules.append({"tier": tier, "backend": backend, "shared": shared == "1", "capacity_bytes": int(cap)})
+        out[inst] = {"incarnation": int(inc), "revision": int(rev), "modules": modules}
+    return out

@@ -20,15 +20,16 @@ hashes to the ``{mp}`` slot like every key it starts (docs/redis-schema.md).
 
 from __future__ import annotations
 
-from kvlookup.index.keys import MP_BUCKET_HEX, MP_L1_BUCKETS, MP_PAGE
+from kvlookup.index.keys import MP_BUCKET_HEX, MP_L1_BUCKETS, MP_L1_RUN, MP_PAGE
 
 #: Shared by MP_APPLY and MP_DEPART. KEYS[1] names, KEYS[2] stats, KEYS[3] cursors, KEYS[4]
 #: departed, KEYS[5] capacity, KEYS[6] instances, KEYS[7] heartbeats, KEYS[8] the chunk bucket
 #: prefix, KEYS[9] the key page prefix, KEYS[10] the L1 set prefix (the module docstring says why
 #: these three are prefixes). keys.mp_script_keys() lists KEYS[1..10].
 _MP_LIB = """
-local PAGE, L1B, BH = 128, 256, 3
+local PAGE, L1B, L1RUN, BH = 128, 256, 64, 3
 local function fmt(n) return string.format('%d', n) end
+local function l1b(kid) return math.floor(tonumber(kid) / L1RUN) % L1B end  -- keys.mp_l1_bucket
 local NAMES, STATS, CUR, DEP, CAP, INSTS, BEATS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local CPFX, KPFX, LPFX = KEYS[8], KEYS[9], KEYS[10]
 local CK = {}  -- bucket -> its chunk bucket key, as the caller passed it (KEYS[11..])
@@ -101,7 +102,7 @@ local function count(p, sign)
 end
 -- the L1 reverse index and per-instance key counts follow a record's change from before to after
 local function reindex(kid, before, after)
-  local b = fmt(tonumber(kid) % L1B)
+  local b = fmt(l1b(kid))
   for iid in pairs(before) do
     if not after[iid] then
       redis.call('SREM', lkey(iid, b), kid); add('l1k:' .. iname(iid), -1)
@@ -180,18 +181,19 @@ local function flush()
 end
 """
 
-_MP_LIB = _MP_LIB.replace("local PAGE, L1B, BH = 128, 256, 3",
-                          f"local PAGE, L1B, BH = {MP_PAGE}, {MP_L1_BUCKETS}, {MP_BUCKET_HEX}")
+_MP_LIB = _MP_LIB.replace("local PAGE, L1B, L1RUN, BH = 128, 256, 64, 3",
+                          f"local PAGE, L1B, L1RUN, BH = {MP_PAGE}, {MP_L1_BUCKETS}, {MP_L1_RUN}, {MP_BUCKET_HEX}")
 
 #: Apply one POST /events body: the gate, then each admitted batch, all or nothing.
 #: KEYS[1..10] as _MP_LIB, KEYS[11..] the chunk bucket hash (``keys.mp_chunks_key``) of each
 #: bucket ARGV[3] names. ARGV[1] now (unix ms), ARGV[2] number of batches, ARGV[3] the buckets of
-#: the entries, comma-separated, in the order of KEYS[11..]; then per batch 13 fields
+#: the entries, comma-separated, in the order of KEYS[11..]; then per batch 12 fields
 #: (instance_id, incarnation, seq, event_type, tier, backend, shared 0|1, dropped_events,
-#: ts ms, capacity_bytes, capacity_revision, number of entries, the entries
-#: packed: one record per entry joined by byte 30, its 5 fields joined by byte 31: bucket, chunk
-#: b64, space text ``model\\tsalt\\tkv_rank\\tgroup`` or the bare space id (no tab) when the caller
-#: knows it, size_bytes, token binding ``offset\\tb64`` or ''). Returns {applied, duplicates, stale}.
+#: ts ms, capacity_bytes, capacity_revision, number of entries, the entries packed: per entry
+#: its ref ``<bucket><chunk b64>.<space id>`` (the key page's value as is), or
+#: ``<bucket><chunk b64>\t<model\tsalt\tkv_rank\tgroup>`` when the caller does not know the
+#: space's id; byte 31; size_bytes; byte 31; the token binding ``offset\tb64`` or ''; byte 30
+#: (one gmatch a batch yields the three). Returns {applied, duplicates, stale}.
 MP_APPLY = _MP_LIB + """
 local now = tonumber(ARGV[1])
 local nb = tonumber(ARGV[2])
@@ -291,27 +293,32 @@ for _ = 1, nb do
       if tb then epinfo[ep] = iid end
       local sfx = tb and (',0|' .. tb .. ',' .. ep .. ',')  -- a new record is <key id> .. sfx .. <size>
       local pnames, lnames = {}, {}  -- page number / L1 bucket -> its key name, made once a batch
-      for rec in string.gmatch(packed, '[^\\30]+') do
-        local bucket, chunk, space, size_s, tokens =
-          string.match(rec, '^([^\\31]*)\\31([^\\31]*)\\31([^\\31]*)\\31([^\\31]*)\\31(.*)$')
+      for ref, size_s, tokens in string.gmatch(packed, '([^\\31\\30]*)\\31([^\\31\\30]*)\\31([^\\30]*)\\30') do
+        local t = string.find(ref, '\t', 1, true)  -- the space's id is not known to the caller
+        if t then
+          local space = string.sub(ref, t + 1)
+          local sid = (etype == 'store') and intern('s', space) or redis.call('HGET', NAMES, 'n:s' .. space)
+          ref = sid and (string.sub(ref, 1, t - 1) .. '.' .. sid)
+        end
+        local bucket = ref and string.sub(ref, 1, BH)
+        local field = ref and string.sub(ref, BH + 1)
         local size = tonumber(size_s)
-        local bkey = ckey(bucket)
+        local bkey = ref and ckey(bucket)
         if etype == 'store' then
-          local sid = string.find(space, '\t', 1, true) and intern('s', space) or space
-          local field = chunk .. '.' .. sid
           if not kseq then kseq = tonumber(redis.call('HGET', STATS, 'kseq') or '0') end
-          local kid = fmt(kseq + 1)  -- taken only if the key is new (the common case: one call)
-          if redis.call('HSETNX', bkey, field, kid .. sfx .. size_s) == 1 then
+          -- the next key id, taken only if the key is new (the common case: one call); ids go to
+          -- redis.call as Lua numbers (sent as plain digits: cheaper than string.format per entry)
+          if redis.call('HSETNX', bkey, field, (kseq + 1) .. sfx .. size_s) == 1 then
             kseq = kseq + 1
             local pg = math.floor(kseq / PAGE)
             local pk = pnames[pg]
             if not pk then pk = KPFX .. fmt(pg); pnames[pg] = pk end
-            later(pbuf, pk, fmt(kseq % PAGE), bucket .. field)
+            later(pbuf, pk, kseq % PAGE, ref)
             if is_l1 then
-              local lb = kseq % L1B
+              local lb = l1b(kseq)
               local lk = lnames[lb]
               if not lk then lk = lkey(iid, fmt(lb)); lnames[lb] = lk end
-              later(lbuf, lk, kid)
+              later(lbuf, lk, kseq)
               new_l1 = new_l1 + 1
             end
             new_keys, new_bytes = new_keys + 1, new_bytes + size
@@ -331,11 +338,9 @@ for _ = 1, nb do
             reindex(kid, before, l1_iids(pl))
             redis.call('HSET', bkey, field, encode(kid, acc, pl))
           end
-          if tokens ~= '' then redis.call('HSET', bkey, chunk, tokens) end
+          if tokens ~= '' then redis.call('HSET', bkey, string.match(field, '^[^.]*'), tokens) end
         else
-          local sp = string.find(space, '\t', 1, true) and redis.call('HGET', NAMES, 'n:s' .. space) or space
-          local field = sp and (chunk .. '.' .. sp)
-          local v = field and redis.call('HGET', bkey, field)
+          local v = ref and redis.call('HGET', bkey, field)
           if v then
             local kid, acc, pl = parse(v)
             if etype == 'access' then
@@ -432,6 +437,49 @@ for i = 1, #KEYS do
   local base = 1 + (i - 1) * n
   local got = redis.call('HMGET', KEYS[i], unpack(ARGV, base + 1, base + n))
   for j = 1, n do out[#out + 1] = got[j] or '' end
+end
+return out
+"""
+
+#: The fields a tokens-form lookup reads of each chunk, in one call: the records of the chunk in m
+#: spaces and its token binding (MP_READ_FIELDS with the fields built here: ~half the arguments, and
+#: the binding read once per chunk, not once per rank). KEYS[i] the bucket of chunk i (repeats
+#: allowed); ARGV[1] m; ARGV[2 .. 1+m] space ids; ARGV[1+m+i] chunk i's unpadded base64url hash.
+#: Returns per chunk its m records (``<b64>.<space id>``) then its binding (``<b64>``), '' where
+#: missing. ``no-writes``: it runs on a replica and while writes are refused.
+MP_READ_CHUNKS = """#!lua flags=no-writes
+local m = tonumber(ARGV[1])
+local out, fields = {}, {}
+for i = 1, #KEYS do
+  local b = ARGV[1 + m + i]
+  for j = 1, m do fields[j] = b .. '.' .. ARGV[1 + j] end
+  fields[m + 1] = b
+  local got = redis.call('HMGET', KEYS[i], unpack(fields, 1, m + 1))
+  for j = 1, m + 1 do out[#out + 1] = got[j] or '' end
+end
+return out
+"""
+
+#: What a prefix lookup (POST /lookup with model_name) reads, in one call: the live instances, the
+#: declared capacities (shared pools) and the records of the prompt's chunks in m spaces, chunk by
+#: chunk until the first chunk no space holds (the match cannot reach past it). KEYS[1] heartbeats,
+#: KEYS[2] capacity, KEYS[2+i] the bucket of chunk i; ARGV[1] the heartbeat cutoff (unix ms),
+#: ARGV[2] m, ARGV[3 .. 2+m] space ids, ARGV[2+m+i] chunk i's unpadded base64url hash. Returns
+#: {ZRANGEBYSCORE cutoff +inf WITHSCORES, HGETALL capacity, then m records a chunk read ('' missing)}.
+MP_READ_PREFIX = """#!lua flags=no-writes
+local m = tonumber(ARGV[2])
+local out = {redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf', 'WITHSCORES'), redis.call('HGETALL', KEYS[2])}
+local fields = {}
+for i = 3, #KEYS do
+  local b = ARGV[m + i]
+  for j = 1, m do fields[j] = b .. '.' .. ARGV[2 + j] end
+  local got = redis.call('HMGET', KEYS[i], unpack(fields, 1, m))
+  local held = false
+  for j = 1, m do
+    if got[j] then held = true end
+    out[#out + 1] = got[j] or ''
+  end
+  if not held then break end
 end
 return out
 """

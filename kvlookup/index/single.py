@@ -13,7 +13,7 @@ from kvlookup.index.copies import Digests
 from kvlookup.index.io import SingleIO, purge_step, raise_errors
 from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches
 from kvlookup.index.staged import HolderCache, StagedLookup
-from kvlookup.index.tracking import CachedReads
+from kvlookup.index.tracking import UNTRACKED, CachedReads
 
 #: Chunk operations per APPLY_OPS call: a script blocks Redis while it runs, so a huge batch
 #: (a full sync) is applied in slices of this many admits and evicts.
@@ -39,13 +39,14 @@ class SingleNodeRecords:
         self._chunk_op = self.io.register(scripts.CHUNK_OP)
         self.cached = None
         self.holder_cache = HolderCache()
+        # reads by digest: every lookup when cache_reads is off, and with it on a lookup under
+        # tracking.UNTRACKED (its chunks missed for the first time: a fresh prompt's new chunk)
+        self._resolve = self.io.register(scripts.RESOLVE)
+        self._heads = self.io.register(scripts.CHUNK_HEADS)
+        self.digests = Digests()
         if cache_reads:
             self.cached = CachedReads(client, max_keys=cache_keys, fence=cache_reads == "fenced")
-            self._resolve = self.cached.register(scripts.RESOLVE)
-        else:
-            self._resolve = self.io.register(scripts.RESOLVE)
-            self._heads = self.io.register(scripts.CHUNK_HEADS)
-            self.digests = Digests()
+            self._resolve_cached = self.cached.register(scripts.RESOLVE)
 
     def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
         cmds: list[tuple] = []
@@ -71,8 +72,9 @@ class SingleNodeRecords:
         return [min(int(next(results)) for _ in range(n)) >= 0 for n in calls]
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
-        if self.cached is not None:
-            return StagedLookup(self.cached.execute, self._resolve, self.holder_cache, chains, live, memo=True).run()
+        if self.cached is not None and not UNTRACKED.get():
+            return StagedLookup(self.cached.execute, self._resolve_cached, self.holder_cache, chains, live,
+                                memo=True).run()
         return StagedLookup(self.io.execute, self._resolve, self.holder_cache, chains, live, memo=True,
                             digests=self.digests, heads=self._heads).run()
 

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 INVALIDATE = "__redis__:invalidate"
 #: Commands whose replies are kept: ``(name, key)``.
 CACHED = ("ZRANGE", "GET")
+#: Chunk keys remembered as lacked once (NeedsRedis.first_miss), at most: ~7 MiB of key names;
+#: all are forgotten when it is full (a hot prompt's chunk is then read by digest once more).
+MISSED_MAX = 50_000
 #: A broken invalidation connection is tried again after this long.
 RECONNECT_S = 1.0
 
@@ -51,10 +54,18 @@ LISTENER_READ_S = 0.1
 #: Set (to True) where a read must not wait on Redis (app.asgi's event loop): a read that would
 #: need a round trip raises :class:`NeedsRedis` instead, and the caller runs it elsewhere.
 LOCAL_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("kvlookup_local_only", default=False)
+#: Set (to True) for a lookup whose reads should bypass the copies and their tracking: one that
+#: :class:`NeedsRedis` said ``first_miss`` for (kvlookup.index.single reads it by digest).
+UNTRACKED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvlookup_untracked", default=False)
 
 
 class NeedsRedis(Exception):
-    """A read under :data:`LOCAL_ONLY` that only Redis can answer (nothing was sent)."""
+    """A read under :data:`LOCAL_ONLY` that only Redis can answer (nothing was sent).
+
+    first_miss: every chunk set it lacked was missed for the first time (a fresh prompt's new
+    chunk): probably never read again, so not worth a tracked read (see :data:`UNTRACKED`)."""
+
+    first_miss = False
 
 
 class CachedReads:
@@ -80,6 +91,7 @@ class CachedReads:
         self._kwargs = kwargs
         self._lock = threading.Lock()
         self._copies = Copies(max_keys, shared)
+        self._missed: dict[str, None] = {}  # chunk keys a LOCAL_ONLY read lacked (first_miss)
         self._listener: redis.Connection | None = None
         self._gen = 0  # invalidation messages taken so far
         self._inv_at: dict[str, int] = {}  # key -> the message that last invalidated it
@@ -247,7 +259,7 @@ class CachedReads:
                 else:
                     out[i] = copy
             if missing and local:
-                raise NeedsRedis()
+                raise self._needs_redis(commands, missing)
             self.stats["hits"] += len(commands) - len(missing)
             self.stats["misses"] += len(missing)
         finally:
@@ -273,6 +285,18 @@ class CachedReads:
                         self._copies.put((cmd[0], cmd[1]), res)
                 out[i] = res
         return out
+
+    def _needs_redis(self, commands: Sequence[tuple], missing: list[int]) -> NeedsRedis:
+        """The NeedsRedis for a LOCAL_ONLY read lacking ``missing``: ``first_miss`` when none of
+        the chunk sets lacked was lacked before (each is remembered, :data:`MISSED_MAX` at most)."""
+        exc = NeedsRedis()
+        lacked = [commands[i][1] for i in missing if commands[i][0] == "ZRANGE"]
+        seen = self._missed
+        exc.first_miss = bool(lacked) and not any(k in seen for k in lacked)
+        if len(seen) + len(lacked) > min(self.max_keys, MISSED_MAX):
+            seen.clear()
+        seen.update(dict.fromkeys(lacked))
+        return exc
 
     def _send(self, sent: list) -> list | None:
         """``sent`` on a tracked connection; None when that fails (a reconnect whose REDIRECT

@@ -1,8 +1,10 @@
-"""Decode vLLM's KV cache event payloads without a fixed schema (no sockets, no Redis here).
+"""Decode vLLM's KV cache event payloads (no sockets, no Redis here).
 
 vLLM (``vllm/distributed/kv_events.py``) sends one msgpack ``KVEventBatch`` per ZMQ message.
 Its shape changed across versions (docs/vllm-events.md §2, fixtures in
-tests/fixtures/vllm/), so every level is read generically:
+tests/fixtures/vllm/). vLLM's own two encodings (an array batch of tagged positional events, or
+of maps under ``"type"``) are decoded by msgspec into the event structs (:func:`decode_typed`,
+~5x faster); anything else is read generically, level by level, with the same result:
 
 - batch: an array ``[ts, events, data_parallel_rank?]`` or a map with those keys;
 - event: a positional array ``["BlockStored", block_hashes, parent_block_hash, token_ids,
@@ -19,7 +21,7 @@ event inside a readable batch becomes a :class:`Malformed` entry, so the others 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -35,8 +37,18 @@ REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership"
 BATCH_FIELDS = ("ts", "events", "data_parallel_rank")
 
 
-@dataclass(frozen=True)
-class BlockStored:
+if TYPE_CHECKING:  # what the fields hold once decode_batch returns them
+    _Hash = int
+    _Token = int
+    _Tokens = tuple[int, ...]
+else:  # what the typed decode takes: a u64 (msgpack ints end at 2**64 - 1) or bytes to reduce
+    # (the generic path, ``block_hash``, reads the other forms); a token_ids of nil becomes ()
+    _Hash = Annotated[int, msgspec.Meta(ge=0)] | bytes
+    _Token = Annotated[int, msgspec.Meta(ge=0)]
+    _Tokens = tuple[_Token, ...] | None
+
+
+class BlockStored(msgspec.Struct, frozen=True, tag_field="type", tag="BlockStored"):
     """Blocks cached by one engine: hashes are u64; token_ids is empty for offloading stores.
 
     block_size: tokens per block (None when the event omits it). medium: None means GPU.
@@ -48,11 +60,15 @@ class BlockStored:
     session_id: the request context that stored or reused the block (0.33+).
     lookahead_token_ids: per block, the tokens after it that its hash covers (EAGLE block
     drop, 0.33+), or None.
+
+    A msgspec struct shaped as vLLM 0.25+'s map form (``{"type": "BlockStored", ...}``), so
+    :func:`decode_batch`'s typed path decodes such events straight into it; the field types'
+    constraints apply there only (the generic path checks the same itself).
     """
 
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    token_ids: tuple[int, ...]
+    block_hashes: tuple[_Hash, ...]
+    parent_block_hash: _Hash | None
+    token_ids: _Tokens
     block_size: int | None
     lora_id: int | None = None
     medium: str | None = None
@@ -64,22 +80,20 @@ class BlockStored:
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
+    lookahead_token_ids: tuple[tuple[_Token, ...], ...] | None = None
 
 
-@dataclass(frozen=True)
-class BlockRemoved:
+class BlockRemoved(msgspec.Struct, frozen=True, tag_field="type", tag="BlockRemoved"):
     """Blocks evicted from ``medium`` (None means GPU) of KV cache group ``group_idx``."""
 
-    block_hashes: tuple[int, ...]
+    block_hashes: tuple[_Hash, ...]
     medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
 
 
-@dataclass(frozen=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, frozen=True, tag_field="type", tag="AllBlocksCleared"):
     """The engine dropped its whole prefix cache (``reset_prefix_cache``)."""
 
 
@@ -106,8 +120,18 @@ class EventBatch:
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one msgpack payload (the third frame of a live message, or a replay reply).
 
-    Raises WireError (reasons ``msgpack``, ``batch_shape``) when the batch is unreadable.
+    The typed path first (:func:`decode_typed`: vLLM's own shapes, decoded by msgspec into the
+    event structs); anything it does not take goes the generic way, field by field, with the
+    same result. Raises WireError (reasons ``msgpack``, ``batch_shape``) when the batch is
+    unreadable.
     """
+    typed = decode_typed(payload)
+    return typed if typed is not None else decode_generic(payload)
+
+
+def decode_generic(payload: bytes) -> EventBatch:
+    """:func:`decode_batch` without the typed path: every level read field by field (any shape
+    of docs/vllm-events.md §2). Raises WireError as :func:`decode_batch` does."""
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
@@ -234,6 +258,125 @@ def _freeze(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_freeze(v) for v in value)
     return value
+
+
+# -- typed path -------------------------------------------------------------------------------
+# vLLM encodes its events with msgspec (``KVCacheEvent``: tagged, ``array_like=True`` up to 0.25,
+# tagged maps under ``"type"`` since), its batch as an array ``[ts, events, rank]``. Both forms
+# decode here in C into structs; a batch the structs do not take (a map batch, a relay's negative
+# hashes, an unknown event type, a bad field) returns None and goes the generic way, which then
+# reports exactly what is wrong with which event.
+
+
+class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    """BlockStored in vLLM's positional form (fields in ``STORED_FIELDS`` order; trailing ones
+    may be missing, extra ones are ignored)."""
+
+    block_hashes: tuple[_Hash, ...]
+    parent_block_hash: _Hash | None = None
+    token_ids: _Tokens = None  # type: ignore[assignment]
+    block_size: int | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: tuple | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: tuple[tuple[_Token, ...], ...] | None = None
+
+
+class _ArrayRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: tuple[_Hash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _ArrayCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class _MapBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
+    data_parallel_rank: int | None = None
+
+
+_DECODERS: list[msgspec.msgpack.Decoder[Any]] = [msgspec.msgpack.Decoder(_MapBatch),
+                                                 msgspec.msgpack.Decoder(_ArrayBatch)]
+_CLEARED = AllBlocksCleared()
+_astuple = msgspec.structs.astuple
+_replace = msgspec.structs.replace
+
+
+def decode_typed(payload: bytes) -> EventBatch | None:
+    """The batch decoded by the typed path, or None when it is not one of vLLM's own shapes
+    (:func:`decode_batch` then reads it generically). Never raises."""
+    for i, dec in enumerate(_DECODERS):
+        try:
+            batch = dec.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        if i:  # the form that answered is tried first next time
+            _DECODERS.insert(0, _DECODERS.pop(i))
+        events = [_checked(e) for e in batch.events]
+        if None in events:
+            return None
+        return EventBatch(batch.ts, tuple(events), batch.data_parallel_rank)  # type: ignore[arg-type]
+    return None
+
+
+def _checked(ev: Any) -> Event | None:
+    """A typed event as the generic path makes it (names checked, bytes hashes reduced, lists
+    frozen), or None when the generic path would find something wrong with it."""
+    t = type(ev)
+    if t is _ArrayStored:
+        ev, t = BlockStored(*_astuple(ev)), BlockStored
+    elif t is _ArrayRemoved:
+        ev, t = BlockRemoved(*_astuple(ev)), BlockRemoved
+    elif t is _ArrayCleared or t is AllBlocksCleared:
+        return _CLEARED
+    stored = t is BlockStored
+    for name in (ev.medium, ev.lora_name, ev.kv_cache_spec_kind, ev.locality, ev.ownership, ev.session_id) \
+            if stored else (ev.medium, ev.locality, ev.ownership):
+        if name is not None and name not in _GOOD_NAMES:
+            if not keys.printable_name(name):
+                return None
+            if len(_GOOD_NAMES) < _GOOD_NAMES_MAX:
+                _GOOD_NAMES.add(name)
+    fix: dict[str, Any] = {}
+    if not all(map(_is_int, ev.block_hashes)):
+        fix["block_hashes"] = _hashes(list(ev.block_hashes))
+    if stored:
+        if type(ev.parent_block_hash) is bytes:
+            fix["parent_block_hash"] = block_hash(ev.parent_block_hash)
+        if ev.token_ids is None:
+            fix["token_ids"] = ()
+        if ev.extra_keys is not None:
+            fix["extra_keys"] = _extra_keys(list(ev.extra_keys))
+    if not fix:
+        return ev
+    try:
+        return _replace(ev, **fix)
+    except ValueError:  # an empty bytes hash
+        return None
+
+
+#: Names already found printable (media, group kinds: a handful per engine), not checked again.
+_GOOD_NAMES: set[str] = set()
+_GOOD_NAMES_MAX = 1024
+_is_int = int.__instancecheck__  # typed hashes are int or bytes (never bool)
 
 
 #: The 8-byte seq of a replay terminator (vLLM sends -1 as a signed big-endian int).

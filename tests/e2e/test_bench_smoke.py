@@ -99,3 +99,16 @@ def test_purge_part_deletes_every_record_of_the_retired_holder(store):
     res = purge_case(store, 5_000)
     assert (res["records"], res["removed"], res["records_left"]) == (5_000, 5_000, 0)
     assert res["calls"] >= 1 and res["records_per_s"] > 0
+
+
+def test_fresh_bodies_keep_the_held_chunks_and_draw_the_last_one():
+    import json
+
+    from kvlookup.bench.fresh import fresh_split
+    prompt = list(range(1000, 1600))  # 600 tokens: chunks 0-255, 256-511 held, 512-599 new
+    head, tail = fresh_split(prompt)
+    assert tail == 88 and head.startswith('{"tokens": [1000, 1001, ') and head.endswith("1511, ")
+    body = json.loads(head + ",".join(["7"] * tail) + "]}")  # as the wrk script builds each body
+    assert body["tokens"] == prompt[:512] + [7] * 88
+    assert fresh_split([5] * 12) == ('{"tokens": [', 12)  # one partial chunk: all of it new
+    assert json.loads('{"tokens": [' + ",".join(["3"] * 12) + "]}")["tokens"] == [3] * 12

@@ -240,3 +240,44 @@ def test_tokens_lookup_json_is_the_general_answer(d):
     got = msgspec.json.decode(d.lookup_tokens_json(toks, MODEL, 2))
     assert got["chunks"] == 4 and [len(x["placements"]) for x in got["results"]] == [3, 2, 1, 2, 1, 0, 0, 0]
     assert got["results"][0]["access_count"] == 1 and got["results"][0]["token_ids"] == toks[:256]
+
+
+def test_prefix_read_stops_at_the_first_chunk_nobody_holds(d):
+    """prefix_fields (one MP_READ_PREFIX call): the live instances, the capacities and the records up
+    to and including the first chunk no rank holds; prefix_matches counts the chunks before it."""
+    import time
+
+    toks = list(range(1000, 2024))  # 4 chunks; chunk 2 held by nobody, chunk 3 held again
+    h = mphash.chunk_hashes_hex(toks)
+    r0, r1 = mphash.kv_rank(2, 0), mphash.kv_rank(2, 1)
+    d.register(W.RegisterRequest(instance_id="mp-test-1", ip="127.0.0.1", http_port=1))
+    post(d, batch(1, entries=[entry(x, rank=r) for x in (h[0], h[1], h[3]) for r in (r0, r1)]),
+         batch(2, tier="l2", backend="fs", entries=[entry(h[0], rank=r0)]))
+    sids = d.space_ids([f"{MODEL}\t\t{kr}\t0" for kr in (r0, r1)])
+    live, capacity, flat = d.prefix_fields(mphash.chunk_hashes(toks), sids, time.time())
+    assert list(live) == ["mp-test-1"] and capacity == d.capacity()
+    assert len(flat) == 3 * 2 and flat[4:] == [None, None] and all(flat[:4])
+    assert d.prefix_matches(toks, MODEL, 2) == [("mp-test-1", 512, {"l1/dram": 512})]
+    assert d.prefix_matches(toks, MODEL, 1) == []
+
+
+def test_reads_in_slices_answer_as_one(d, monkeypatch):
+    """A prompt longer than READ_SLICE chunks is read in several script calls (MP_READ_CHUNKS,
+    MP_READ_PREFIX): the same answers as one call, the prefix read stopping in the slice where the
+    first chunk nobody holds is."""
+    import msgspec
+
+    from kvlookup.index import mp_records
+
+    toks = list(range(1000, 3560))  # 10 chunks; 0-6 held, 7 not, 8 held
+    h = mphash.chunk_hashes_hex(toks)
+    d.register(W.RegisterRequest(instance_id="mp-test-1", ip="127.0.0.1", http_port=1))
+    post(d, batch(1, entries=[entry(x, tokens=toks[i * 256:(i + 1) * 256], offset=i * 256)
+                              for i, x in enumerate(h) if i not in (7, 9)]))
+    one = (d.lookup_tokens_json(toks, MODEL), d.prefix_matches(toks, MODEL))
+    monkeypatch.setattr(mp_records, "READ_SLICE", 3)
+    assert (d.lookup_tokens_json(toks, MODEL), d.prefix_matches(toks, MODEL)) == one
+    assert one[1] == [("mp-test-1", 7 * 256, {"l1/dram": 7 * 256})]
+    assert [len(x["placements"]) for x in msgspec.json.decode(one[0])["results"]] == [1] * 7 + [0, 1, 0]
+    sids = d.space_ids([f"{MODEL}\t\t{WS1}\t0"])
+    assert len(d.prefix_fields(mphash.chunk_hashes(toks), sids)[2]) == 8  # slices of 3: 3, 3, then 2 (stops)

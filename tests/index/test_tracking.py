@@ -12,6 +12,7 @@ import redis
 from kvlookup.client import Client
 from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT, Store
+from kvlookup.index.tracking import LOCAL_ONLY, UNTRACKED, NeedsRedis
 from kvlookup.proc.redis_server import EmbeddedRedis, connect
 from tests.conftest import SEED_HASH, SEED_TOKENS
 from tests.support.helpers import wait_for
@@ -133,3 +134,38 @@ def test_a_tracked_connection_closed_by_redis_drops_every_copy(redis_url, r, wri
     Store(connect(redis_url), purge_grace_s=0).apply([("a", 0, CPU, [(EVICT, SEED_HASH)])])
     assert wait_for(lambda: layout(client), {}, timeout=2) == {}
     assert cached.stats["resets"] > resets
+
+
+def _local_attempt(client, tokens) -> NeedsRedis | list:
+    """``client.matches(tokens)`` as app.asgi tries it in the event loop: the answer, or the
+    NeedsRedis it raised."""
+    token = LOCAL_ONLY.set(True)
+    try:
+        return client.matches(tokens)
+    except NeedsRedis as exc:
+        return exc
+    finally:
+        LOCAL_ONLY.reset(token)
+
+
+def test_a_first_miss_is_read_by_digest_untracked_and_a_second_is_tracked(redis_url, r, writer):
+    client = Client(redis_url, cache_reads=True)
+    assert client.matches([7] * 300) == []  # the clock and the registry version are read
+    fresh = [9] * 12
+    for tokens in (fresh, SEED_TOKENS):
+        first = _local_attempt(client, tokens)
+        assert isinstance(first, NeedsRedis) and first.first_miss  # never lacked before
+    tracked = _commands(r, "client|caching")
+    token = UNTRACKED.set(True)
+    try:  # as app.asgi asks it in a thread after a first miss
+        assert client.matches(fresh) == []
+        assert layout(client) == {"a": 12}  # read by digest: the same answer
+    finally:
+        UNTRACKED.reset(token)
+    assert _commands(r, "client|caching") == tracked  # nothing tracked, nothing kept
+    again = _local_attempt(client, SEED_TOKENS)
+    assert isinstance(again, NeedsRedis) and not again.first_miss  # lacked once already
+    assert layout(client) == {"a": 12}  # read tracked now, and kept
+    assert _commands(r, "client|caching") == tracked + 1
+    kept = _local_attempt(client, SEED_TOKENS)
+    assert [(m.instance_id, m.matched_prefix_length) for m in kept] == [("a", 12)]

@@ -22,10 +22,12 @@ from kvlookup.wire.vllm import (
     Malformed,
     block_hash,
     decode_batch,
+    decode_generic,
+    decode_typed,
     parse_live,
     parse_replay,
 )
-from tests.support.vllm_helpers import FIXTURES, as_array, payload, stored
+from tests.support.vllm_helpers import FIXTURES, as_array, payload, removed, stored
 
 FIXTURE_NAMES = sorted(p.stem for p in FIXTURES.glob("vllm-*-batch.msgpack"))
 TOKENS = tuple(range(1000, 1032))
@@ -160,3 +162,38 @@ def test_own_chain_namespaces_and_blocks():
     assert vh.request_root(16, "x") == vh.namespace_root(16, "x", ())
     assert vh.split_extra_keys(("x", "salt"), "x") == ("salt",)
     assert vh.split_extra_keys(None, "x") == ()
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_typed_path_takes_every_vllm_fixture_and_agrees_with_the_generic_one(name):
+    raw = (FIXTURES / f"{name}.msgpack").read_bytes()
+    typed = decode_typed(raw)
+    assert typed is not None  # vLLM's own encodings (array and map events, int and bytes hashes)
+    assert typed == decode_generic(raw) == decode_batch(raw)
+    assert typed.events[0].block_hashes == INT_HASHES
+
+
+def test_typed_path_leaves_odd_shapes_to_the_generic_one():
+    tokens = list(range(16))
+    # extra trailing fields, missing trailing ones, both event forms: typed, same as generic
+    for events in ([["BlockStored", [1], None, tokens, 16, None, "GPU", None, None, 0, "x", 9, "LOCAL", None,
+                     "s1", None, "future"], ["BlockRemoved", [1]]],
+                   [stored([1], tokens, extra_keys=[["salt", ["mm", 0]]]), removed([1])]):
+        raw = msgspec.msgpack.encode([2, events])
+        typed = decode_typed(raw)
+        assert typed is not None and typed == decode_generic(raw)
+        assert typed.ts == 2.0 and typed.data_parallel_rank is None
+    assert decode_typed(msgspec.msgpack.encode([1.0, [stored([1], tokens, extra_keys=[["a", ["mm", 0]]])]])
+                        ).events[0].extra_keys == (("a", ("mm", 0)),)
+    # a relay's negative hash, a map batch, a mixed batch, a bad name: generic (and exact)
+    for raw in (msgspec.msgpack.encode([1.0, [["BlockRemoved", [-1]]], 0]),
+                msgspec.msgpack.encode({"ts": 1.0, "events": [["BlockRemoved", [3]]]}),
+                msgspec.msgpack.encode([1.0, [["BlockRemoved", [3]], removed([4])], 0]),
+                msgspec.msgpack.encode([1.0, [removed([4], medium="G\tPU")], 0])):
+        assert decode_typed(raw) is None
+    assert decode_batch(msgspec.msgpack.encode([1.0, [["BlockRemoved", [-1]]], 0])).events == (
+        BlockRemoved((2**64 - 1,)),)
+    assert decode_batch(msgspec.msgpack.encode([1.0, [["BlockRemoved", [3]], removed([4])], 0])).events == (
+        BlockRemoved((3,)), BlockRemoved((4,), "GPU"))
+    assert isinstance(decode_batch(msgspec.msgpack.encode([1.0, [removed([4], medium="G\tPU")], 0])).events[0],
+                      Malformed)
