@@ -13,7 +13,7 @@ and a lookup costs less than either (docs/benchmarks-notes.md "Per-request cost"
 Every request body is read here first, within ``max_body_bytes`` (413) and ``body_timeout_s``
 (408), as :class:`app.body.RequestBody` does for WSGI. A lookup answered from the controller's
 cached reads does no I/O, so it runs in the loop; one that must ask Redis (``lookup_cache:
-off``, Redis Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup.index.tracking's
+off`` on one Redis or a Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup.index.tracking's
 ``LOCAL_ONLY`` / ``NeedsRedis``) runs in the thread pool, so a slow round trip never holds
 the other connections; one whose missing chunks were all missed for the first time (a fresh
 prompt) is read there by digest, untracked (:data:`FIRST_MISS`). Every explain and every

@@ -1,8 +1,11 @@
 """One server against a 3-master + 3-replica Redis Cluster, side by side in one run.
 
-- lookups: in-process ``Client.matches`` p50/p99 at each prompt length, 8 instances holding
-  growing prefixes of the prompt (instance i holds the first (i+1)/8 of it), the two backends
-  measured turn about, the same prompt and records on each;
+- lookups: in-process ``Client.matches`` p50/p99 and caller CPU at each prompt length, 8
+  instances holding growing prefixes of the prompt (instance i holds the first (i+1)/8 of it),
+  each backend with its default read path (cached reads on both: kvlookup.index.tracking,
+  kvlookup.index.cluster_cache) and with ``lookup_cache: off``, the four interleaved per request,
+  the same prompt and records on each; then over HTTP (one controller per backend, its
+  defaults, gunicorn uvicorn:2) at c=1 and 16, the backends in alternating rounds;
 - ingest: aggregate chunk ops/s with 1, 2 and 4 sidecar processes, each fed by its own pusher
   process (pre-encoded 0.5.6 BatchedKVOperationMsg traffic, as ``bench ingest``);
 - balance: the Mooncake trace replayed on a simulated fleet and written through Store.apply:
@@ -19,6 +22,7 @@ import sys
 import time
 
 from kvlookup.bench import feed, progress
+from kvlookup.bench.compare import _load
 from kvlookup.bench.ingest import make_streams
 from kvlookup.bench.procs import Procs
 from kvlookup.bench.workload import CPU, ChunkHasher, Fleet, load_trace, replay
@@ -45,40 +49,91 @@ def _flush(store: Store) -> None:
     store._holders.clear()
 
 
-def lookups(stores: dict[str, Store], lengths: tuple[int, ...], instances: int, seconds: float) -> list[dict]:
-    """p50/p99 (ms) per backend and prompt length; both backends hold the same records."""
+#: lookup read paths: (backend, lookup_cache) per column; "single" and "cluster" are each one's
+#: default (cached reads: kvlookup.index.tracking, kvlookup.index.cluster_cache)
+LOOKUP_MODES = {"single": ("single", True), "cluster": ("cluster", True),
+                "single-off": ("single", False), "cluster-off": ("cluster", False)}
+
+
+def lookups(stores: dict[str, Store], lengths: tuple[int, ...], instances: int, seconds: float,
+            procs: Procs | None = None, urls: dict[str, str] | None = None,
+            http_c: tuple[int, ...] = (1, 16)) -> list[dict]:
+    """p50/p99 (ms) per read path and prompt length, interleaved per request; both backends hold
+    the same records. With procs and urls: also over HTTP (a controller per backend, its
+    defaults, uvicorn:2), the backends in alternating rounds at each concurrency in http_c."""
     rng = random.Random(11)
     rows = []
+    bases = {}
+    if procs is not None and urls is not None:
+        bases = {"single": procs.start_controller(urls["single"], name="cluster-bench-single"),
+                 "cluster": procs.start_controller(urls["cluster"], name="cluster-bench-cluster",
+                                                   extra=("--redis-cluster",))}
     for n in lengths:
         tokens = [rng.randrange(128_000) for _ in range(n)]
         hashes = HashProfile().chunk_hashes(tokens)
-        clients = {}
-        for name, store in stores.items():
+        for store in stores.values():
             _flush(store)
             for i in range(instances):
                 store.register_worker(f"inst-{i}", 0)
                 upto = len(hashes) * (i + 1) // instances
                 store.apply([(f"inst-{i}", 0, CPU, [(ADMIT, h) for h in hashes[:upto]])])
-            clients[name] = Client(store=store, instance_ttl_s=0)
-        want = {m.instance_id: m.matched_prefix_length for m in clients["single"].matches(tokens)}
-        assert want == {m.instance_id: m.matched_prefix_length for m in clients["cluster"].matches(tokens)}
-        times: dict[str, list[float]] = {b: [] for b in BACKENDS}
-        deadline = time.monotonic() + seconds * 2
-        while time.monotonic() < deadline:  # turn about, so noise hits both alike
-            for name in BACKENDS:
+        clients = {m: Client(store=Store(stores[b].r, instance_ttl_s=0, purge_grace_s=0, cache_reads=c),
+                             instance_ttl_s=0) for m, (b, c) in LOOKUP_MODES.items()}
+        want = {m.instance_id: m.matched_prefix_length for m in clients["single-off"].matches(tokens)}
+        for name, client in clients.items():
+            got = {m.instance_id: m.matched_prefix_length for m in client.matches(tokens)}
+            assert got == want, (name, got, want)
+        times: dict[str, list[float]] = {m: [] for m in LOOKUP_MODES}
+        cpu: dict[str, float] = dict.fromkeys(LOOKUP_MODES, 0.0)
+        order = list(clients.items())
+        deadline = time.monotonic() + seconds * len(LOOKUP_MODES)
+        turn = 0
+        while time.monotonic() < deadline:  # turn about per request, so noise hits each alike
+            for name, client in (order if turn % 2 == 0 else order[::-1]):
+                c0 = time.process_time()
                 t = time.perf_counter()
-                clients[name].matches(tokens, validate=False)
+                client.matches(tokens, validate=False)
                 times[name].append((time.perf_counter() - t) * 1000)
-        row = {"tokens": n, "instances": instances}
-        for name in BACKENDS:
+                cpu[name] += time.process_time() - c0
+            turn += 1
+        row: dict = {"tokens": n, "instances": instances}
+        for name in LOOKUP_MODES:
             ts = sorted(times[name])
             row[name] = {"p50_ms": round(statistics.median(ts), 3), "p99_ms": round(ts[int(len(ts) * 0.99)], 3),
-                         "n": len(ts)}
+                         "n": len(ts), "cpu_ms_per_lookup": round(cpu[name] * 1000 / len(ts), 3)}
         row["p50_ratio"] = round(row["cluster"]["p50_ms"] / row["single"]["p50_ms"], 2)
+        row["p99_ratio"] = round(row["cluster"]["p99_ms"] / row["single"]["p99_ms"], 2)
+        row["off_p50_ratio"] = round(row["cluster-off"]["p50_ms"] / row["single-off"]["p50_ms"], 2)
+        if bases:
+            row["http"] = _http(procs, bases, tokens, seconds, http_c)
         rows.append(row)
-        progress.note(f"  lookup {n} tokens: one server p50 {row['single']['p50_ms']} ms, "
-                      f"cluster {row['cluster']['p50_ms']} ms ({row['p50_ratio']}x)")
+        progress.note(f"  lookup {n} tokens (defaults): one server p50 {row['single']['p50_ms']} ms, "
+                      f"cluster {row['cluster']['p50_ms']} ms ({row['p50_ratio']}x), p99 {row['p99_ratio']}x; "
+                      f"lookup_cache off: {row['off_p50_ratio']}x"
+                      + "".join(f"; HTTP c={h['concurrency']} {h['cluster']['req_s']} vs {h['single']['req_s']} "
+                                f"req/s ({h['throughput_ratio']}x)" for h in row.get("http", [])))
     return rows
+
+
+def _http(procs: Procs, bases: dict[str, str], tokens: list[int], seconds: float, concurrencies) -> list[dict]:
+    """req/s and p50/p99 of each backend's controller at each concurrency, in alternating rounds
+    (each one's best round by req/s)."""
+    import json
+
+    body = procs.tmp / "cluster-body.pkl"
+    body.write_bytes(pickle.dumps([json.dumps({"tokens": tokens}).encode()]))
+    out = []
+    for c in concurrencies:
+        best: dict = {}
+        for rnd in range(2):
+            for name in (("single", "cluster") if rnd % 2 == 0 else ("cluster", "single")):
+                got = _load(bases[name], body, c, seconds)
+                got = {k: got[k] for k in ("req_s", "p50_ms", "p99_ms")}
+                if name not in best or got["req_s"] > best[name]["req_s"]:
+                    best[name] = got
+        out.append({"concurrency": c, **best,
+                    "throughput_ratio": round(best["cluster"]["req_s"] / best["single"]["req_s"], 2)})
+    return out
 
 
 def ingest(procs: Procs, urls: dict[str, str], sidecar_counts: tuple[int, ...], ops_per_sidecar: int) -> list[dict]:
@@ -183,18 +238,22 @@ def _used(node) -> int:
 
 def run(lengths: tuple[int, ...] = (1024, 32768, 131072), instances: int = 8, seconds: float = 2.0,
         sidecar_counts: tuple[int, ...] = (1, 2, 4), ops_per_sidecar: int = 200_000,
-        trace_requests: int = 4000, trace_instances: int = 8) -> dict:
+        trace_requests: int = 4000, trace_instances: int = 8, http: bool = True,
+        parts: tuple[str, ...] = ("lookups", "balance", "ingest")) -> dict:
     with Procs() as procs:
         single_url = procs.start_redis()
         cluster = LocalCluster(procs.tmp / "cluster", masters=3, replicas=1)
         cluster_url = cluster.start()
         try:
             stores = _stores(single_url, cluster_url)
-            res = {"masters": 3, "replicas_per_master": 1,
-                   "lookups": lookups(stores, lengths, instances, seconds),
-                   "balance": balance(stores, cluster, trace_requests, trace_instances),
-                   "ingest": ingest(procs, {"single": single_url, "cluster": cluster_url}, sidecar_counts,
-                                    ops_per_sidecar)}
+            urls = {"single": single_url, "cluster": cluster_url}
+            res: dict = {"masters": 3, "replicas_per_master": 1}
+            if "lookups" in parts:
+                res["lookups"] = lookups(stores, lengths, instances, seconds, procs, urls if http else None)
+            if "balance" in parts:
+                res["balance"] = balance(stores, cluster, trace_requests, trace_instances)
+            if "ingest" in parts:
+                res["ingest"] = ingest(procs, urls, sidecar_counts, ops_per_sidecar)
         finally:
             cluster.stop()
     return res

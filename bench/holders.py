@@ -1,37 +1,48 @@
 """``kvlookup bench holders``: a lookup's cost against how many instances hold its prompt.
 
 N instances (one worker each, CPU tier) all hold the same prompt (a system prompt shared by the
-whole fleet: the normal case for a router). Each point looks that prompt up in process
-(``Client.matches``), through each read path, and reports p50/p99 latency, the caller's CPU per
-lookup (process time) and Redis busy time per lookup (``INFO commandstats`` usec deltas over
-every command, divided by lookups; and ``INFO cpu`` of the Redis processes, which a loaded box
-does not inflate). Targets alternate per point, so a drifting machine
-slows each alike.
+whole fleet: the normal case for a router). Each point compares, per read path, a prompt held by
+N instances with another prompt of the same length held by :data:`REF_HOLDERS` (8), both in the
+same Redis (and the same cluster), looked up in process (``Client.matches``).
+
+Latency is measured **interleaved per request**: one loop looks up the reference prompt and the
+N-holder prompt in turn (which goes first alternates each pass), so a moment of box noise, a GC
+pass or a RESOLVE lands on both prompts alike; the read paths take turns (``rounds`` of
+``seconds`` each, in alternating order), every sample of a prompt counts, and the ratio
+p50(N) / p50(ref) (and p99) is quoted from those same samples. The caller's CPU is
+``time.process_time`` around each request (nothing else runs in this process while a point is
+timed but the lease renewer, see below).
+
+Redis busy time per lookup is measured apart, in alternating blocks of one prompt's lookups
+(``INFO commandstats`` usec deltas over every command but ``INFO`` itself, every master, divided
+by lookups; and ``INFO cpu`` of the Redis processes, which a loaded box does not inflate), with
+the lease renewer paused during each block so its ``TOUCH`` calls are not counted.
 
 - ``off``: one Redis, ``lookup_cache: off`` (what Sentinel runs): every chunk's digest read by
-  one ``CHUNK_HEADS`` call (before issue 18: the ``LOOKUP`` script, which walked every member);
-- ``cached``: cached reads, fenced (kvlookup.index.tracking; the single-server default);
+  one ``CHUNK_HEADS`` call;
+- ``cached``: cached reads, unfenced (kvlookup.index.tracking; the single-server default);
 - ``cluster``: a local Redis Cluster (3 masters, no replicas: kvlookup.devtools.local_cluster)
-  holding the same fleet, read in stages (kvlookup.index.staged); Redis busy summed over masters.
-
-Both walks read a chunk's digest (keys.CHUNK_DIGEST_MEMBER) and its member list only where the
-holder set changes, so ``off`` and ``cluster`` cost O(chunks + holders) in Redis.
+  holding the same fleet, with its default read path (cached reads per master,
+  kvlookup.index.cluster_cache); ``cluster-off``: the same with ``lookup_cache: off``.
 
 leases=True (the default, as a deployment): every instance has a 30 s liveness lease that a
-thread renews every second (as a sidecar does), and lookups check it; False: no leases.
-http: also each point over HTTP at concurrency 1 (``kvlookup controller``, gunicorn uvicorn:2,
-its defaults: cached reads; bench.procs starts it with ``--instance-ttl 0``).
+thread of this process renews every second (as a sidecar does; its calls land on both prompts
+alike) and lookups check it; it is paused only during each Redis block (far shorter than a
+lease). A lapsed lease is not what this measures: a holder whose lease has lapsed costs a
+RESOLVE on every lookup (docs/benchmarks-notes.md, "Holder fan-out"). http: also each point over HTTP at
+concurrency 1 (``kvlookup controller``, gunicorn uvicorn:2, its defaults), the two prompts
+interleaved per request on one keep-alive connection.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
-import pickle
 import threading
 import time
+from urllib.parse import urlsplit
 
 from kvlookup.bench import progress
-from kvlookup.bench.compare import _load
 from kvlookup.bench.loadgen import percentile
 from kvlookup.bench.procs import Procs
 from kvlookup.bench.sweeps import hold, prompt
@@ -40,60 +51,118 @@ from kvlookup.devtools.local_cluster import LocalCluster
 from kvlookup.index.store import Store
 from kvlookup.proc.redis_server import connect
 
-MODES = {"off": False, "cached": "fenced"}
+#: single-server read paths: lookup_cache setting per mode
+MODES = {"off": False, "cached": True}
+CLUSTER_MODES = {"cluster": True, "cluster-off": False}
+#: The holder count every point is compared with.
+REF_HOLDERS = 8
 
 
 def redis_usec(r) -> int:
-    """Microseconds Redis spent in commands so far (``INFO commandstats``, every command; every
-    master of a cluster)."""
+    """Microseconds Redis spent in commands so far (``INFO commandstats``, every command but
+    ``INFO``; every master of a cluster)."""
     nodes = [n.redis_connection for n in r.get_primaries()] if hasattr(r, "get_primaries") else [r]
-    return sum(int(v["usec"]) for node in nodes for v in node.info("commandstats").values())
+    return sum(int(v["usec"]) for node in nodes for k, v in node.info("commandstats").items()
+               if k != "cmdstat_info")
 
 
 def redis_cpu_s(r) -> float:
     """CPU seconds the Redis process(es) used so far (``INFO cpu`` user + system, every master):
     unlike commandstats' usec, not inflated by time a busy box leaves a command descheduled, but
-    counting the server's background work (lease renewals, cron) too."""
+    counting the server's background work (cron) too."""
     nodes = [n.redis_connection for n in r.get_primaries()] if hasattr(r, "get_primaries") else [r]
     return sum(float(i["used_cpu_user"]) + float(i["used_cpu_sys"]) for i in (n.info("cpu") for n in nodes))
 
 
-def time_lookups(client: Client, r, tokens: list[int], seconds: float) -> dict:
-    client.matches(tokens, validate=False)  # warm (holders resolved, chunk sets cached)
-    lat = []
-    u0, c0, rc0 = redis_usec(r), time.process_time(), redis_cpu_s(r)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(lat) < 10:
-        t = time.perf_counter()
-        got = client.matches(tokens, validate=False)
-        lat.append(time.perf_counter() - t)
-    cpu = time.process_time() - c0
-    busy = redis_usec(r) - u0
-    rcpu = redis_cpu_s(r) - rc0
-    lat.sort()
-    return {"n": len(lat), "matched": len(got), "p50_ms": round(percentile(lat, 50) * 1000, 3),
-            "p99_ms": round(percentile(lat, 99) * 1000, 3),
-            "cpu_ms_per_lookup": round(cpu * 1000 / len(lat), 3),
-            "redis_ms_per_lookup": round(busy / 1000 / len(lat), 3),
-            "redis_cpu_ms_per_lookup": round(rcpu * 1000 / len(lat), 3)}
+class Renewer:
+    """A thread renewing the leases of every instance owned by "bench-sidecar", every second, on
+    each store; :meth:`paused` holds it off (a point is timed far within a lease)."""
 
+    def __init__(self, stores: list[Store]):
+        self.stores, self.stop, self.lock = stores, threading.Event(), threading.Lock()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
 
-def renewing(store: Store, stop: threading.Event) -> threading.Thread:
-    """A thread renewing the leases of every instance owned by "bench-sidecar", every second."""
-    def loop() -> None:
-        while not stop.wait(1.0):
+    def _loop(self) -> None:
+        while not self.stop.wait(1.0):
+            with self.lock:
+                for store in self.stores:
+                    store.renew("bench-sidecar")
+
+    def renew_locked(self) -> None:
+        """Renew now (the caller holds :meth:`paused`)."""
+        for store in self.stores:
             store.renew("bench-sidecar")
-    t = threading.Thread(target=loop, daemon=True)
-    t.start()
-    return t
+
+    def paused(self):
+        return self.lock
+
+
+def interleaved(client: Client, prompts: dict[str, list[int]], seconds: float, acc: dict | None = None) -> dict:
+    """Per prompt: latency and caller CPU of each request, the prompts looked up in turn in one
+    loop (which goes first alternates each pass); added to ``acc`` (samples of earlier rounds)."""
+    for t in prompts.values():
+        client.matches(t, validate=False)  # warm (holders resolved, chunk sets read)
+    names = list(prompts)
+    acc = acc if acc is not None else {}
+    for p in names:
+        acc.setdefault(p, {"lat": [], "cpu": 0.0, "matched": 0})
+    end = time.perf_counter() + seconds
+    turn = 0
+    while time.perf_counter() < end or turn < 20:
+        for p in (names if turn % 2 == 0 else names[::-1]):
+            tokens, a = prompts[p], acc[p]
+            c0 = time.process_time()
+            t = time.perf_counter()
+            a["matched"] = len(client.matches(tokens, validate=False))
+            a["lat"].append(time.perf_counter() - t)
+            a["cpu"] += time.process_time() - c0
+        turn += 1
+    return acc
+
+
+def summary(acc: dict) -> dict:
+    """p50/p99 (ms) and caller CPU (ms per lookup) of each prompt's samples."""
+    out = {}
+    for p, a in acc.items():
+        ls = sorted(a["lat"])
+        out[p] = {"n": len(ls), "matched": a["matched"], "p50_ms": round(percentile(ls, 50) * 1000, 3),
+                  "p99_ms": round(percentile(ls, 99) * 1000, 3),
+                  "cpu_ms_per_lookup": round(a["cpu"] * 1000 / len(ls), 3)}
+    return out
+
+
+def redis_per_lookup(client: Client, r, prompts: dict[str, list[int]], seconds: float, blocks: int,
+                     renewer: Renewer | None = None) -> dict:
+    """Redis busy time per lookup of each prompt, in ``blocks`` alternating blocks; the leases
+    renewed before each block and the renewer held off during it (its TOUCH calls not counted)."""
+    tot = {p: [0, 0.0, 0] for p in prompts}  # usec, cpu s, lookups
+    for b in range(blocks):
+        for p in (list(prompts) if b % 2 == 0 else list(prompts)[::-1]):
+            tokens = prompts[p]
+            with renewer.paused() if renewer is not None else _Null():
+                if renewer is not None:
+                    renewer.renew_locked()
+                client.matches(tokens, validate=False)  # holders known again after the renewal
+                u0, rc0, n = redis_usec(r), redis_cpu_s(r), 0
+                end = time.perf_counter() + seconds / blocks
+                while time.perf_counter() < end or n < 10:
+                    client.matches(tokens, validate=False)
+                    n += 1
+                tot[p][0] += redis_usec(r) - u0
+                tot[p][1] += redis_cpu_s(r) - rc0
+            tot[p][2] += n
+    return {p: {"redis_ms_per_lookup": round(u / 1000 / n, 3), "redis_cpu_ms_per_lookup": round(c * 1000 / n, 3)}
+            for p, (u, c, n) in tot.items()}
 
 
 def run(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds: float = 2.0, rounds: int = 1,
         leases: bool = True, http: bool = True, with_cluster: bool = True) -> dict:
     ttl = 30.0 if leases else 0.0
-    out: dict = {"seconds_per_point": seconds, "modes": list(MODES), "leases": leases, "points": []}
-    stop = threading.Event()
+    out: dict = {"seconds_per_point": seconds, "rounds": rounds, "ref_holders": REF_HOLDERS, "leases": leases,
+                 "interleaved": "per request", "points": []}
     cluster = None
+    renewer = None
     with Procs() as procs:
         url = procs.start_redis()
         r = connect(url)
@@ -102,62 +171,116 @@ def run(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds: flo
             cluster = LocalCluster(procs.tmp / "cluster", masters=3, replicas=0)
             curl = cluster.start()
             backends["cluster"] = (connect(curl, cluster=True), curl, True)
-        out["modes"] = [*MODES, *(["cluster"] if with_cluster else [])]
         stores = {b: Store(c, instance_ttl_s=ttl) for b, (c, _u, _k) in backends.items()}
         clients = {m: (Client(redis=connect(url), instance_ttl_s=ttl, cache_reads=c), r) for m, c in MODES.items()}
         if with_cluster:
             rc, curl, _ = backends["cluster"]
-            clients["cluster"] = (Client(redis=connect(curl, cluster=True), instance_ttl_s=ttl), rc)
+            for m, c in CLUSTER_MODES.items():
+                clients[m] = (Client(redis=connect(curl, cluster=True), instance_ttl_s=ttl, cache_reads=c), rc)
+        out["modes"] = list(clients)
         if leases:
-            for _c, u, k in backends.values():
-                renewing(Store(connect(u, cluster=k), instance_ttl_s=ttl), stop)
+            renewer = Renewer([Store(connect(u, cluster=k), instance_ttl_s=ttl) for _c, u, k in backends.values()])
         base = procs.start_controller(url) if http else None
         try:
-            _points(out, stores, clients, lengths, holder_counts, seconds, rounds, leases, base, procs)
+            _points(out, stores, clients, lengths, holder_counts, seconds, rounds, renewer, base, procs)
         finally:
-            stop.set()
+            if renewer is not None:
+                renewer.stop.set()
             r.close()
             if cluster is not None:
                 cluster.stop()
     return out
 
 
-def _points(out, stores, clients, lengths, holder_counts, seconds, rounds, leases, base, procs) -> None:
-    """Each holder count: the fleet grown to it on every backend, then each length timed."""
-    held = 0
+def _fleet(stores, renewer, tokens: list[int], names: list[str]) -> None:
+    for store in stores.values():
+        hold(store, tokens, names)
+        if renewer is not None:
+            for inst in names:
+                store.own("bench-sidecar", inst)
+
+
+def _points(out, stores, clients, lengths, holder_counts, seconds, rounds, renewer, base, procs) -> None:
+    """The reference prompt held by REF_HOLDERS instances; each holder count N its own prompt
+    held by N instances; each point the two timed interleaved."""
+    top = max(lengths)
+    ref = prompt(top, 7)
+    _fleet(stores, renewer, ref, [f"ref-{i}" for i in range(REF_HOLDERS)])
     for n in sorted(holder_counts):
-        p = prompt(max(lengths), 7)
-        fleet = [f"fleet-{i}" for i in range(held, n)]
-        for store in stores.values():
-            hold(store, p, fleet)  # the same prompt, more holders
-            if leases:
-                for inst in fleet:
-                    store.own("bench-sidecar", inst)
-        held = n
+        held = prompt(top, 1000 + n)
+        _fleet(stores, renewer, held, [f"fleet-{i}" for i in range(n)])
         for length in lengths:
-            row = {"tokens": length, "holders": n}
-            for _ in range(rounds):
-                for mode, (client, rr) in clients.items():
-                    got = time_lookups(client, rr, p[:length], seconds)
-                    best = row.get(mode)
-                    if best is None or got["p50_ms"] < best["p50_ms"]:
-                        row[mode] = got
-                if base:
-                    body = procs.tmp / "holders-body.pkl"
-                    body.write_bytes(pickle.dumps([json.dumps({"tokens": p[:length]}).encode()]))
-                    got = {k: v for k, v in _load(base, body, 1, seconds).items()
-                           if k in ("requests", "req_s", "p50_ms", "p99_ms")}
-                    if "http_c1" not in row or got["p50_ms"] < row["http_c1"]["p50_ms"]:
-                        row["http_c1"] = got
-            progress.note(f"  {length} tokens, {n} holders: " + " | ".join(
-                f"{m} p50 {row[m]['p50_ms']} p99 {row[m]['p99_ms']} ms cpu {row[m]['cpu_ms_per_lookup']} "
-                f"redis {row[m]['redis_ms_per_lookup']} ms (cpu {row[m]['redis_cpu_ms_per_lookup']})" for m in clients)
-                + (f" | HTTP p50 {row['http_c1']['p50_ms']} p99 {row['http_c1']['p99_ms']} ms" if base else ""))
+            prompts = {"ref": ref[:length], "n": held[:length]}
+            row: dict = {"tokens": length, "holders": n, "ref_holders": REF_HOLDERS}
+            modes = list(clients)
+            acc: dict = {m: {} for m in modes}
+            for i in range(rounds):  # the modes in turn, in alternating order
+                for m in (modes if i % 2 == 0 else modes[::-1]):
+                    interleaved(clients[m][0], prompts, seconds, acc[m])
+            for m in modes:
+                row[m] = summary(acc[m])
+            for m, (client, rr) in clients.items():
+                for p, got in redis_per_lookup(client, rr, prompts, seconds, 2 * rounds, renewer).items():
+                    row[m][p].update(got)
+            for m in clients:
+                row[m]["p50_ratio"] = round(row[m]["n"]["p50_ms"] / row[m]["ref"]["p50_ms"], 2)
+                row[m]["p99_ratio"] = round(row[m]["n"]["p99_ms"] / row[m]["ref"]["p99_ms"], 2)
+            if base:
+                row["http_c1"] = _http(base, prompts, seconds, rounds)
+            progress.note(f"  {length} tokens, {n} vs {REF_HOLDERS} holders: " + " | ".join(
+                f"{m} p50 {row[m]['n']['p50_ms']}/{row[m]['ref']['p50_ms']} ms ({row[m]['p50_ratio']}x) "
+                f"p99 {row[m]['n']['p99_ms']}/{row[m]['ref']['p99_ms']} ({row[m]['p99_ratio']}x) "
+                f"cpu {row[m]['n']['cpu_ms_per_lookup']} redis {row[m]['n']['redis_ms_per_lookup']} ms"
+                for m in clients)
+                + (f" | HTTP p50 {row['http_c1']['n']['p50_ms']}/{row['http_c1']['ref']['p50_ms']} ms "
+                   f"({row['http_c1']['p50_ratio']}x) p99 {row['http_c1']['n']['p99_ms']}/"
+                   f"{row['http_c1']['ref']['p99_ms']} ({row['http_c1']['p99_ratio']}x)" if base else ""))
             out["points"].append(row)
 
 
+def _http(base, prompts, seconds, rounds) -> dict:
+    """Each prompt over HTTP at c=1, interleaved per request on one keep-alive connection (the
+    controller's answer is read whole; its size grows with the holders: a complete layout)."""
+    parts = urlsplit(base)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    headers = {"Content-Type": "application/json", "Connection": "keep-alive"}
+    bodies = {p: json.dumps({"tokens": t}).encode() for p, t in prompts.items()}
+    lat: dict[str, list[float]] = {p: [] for p in prompts}
+    size = dict.fromkeys(prompts, 0)
+    names = list(prompts)
+    end = time.perf_counter() + seconds * rounds
+    turn = 0
+    while time.perf_counter() < end or turn < 20:
+        for p in (names if turn % 2 == 0 else names[::-1]):
+            t = time.perf_counter()
+            conn.request("POST", "/lookup", bodies[p], headers)
+            resp = conn.getresponse()
+            size[p] = len(resp.read())
+            if resp.status != 200:
+                raise RuntimeError(f"/lookup answered {resp.status}")
+            if turn >= 4:  # warm-up: both workers have read both prompts
+                lat[p].append(time.perf_counter() - t)
+        turn += 1
+    conn.close()
+    out: dict = {}
+    for p, ls in lat.items():
+        ls.sort()
+        out[p] = {"requests": len(ls), "p50_ms": round(percentile(ls, 50) * 1000, 3),
+                  "p99_ms": round(percentile(ls, 99) * 1000, 3), "response_bytes": size[p]}
+    out["p50_ratio"] = round(out["n"]["p50_ms"] / out["ref"]["p50_ms"], 2)
+    out["p99_ratio"] = round(out["n"]["p99_ms"] / out["ref"]["p99_ms"], 2)
+    return out
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 if __name__ == "__main__":
-    import json
     import sys
 
     counts = tuple(int(x) for x in sys.argv[1].split(",")) if len(sys.argv) > 1 else (1, 8, 64, 512, 1024)

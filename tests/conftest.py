@@ -47,13 +47,13 @@ def redis_cluster(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``single_node`` (what only one Redis has: its scripts' slicing, the embedded
-    server) run against the single server only, uncached; cached stores run on one server."""
+    server) run against the single server only, uncached."""
     def wanted(item) -> bool:
         params = getattr(item, "callspec", None)
         params = params.params if params else {}
         cached = params.get("store") == "cached"
         if params.get("backend") == "cluster":
-            return not item.get_closest_marker("single_node") and not cached  # a cluster caches holders only
+            return not item.get_closest_marker("single_node")
         return not (cached and item.get_closest_marker("single_node"))
 
     keep = [i for i in items if wanted(i)]
@@ -108,8 +108,9 @@ def r(redis_url, cluster):
 
 @pytest.fixture(params=["plain", "cached"])
 def store(request, r):
-    """The index on this test's Redis; on one server also with lookups through cached reads
-    (kvlookup.index.tracking, fenced), so the cached walk meets the same contract."""
+    """The index on this test's Redis; also with lookups through cached reads (fenced: on one
+    server kvlookup.index.tracking, on a cluster kvlookup.index.cluster_cache), so the cached walk
+    meets the same contract."""
     return Store(r, purge_grace_s=0, cache_reads="fenced" if request.param == "cached" else False)
 
 

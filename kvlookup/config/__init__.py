@@ -137,8 +137,9 @@ class Settings:
             "soon as its invalidation arrives (microseconds after the write on loopback); `fenced` first takes "
             "every invalidation Redis has queued (one round trip on the invalidation connection), so a lookup "
             "sees every write completed before it; `off` reads each chunk's holder-set digest (one "
-            "`CHUNK_HEADS` script call) and a member list only for a digest not seen before. One Redis "
-            "only: with `redis_cluster` or a Sentinel URL lookups read uncached")
+            "`CHUNK_HEADS` script call) and a member list only for a digest not seen before. On a Redis "
+            "Cluster each master keeps its own copies coherent (kvlookup/index/cluster_cache.py; "
+            "`lookup_cache_keys` per master); with a Sentinel URL lookups read uncached")
     lookup_cache_keys: int = setting(
         200_000, readers=(CONTROLLER,),
         help="(lookup_cache on/fenced) the most chunk sets each worker process keeps",
@@ -393,8 +394,9 @@ class Settings:
         return HashProfile.from_settings(self.hash)
 
     def cache_reads(self) -> bool | str:
-        """What the controller's store caches (Store ``cache_reads``): off on a cluster or Sentinel."""
-        if self.lookup_cache == "off" or self.redis_cluster or (self.redis_url and is_sentinel(self.redis_url)):
+        """What the controller's store caches (Store ``cache_reads``): off through Sentinel (a
+        cluster caches per master, kvlookup.index.cluster_cache)."""
+        if self.lookup_cache == "off" or (not self.redis_cluster and self.redis_url and is_sentinel(self.redis_url)):
             return False
         return "fenced" if self.lookup_cache == "fenced" else True
 

@@ -7,7 +7,8 @@ single-key ``CHUNK_OP`` script, which keeps the set's digest) — so a bucket al
 lists at least the records that exist and purge never misses one, without needing both keys
 in one slot. Each round is one pipelined round trip per master, all masters in parallel
 (kvlookup.index.cluster_io). Lookups read the chunks' holders in stages and walk in Python
-(kvlookup.index.staged). docs/scaling.md has the cost model.
+(kvlookup.index.staged), from per-master cached copies by default
+(kvlookup.index.cluster_cache). docs/scaling.md has the cost model.
 """
 
 from __future__ import annotations
@@ -18,26 +19,39 @@ from collections.abc import Sequence
 from redis.cluster import RedisCluster
 
 from kvlookup.index import keys, scripts
+from kvlookup.index.cluster_cache import ClusterCachedReads
 from kvlookup.index.cluster_io import ClusterIO
 from kvlookup.index.copies import Digests
 from kvlookup.index.io import purge_step, raise_errors
 from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches
 from kvlookup.index.staged import HolderCache, StagedLookup
+from kvlookup.index.tracking import UNTRACKED
 
 #: (holder, bucket) pairs a ClusterRecords remembers as named in their holder's bucket set.
 MARKS_KEPT = 1_000_000
 
 
 class ClusterRecords:
-    """Records on a Redis Cluster (see the module docstring)."""
+    """Records on a Redis Cluster (see the module docstring).
 
-    def __init__(self, rc: RedisCluster, io: ClusterIO | None = None):
+    cache_reads: True (or ``"fenced"``) to look up through process-local copies of the chunk
+    sets that each master keeps coherent (kvlookup.index.cluster_cache), as SingleNodeRecords
+    does on one server; False: each lookup reads every chunk's digest (``ZRANGE key 0 1
+    WITHSCORES``) and a member list only for a digest it has not seen. cache_keys: the most chunk
+    sets kept per master (``lookup_cache_keys``).
+    """
+
+    def __init__(self, rc: RedisCluster, io: ClusterIO | None = None, cache_reads: bool | str = False,
+                 cache_keys: int = 200_000):
         self.rc = rc
         self.io = io or ClusterIO(rc)
         self.resolve_sha = self.io.register(scripts.RESOLVE)
         self._chunk_op = self.io.register(scripts.CHUNK_OP)
         self.cache = HolderCache()
         self.digests = Digests()
+        self.cached: ClusterCachedReads | None = None
+        if cache_reads:
+            self.cached = ClusterCachedReads(self.io, max_keys=cache_keys, fence=cache_reads == "fenced")
         self.marked: set[tuple[str, int]] = set()  # (holder id, bucket) its bucket set names
 
     # -- writes ------------------------------------------------------------------------------
@@ -95,6 +109,8 @@ class ClusterRecords:
     # -- lookup ------------------------------------------------------------------------------
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
+        if self.cached is not None and not UNTRACKED.get():  # UNTRACKED: a first miss (kvlookup.index.single)
+            return StagedLookup(self.cached.execute, self.resolve_sha, self.cache, chains, live, memo=True).run()
         return StagedLookup(self.io.execute, self.resolve_sha, self.cache, chains, live, memo=True,
                             digests=self.digests).run()
 
@@ -104,7 +120,7 @@ class ClusterRecords:
         return purge_step(self.io.execute, self._chunk_op, holder_id, space, bucket, budget)
 
     def reads_locally(self) -> bool:
-        return False  # a cluster keeps holder answers only: every lookup reads its chunks
+        return self.cached is not None and self.cached.local_now()
 
     def holders(self, chunk_keys: Sequence[str]) -> list[list[str]]:
         return [keys.holders_of(m) for m in raise_errors(self.io.execute([("ZRANGE", k, 0, -1) for k in chunk_keys]))]

@@ -113,6 +113,15 @@ class ClusterIO:
         except RedisError as exc:  # the next round fails fast and we retry until the deadline
             log.debug("cluster topology refresh failed: %s", exc)
 
+    def slot_map(self) -> list[tuple[str, int]]:
+        """(host, port) of the master serving each slot in the slot map as last read (("", 0)
+        where none does); a redirection or a lost node makes the next call read it again."""
+        return self._slot_map()
+
+    def client_of(self, addr: tuple[str, int]):
+        """The redis-py client of the master at ``addr`` (RedisConnectionError for ("", 0))."""
+        return self._client(addr)
+
     def _slot_map(self) -> list[tuple[str, int]]:
         if self._slots is None:
             cache = self.rc.nodes_manager.slots_cache

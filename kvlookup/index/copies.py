@@ -26,16 +26,18 @@ MISS = object()
 
 
 class Copies:
-    """Copies by key, at most ``max_keys`` (>= 1)."""
+    """Copies by key, at most ``max_keys`` (>= 1). shared: the dict of kept tuples (:meth:`share`)
+    to use, so several Copies (one per cluster master, kvlookup.index.cluster_cache) keep equal
+    sets as one object; a new one by default."""
 
-    def __init__(self, max_keys: int):
+    def __init__(self, max_keys: int, shared: dict | None = None):
         if max_keys < 1:
             raise ValueError("max_keys must be at least 1")
         self.max_keys = max_keys
         self.protected_max = max(1, int(max_keys * PROTECTED_SHARE)) if max_keys > 1 else 0
         self.probation: OrderedDict = OrderedDict()
         self.protected: OrderedDict = OrderedDict()
-        self._shared: dict[tuple, tuple] = {}
+        self._shared: dict[tuple, tuple] = {} if shared is None else shared
 
     def __len__(self) -> int:
         return len(self.probation) + len(self.protected)

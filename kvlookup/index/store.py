@@ -108,11 +108,11 @@ class HoldersLost(NotRegistered):
 
 def make_records(client, cache_reads: bool | str = False, cache_keys: int = 200_000) -> Records:
     """The records backend for a redis-py client: cluster or single node (cache_reads: see
-    SingleNodeRecords; a cluster keeps holder answers only)."""
+    SingleNodeRecords and ClusterRecords)."""
     if isinstance(client, RedisCluster):
         from kvlookup.index.cluster import ClusterRecords
 
-        return ClusterRecords(client)
+        return ClusterRecords(client, cache_reads=cache_reads, cache_keys=cache_keys)
     return SingleNodeRecords(client, cache_reads=cache_reads, cache_keys=cache_keys)
 
 

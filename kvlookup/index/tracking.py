@@ -76,11 +76,13 @@ class CachedReads:
     (kvlookup.index.copies: scan-resistant LRU; a chunk nobody holds is never kept, so fresh
     prompts do not fill it). fence: before each call, take every invalidation Redis has queued
     for this process (a PING on the invalidation connection, answered after them): a lookup then
-    sees every write that completed before it began, at the cost of that round trip. Thread-
+    sees every write that completed before it began, at the cost of that round trip. shared:
+    as :class:`kvlookup.index.copies.Copies` (one dict for every master of a cluster). Thread-
     and greenlet-safe.
     """
 
-    def __init__(self, client: redis.Redis, max_keys: int = 200_000, fence: bool = False):
+    def __init__(self, client: redis.Redis, max_keys: int = 200_000, fence: bool = False,
+                 shared: dict | None = None):
         self.max_keys = max_keys
         self.fence = fence
         # RESP2: invalidations arrive as pub/sub messages on the listener (RESP3 pushes them in-band)
@@ -89,7 +91,7 @@ class CachedReads:
             kwargs.pop(resp3_only, None)
         self._kwargs = kwargs
         self._lock = threading.Lock()
-        self._copies = Copies(max_keys)
+        self._copies = Copies(max_keys, shared)
         self._missed: dict[str, None] = {}  # chunk keys a LOCAL_ONLY read lacked (first_miss)
         self._listener: redis.Connection | None = None
         self._gen = 0  # invalidation messages taken so far
@@ -276,7 +278,7 @@ class CachedReads:
             caching = self._drain()
             gen = self._gen
             if caching:
-                out = self._copies.get_many([(c[0], c[1]) if _cacheable(c) else NOT_KEPT for c in commands])
+                out = self._copies.get_many([(c[0], c[1]) if cacheable(c) else NOT_KEPT for c in commands])
                 missing = [i for i, copy in enumerate(out) if copy is _MISS]
             else:
                 out, missing = [None] * len(commands), list(range(len(commands)))
@@ -290,7 +292,7 @@ class CachedReads:
             return out
         sent, where = [], []
         for i in missing:
-            if caching and _cacheable(commands[i]):
+            if caching and cacheable(commands[i]):
                 sent.append(("CLIENT", "CACHING", "YES"))  # track this read (OPTIN)
             sent.append(commands[i])
             where.append(len(sent) - 1)
@@ -302,7 +304,7 @@ class CachedReads:
             keep = self._take_arrived()
             for i, j in zip(missing, where, strict=True):
                 res, cmd = got[j], commands[i]
-                if _cacheable(cmd) and not isinstance(res, Exception):
+                if cacheable(cmd) and not isinstance(res, Exception):
                     res = self._copies.share(res)
                     if keep and self._fresh(cmd[1], gen) and (res or cmd[0] != "ZRANGE"):  # no misses
                         self._copies.put((cmd[0], cmd[1]), res)
@@ -356,7 +358,8 @@ _VERSION_KEY = keys.registry_version_key()
 NOT_KEPT = ("", "")
 
 
-def _cacheable(cmd: tuple) -> bool:
+def cacheable(cmd: tuple) -> bool:
+    """Is ``cmd`` a read whose reply is kept (a chunk set's ``ZRANGE``, the registry version's ``GET``)?"""
     return cmd[0] == "ZRANGE" or (cmd[0] == "GET" and cmd[1] == _VERSION_KEY)
 
 

@@ -95,13 +95,17 @@ def test_add_master_and_rebalance_while_ingest_and_lookups_run(six, fleet):
     assert not f.sidecar.lines("failover: wrote the ops")  # adding a master loses nothing
 
 
-def test_half_moved_slots_ask_and_tryagain_are_followed(six):
+@pytest.mark.parametrize("cache_reads", [False, True])
+def test_half_moved_slots_ask_and_tryagain_are_followed(six, cache_reads):
     """One slot moved by hand, key by key: a lookup follows ASK to a master the client has never
-    seen, and waits out TRYAGAIN on the registry's slot while only some of its keys have moved."""
+    seen, and waits out TRYAGAIN on the registry's slot while only some of its keys have moved.
+    With cached reads (kvlookup.index.cluster_cache) the moved key's copy goes with it (MIGRATE
+    deletes it on its old master, which invalidates it) and the reads redirected go through
+    ClusterIO."""
     cluster = six
     new = cluster.add_master(rebalance=False)  # a master with no slot yet
     rc = connect(cluster.url, cluster=True)
-    store = Store(rc, purge_grace_s=0)
+    store = Store(rc, purge_grace_s=0, cache_reads=cache_reads)
     client = Client(store=store)
     prompt = make_prompts(seed=5, n=1)[0]
     chain = PROFILE.chunk_hashes(prompt)

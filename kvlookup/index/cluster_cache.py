@@ -1,0 +1,137 @@
+"""Cached reads on a Redis Cluster: one :class:`kvlookup.index.tracking.CachedReads` per master,
+so the cluster's lookups read from process-local copies as one server's do.
+
+Client-side caching is per server: a master tracks the keys this process read from it and
+sends their invalidations to this process's invalidation connection on that master. Each
+master's copies are kept coherent by that master alone, as on one server; a lookup's chunk keys
+spread over every master, so :meth:`ClusterCachedReads.execute` splits its cacheable reads
+(``ZRANGE`` of a chunk set, ``GET`` of the registry version) by the master that serves their
+slot and asks each master's CachedReads (from copies; a round trip to that master for the rest).
+Everything else (RESOLVE, writes) and every read a master answers with a redirection (MOVED,
+ASK: a slot moved, a failover), a cluster error or a lost connection goes through
+:class:`kvlookup.index.cluster_io.ClusterIO`, which follows redirections and refreshes the
+slot map; the next lookup asks the slot's new master. A copy never outlives its key on the
+master it was read from: a slot migrating away deletes its keys there, which invalidates them.
+
+Equal member lists are one object across masters (one shared dict of kept tuples), so a prefix
+held by the whole fleet is a run of the same object, as on one server (kvlookup.index.copies).
+
+What a cluster adds: a master demoted to a replica while it stays up (a manual failover) keeps
+answering from the copies read from it, invalidated as the replication stream changes them, until a
+miss on that master gets a MOVED; meanwhile a lookup reads as from a replica (behind by the
+replication lag). ``lookup_cache_keys`` bounds each master's copies.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+
+from redis.exceptions import AskError, ClusterDownError, RedisError, TryAgainError
+
+from kvlookup.index.cluster_io import ClusterIO, slot_of
+from kvlookup.index.tracking import LOCAL_ONLY, CachedReads, NeedsRedis, cacheable
+
+#: Keys whose slot a ClusterCachedReads remembers (all forgotten at once past it).
+SLOTS_KEPT = 1_000_000
+
+#: Replies that say the command must be sent again elsewhere (ClusterIO does that).
+REDIRECTED = (AskError, ClusterDownError, TryAgainError)  # MovedError is an AskError
+
+
+class ClusterCachedReads:
+    """A caching executor of commands for a cluster (see the module docstring).
+
+    io: the cluster's ClusterIO (slot map, redirections, the commands not cached). max_keys and
+    fence: as CachedReads, per master. Thread-safe.
+    """
+
+    def __init__(self, io: ClusterIO, max_keys: int = 200_000, fence: bool = False):
+        self.io = io
+        self.max_keys, self.fence = max_keys, fence
+        self._masters: dict[tuple[str, int], CachedReads] = {}
+        self._shared: dict[tuple, tuple] = {}
+        self._slot: dict[str, int] = {}  # key -> its slot (a pure function of the key)
+        self._lock = threading.Lock()
+
+    def register(self, script: str) -> str:
+        """A Lua script's sha for ``("EVALSHA", sha, ...)`` (scripts always go through ClusterIO)."""
+        return self.io.register(script)
+
+    def local_now(self) -> bool:
+        """Are reads answered from copies now on every master read so far (unfenced, each
+        master's invalidation connection up)?"""
+        masters = list(self._masters.values())
+        return bool(masters) and all(m.local_now() for m in masters)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """CachedReads' counters summed over the masters."""
+        out: dict[str, int] = defaultdict(int)
+        for m in list(self._masters.values()):
+            for k, v in m.stats.items():
+                out[k] += v
+        return dict(out)
+
+    def execute(self, commands: Sequence[tuple]) -> list:
+        """Results of ``commands`` in order (errors as ClusterIO.execute). Under LOCAL_ONLY it
+        raises NeedsRedis before sending anything when a command needs a round trip."""
+        local = LOCAL_ONLY.get()
+        groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+        rest: list[int] = []
+        slots, slot = self.io.slot_map(), self._slot
+        if len(slot) > SLOTS_KEPT:
+            slot.clear()
+        for i, cmd in enumerate(commands):
+            if cacheable(cmd):
+                key = cmd[1]
+                s = slot.get(key)
+                if s is None:
+                    s = slot[key] = slot_of(key)
+                groups[slots[s]].append(i)
+            else:
+                rest.append(i)
+        if rest and local:
+            raise NeedsRedis()
+        out: list = [None] * len(commands)
+        for addr, idx in groups.items():
+            reads = self._master(addr) if addr[0] else None
+            if reads is None:
+                rest += idx
+                continue
+            try:
+                got = reads.execute([commands[i] for i in idx])
+            except NeedsRedis:
+                raise
+            except (RedisError, OSError):  # the master is gone: ClusterIO retries and refreshes
+                if local:
+                    raise NeedsRedis() from None
+                rest += idx
+                continue
+            for i, res in zip(idx, got, strict=True):
+                if isinstance(res, REDIRECTED):
+                    rest.append(i)
+                else:
+                    out[i] = res
+        if rest:
+            if local:
+                raise NeedsRedis()
+            rest.sort()
+            for i, res in zip(rest, self.io.execute([commands[i] for i in rest]), strict=True):
+                out[i] = res
+        return out
+
+    def _master(self, addr: tuple[str, int]) -> CachedReads | None:
+        reads = self._masters.get(addr)
+        if reads is None:
+            with self._lock:
+                reads = self._masters.get(addr)
+                if reads is None:
+                    try:
+                        node = self.io.client_of(addr)
+                    except RedisError:
+                        return None
+                    reads = self._masters[addr] = CachedReads(node, max_keys=self.max_keys, fence=self.fence,
+                                                              shared=self._shared)
+        return reads
