@@ -16,7 +16,9 @@ cached reads does no I/O, so it runs in the loop; one that must ask Redis (``loo
 off`` on one Redis or a Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup.index.tracking's
 ``LOCAL_ONLY`` / ``NeedsRedis``) runs in the thread pool, so a slow round trip never holds
 the other connections; one whose missing chunks were all missed for the first time (a fresh
-prompt) is read there by digest, untracked (:data:`FIRST_MISS`). Every explain and every
+prompt) is read there by digest, untracked (:data:`FIRST_MISS`); while most of a worker's recent
+attempts in the loop missed, it skips them and sends lookups there at once (:class:`LoopOdds`,
+:data:`LOOP_SKIP`). Every explain and every
 lookup with a large body (decoded and hashed off the loop) runs in a small bounded pool of its
 own (HEAVY_THREADS), so they never delay /health or ordinary lookups; when it is full they are
 answered 503. An explain is answered by a child process of the worker (:mod:`app.explain_pool`),
@@ -27,6 +29,7 @@ it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -37,6 +40,7 @@ import msgspec
 from a2wsgi import WSGIMiddleware, asgi_typing, wsgi_typing
 from flask import Flask
 
+from kvlookup.app import fleet_metrics
 from kvlookup.app.auth import host_allowed
 from kvlookup.app.body import declared_length
 from kvlookup.app.errors import ApiError, json_bytes
@@ -66,8 +70,40 @@ SWITCH_INTERVAL_S = 0.0005
 #: ``tracked`` (through the copies, ``CLIENT CACHING YES`` + ``ZRANGE``; 0.92x the throughput
 #: and 1.15x the CPU on fresh prompts, docs/benchmarks-notes.md "Fresh prompts, third pass").
 FIRST_MISS = os.environ.get("KVLOOKUP_FIRST_MISS", "digest")
+#: ``on``: the event loop skips its attempt from the copies while its recent attempts mostly
+#: missed (:class:`LoopOdds`; a fresh workload), sending the lookup to a thread at once, read by
+#: digest; ``off``: it always tries (docs/benchmarks-notes.md "Fresh prompts, fourth pass").
+LOOP_SKIP = os.environ.get("KVLOOKUP_LOOP_SKIP", "on")
 #: Where the event-loop attempt leaves, in the request's ``keep``, that the thread reads by digest.
 FIRST_MISS_KEY = "kvlookup.first_miss"
+#: Where :meth:`AsgiController._respond_here` leaves whether it tried the loop (LOOP_ATTEMPTS).
+LOOP_KEY = "kvlookup.loop_attempt"
+
+
+class LoopOdds:
+    """Whether the event loop should try a lookup from the copies first (the event-loop thread only).
+
+    ``rate``: the tries' hit rate, decaying by ``weight`` a try (a hit: answered in the loop). While
+    it is below ``below``, :meth:`try_loop` says no, except for every ``probe_every``-th lookup, so
+    a workload that turns hot (its chunks read tracked once lacked twice) brings the rate back up.
+    ``tried`` / ``skipped``: counts since start (kvlookup_lookup_loop_attempts_total counts the same).
+    """
+
+    def __init__(self, weight: float = 1 / 16, below: float = 0.25, probe_every: int = 8):
+        self.weight, self.below, self.probe_every = weight, below, probe_every
+        self.rate = 1.0
+        self.tried = self.skipped = 0
+
+    def try_loop(self) -> bool:
+        """True: try the copies in the loop (then :meth:`note` the outcome); False: skip them."""
+        if self.rate >= self.below or (self.tried + self.skipped) % self.probe_every == 0:
+            self.tried += 1
+            return True
+        self.skipped += 1
+        return False
+
+    def note(self, hit: bool) -> None:
+        self.rate += self.weight * (hit - self.rate)
 
 
 class AsgiController:
@@ -94,6 +130,7 @@ class AsgiController:
         self.explains = explains
         sys.setswitchinterval(SWITCH_INTERVAL_S)  # a CPU-bound explain hands the GIL over sooner
         self._heavy_now = 0  # heavy requests running or waiting (the event loop's thread only)
+        self.odds = LoopOdds() if LOOP_SKIP == "on" else None
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -129,6 +166,8 @@ class AsgiController:
         status, body, headers = answer
         await send_json(send, status, body, headers)
         self.route.count(keep)  # counted, and the decoded request freed, after the answer is out
+        if (attempt := keep.get(LOOP_KEY)) is not None:
+            _attempts(attempt).inc()
         keep.clear()
 
     async def _heavy(self, args: tuple, explain: bool) -> tuple:
@@ -150,15 +189,24 @@ class AsgiController:
         holders are in the process's copies); None when it must be asked in a thread."""
         if path == EXPLAIN_PATH or not self.route.client.store.reads_locally():
             return None
+        odds = self.odds
+        if odds is not None and not odds.try_loop():
+            args[4][FIRST_MISS_KEY] = True  # the thread reads by digest, as for a first miss
+            args[4][LOOP_KEY] = "skipped"
+            return None
         token = LOCAL_ONLY.set(True)
         try:
-            return self.route.respond(*args)
+            answer = self.route.respond(*args)
         except NeedsRedis as exc:
             if exc.first_miss and FIRST_MISS == "digest":
                 args[4][FIRST_MISS_KEY] = True
-            return None
+            answer = None
         finally:
             LOCAL_ONLY.reset(token)
+        if odds is not None:
+            odds.note(answer is not None)
+            args[4][LOOP_KEY] = "tried"
+        return answer
 
     def _respond_there(self, args: tuple, untracked: bool) -> tuple:
         """The answer from a pool thread (may wait on Redis); ``untracked``: read by digest,
@@ -210,6 +258,12 @@ async def send_bytes(send: Send, status: int, data: bytes | None,
     head += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers or ()]
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": data or b""})
+
+
+@functools.cache
+def _attempts(attempt: str):
+    """``LOOP_ATTEMPTS.labels(attempt)``, kept (two label values)."""
+    return fleet_metrics.LOOP_ATTEMPTS.labels(attempt)
 
 
 def _header(scope: dict, name: bytes) -> bytes | None:

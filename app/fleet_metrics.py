@@ -28,6 +28,11 @@ LOOKUPS = Counter("kvlookup_lookups_total", "Lookups answered", ["outcome"])
 #: (hit, hit); (miss, no_holder | dead_instance | ranks | short_prompt | unclassified).
 #: ``unclassified``: the walk ran in Lua (lookup_cache: off on one Redis), which does not say.
 OUTCOMES = Counter("kvlookup_lookup_outcomes_total", "Lookups by outcome and miss cause", ["outcome", "cause"])
+#: Every /lookup the event loop could have tried from the copies (app.asgi.LoopOdds): ``tried``
+#: (it did, then answered or handed it to a thread) or ``skipped`` (its recent tries mostly missed,
+#: so it went to a thread at once, read by digest).
+LOOP_ATTEMPTS = Counter("kvlookup_lookup_loop_attempts_total", "Lookups the event loop tried from its copies, "
+                        "or skipped because its recent tries mostly missed", ["attempt"])
 #: Every /lookup/explain by the cause it found (kvlookup.index.explain._cause): hit,
 #: profile_mismatch_suspected, namespace, ranks, dead_instance, evicted, short_prompt, no_holder.
 EXPLAINED = Counter("kvlookup_explained_lookups_total", "Explained lookups by the cause found", ["cause"])

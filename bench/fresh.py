@@ -80,11 +80,12 @@ def tree_cpu_s(pids: list[int]) -> float:
     return sum(cpu.get(p, 0.0) for p in want)
 
 
-def wrk(url: str, prompt: list[int], concurrency: int, seconds: float, tmp: Path) -> dict:
+def wrk(url: str, prompt: list[int], concurrency: int, seconds: float, tmp: Path, hot: bool = False) -> dict:
     """wrk at ``concurrency`` for ``seconds``, every body :func:`fresh_body` of ``prompt``: its
     last chunk's tokens drawn by the Lua script for each request (seeded anew for every run and
-    thread), so no body repeats, within a run or across runs."""
-    head, tail = fresh_split(prompt)
+    thread), so no body repeats, within a run or across runs. ``hot``: every body is ``prompt``
+    itself (held whole), the repeated workload, for a design's hot-path cost."""
+    head, tail = (json.dumps({"tokens": prompt})[:-2], 0) if hot else fresh_split(prompt)
     script = tmp / f"fresh-{len(prompt)}.lua"
     script.write_text(LUA.format(head=head, tail=tail, seed=next(_SEEDS)))
     cmd = ["wrk", "-t", str(min(concurrency, 4)), "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s",
@@ -114,11 +115,13 @@ def design_env(design: str) -> dict:
     """The environment of a ``designs`` controller: ``nocork`` (uvicorn's two writes per
     response instead of app.asgi_worker._Coalescing's one); ``digest`` / ``tracked``
     (app.asgi.FIRST_MISS: how a lookup whose missing chunks were all missed for the first time
-    is read). The other designs measured in docs/benchmarks-notes.md "Fresh prompts again"
+    is read); ``skip`` / ``noskip`` (app.asgi.LOOP_SKIP: whether the event loop skips its
+    attempt from the copies while its recent attempts mostly missed). The other designs measured in docs/benchmarks-notes.md "Fresh prompts again"
     (in-loop reads, the LOOKUP script for a first miss) lost and are kept only on the branch
     named there."""
     envs = {"nocork": {"KVLOOKUP_COALESCE_WRITES": "0"}, "digest": {"KVLOOKUP_FIRST_MISS": "digest"},
-            "tracked": {"KVLOOKUP_FIRST_MISS": "tracked"}}
+            "tracked": {"KVLOOKUP_FIRST_MISS": "tracked"}, "skip": {"KVLOOKUP_LOOP_SKIP": "on"},
+            "noskip": {"KVLOOKUP_LOOP_SKIP": "off"}}
     if design not in envs:
         raise ValueError(f"unknown design {design!r}: one of {', '.join(envs)}")
     return envs[design]
@@ -126,9 +129,10 @@ def design_env(design: str) -> dict:
 
 def run(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seconds: float = 2.0,
         instances: int = 8, lmcache_venv: str | None = None, designs: tuple[str, ...] = (), rounds: int = 1,
-        cache_off: bool = True) -> dict:
+        cache_off: bool = True, hot: bool = False) -> dict:
     """Rows per (length, concurrency, round). designs: extra kvlookup controllers (target
-    ``kvlookup_<design>``), each as :func:`design_env` says."""
+    ``kvlookup_<design>``), each as :func:`design_env` says. hot: every body the held prompt
+    itself (:func:`wrk`), not a fresh one."""
     py = wrk_and_lmcache(lmcache_venv)
     rng = random.Random(5)
     prompts = {n: [rng.randrange(128_000) for _ in range(n)] for n in lengths}
@@ -159,15 +163,15 @@ def run(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seco
             path = tokens
             if n == lengths[0]:
                 for url in urls.values():  # fresh processes: their first seconds are slow
-                    wrk(url, path, 1, FIRST_WARMUP_S, procs.tmp)
+                    wrk(url, path, 1, FIRST_WARMUP_S, procs.tmp, hot)
             for c, rnd in ((c, rnd) for c in concurrencies for rnd in range(rounds)):
                 order = list(urls) if (c + rnd) % 2 == 0 else list(urls)[::-1]
                 for name in order:
-                    wrk(urls[name], path, c, WARMUP_S, procs.tmp)
+                    wrk(urls[name], path, c, WARMUP_S, procs.tmp, hot)
                 row: dict = {"tokens": n, "concurrency": c, "round": rnd}
                 for name in order:
                     cpu0 = tree_cpu_s(trees[name])
-                    got = wrk(urls[name], path, c, seconds, procs.tmp)
+                    got = wrk(urls[name], path, c, seconds, procs.tmp, hot)
                     cpu = tree_cpu_s(trees[name]) - cpu0
                     got["cpu_ms_per_req"] = round(cpu * 1000 / max(got["requests"], 1), 3)
                     row[name] = got
@@ -179,5 +183,6 @@ def run(lengths=(12, 256, 1024, 8192, 32768), concurrencies=(1, 4, 16, 64), seco
                     f"cpu {row[k]['cpu_ms_per_req']} ms/req" for k in urls) + f" | {row['throughput_ratio']}x")
         for w in ws:
             w.close()
-    return {"instances": instances, "seconds": seconds, "bodies": "every body new (Lua-drawn last chunk)",
+    return {"instances": instances, "seconds": seconds,
+            "bodies": "the held prompt, repeated" if hot else "every body new (Lua-drawn last chunk)",
             "rounds": rounds, "designs": list(designs), "rows": rows}

@@ -4,6 +4,8 @@ uvicorn controller: bodies, chunked encoding, the Flask paths behind a2wsgi, err
 from __future__ import annotations
 
 import json
+import random
+import re
 import socket
 
 import pytest
@@ -209,3 +211,41 @@ def test_mp_fast_paths_answer_503_without_redis(own_redis):
         assert status == "HTTP/1.1 503 Service Unavailable" and body["error"].startswith("index unavailable")
     finally:
         proc.stop()
+
+
+def _loop_attempts(ctrl) -> dict[str, float]:
+    text = ctrl.session.get(ctrl.http + "/metrics", timeout=10).text
+    found = re.findall(r'^kvlookup_lookup_loop_attempts_total\{attempt="(\w+)"\} ([\d.e+]+)$', text, re.M)
+    return {k: float(v) for k, v in found}
+
+
+def test_the_loop_attempt_is_skipped_while_fresh_prompts_miss_and_tried_again_when_hot(r, redis_args):
+    """app.asgi.LoopOdds through a real one-worker controller: fresh prompts (every chunk new)
+    make the event loop skip its attempt from the copies; a hot prompt brings it back (probes);
+    every answer is the one a controller that always tries (KVLOOKUP_LOOP_SKIP=off) gives."""
+    _seed(r, [8001])
+    rng = random.Random(18)
+    fresh = [[rng.randrange(128_000) for _ in range(12)] for _ in range(60)]
+    args = (*redis_args, "--workers", "1", "--instance-ttl", "0", "--lookup-cache", "on")  # unfenced: the loop tries
+    skip = ControllerProc(*args, env={"KVLOOKUP_LOOP_SKIP": "on"})
+    always = ControllerProc(*args, env={"KVLOOKUP_LOOP_SKIP": "off"})
+    try:
+        skip.wait_ready()
+        always.wait_ready()
+        held = {"inst": ["LocalCPUBackend", 12]}
+        for ctrl in (skip, always):
+            assert [ctrl.layout(SEED_TOKENS) for _ in range(3)] == [held] * 3  # its copies connect
+            assert [ctrl.layout(t) for t in fresh] == [{}] * len(fresh)
+        after_fresh = _loop_attempts(skip)
+        assert after_fresh.get("skipped", 0) >= 30  # tried at most until the rate fell, then 1 in 8
+        assert _loop_attempts(always).get("skipped", 0) == 0
+        answers = [skip.layout(SEED_TOKENS) for _ in range(120)]  # hot: back to the loop via probes
+        assert answers == [held] * 120 == [always.layout(SEED_TOKENS) for _ in range(120)]
+        back = _loop_attempts(skip)
+        assert back["tried"] > after_fresh["tried"]
+        assert [skip.layout(SEED_TOKENS) for _ in range(20)] == [held] * 20
+        assert _loop_attempts(skip)["skipped"] == back["skipped"]  # hot: every lookup tried in the loop
+        assert _loop_attempts(skip)["tried"] == back["tried"] + 20
+    finally:
+        skip.stop()
+        always.stop()
