@@ -116,9 +116,9 @@ def design_env(design: str) -> dict:
     response instead of app.asgi_worker._Coalescing's one); ``digest`` / ``tracked``
     (app.asgi.FIRST_MISS: how a lookup whose missing chunks were all missed for the first time
     is read); ``skip`` / ``noskip`` (app.asgi.LOOP_SKIP: whether the event loop skips its
-    attempt from the copies while its recent attempts mostly missed). The other designs measured in docs/benchmarks-notes.md "Fresh prompts again"
-    (in-loop reads, the LOOKUP script for a first miss) lost and are kept only on the branch
-    named there."""
+    attempt from the copies while its recent attempts mostly missed). The other designs
+    measured in docs/benchmarks-notes.md "Fresh prompts again" (in-loop reads, the LOOKUP script
+    for a first miss) lost and are kept only on the branch named there."""
     envs = {"nocork": {"KVLOOKUP_COALESCE_WRITES": "0"}, "digest": {"KVLOOKUP_FIRST_MISS": "digest"},
             "tracked": {"KVLOOKUP_FIRST_MISS": "tracked"}, "skip": {"KVLOOKUP_LOOP_SKIP": "on"},
             "noskip": {"KVLOOKUP_LOOP_SKIP": "off"}}
