@@ -268,33 +268,17 @@ def _freeze(value: Any) -> Any:
 # reports exactly what is wrong with which event.
 
 
-class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored"):
-    """BlockStored in vLLM's positional form (fields in ``STORED_FIELDS`` order; trailing ones
-    may be missing, extra ones are ignored)."""
-
-    block_hashes: tuple[_Hash, ...]
-    parent_block_hash: _Hash | None = None
-    token_ids: _Tokens = None  # type: ignore[assignment]
-    block_size: int | None = None
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: tuple | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: tuple[tuple[_Token, ...], ...] | None = None
+def _positional(cls: type) -> Any:
+    """``cls`` (an event struct) in vLLM's positional form: the same fields in the same order
+    (``STORED_FIELDS`` for BlockStored), every one after the first optional, so trailing ones
+    may be missing; extra ones are ignored."""
+    fields = [(f.name, f.type, None) if i else (f.name, f.type)
+              for i, f in enumerate(msgspec.structs.fields(cls))]
+    return msgspec.defstruct(f"_Array{cls.__name__}", fields, array_like=True, tag=cls.__name__)
 
 
-class _ArrayRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
-    block_hashes: tuple[_Hash, ...]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+_ArrayStored = _positional(BlockStored)
+_ArrayRemoved = _positional(BlockRemoved)
 
 
 class _ArrayCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
@@ -309,7 +293,7 @@ class _MapBatch(msgspec.Struct, array_like=True):
 
 class _ArrayBatch(msgspec.Struct, array_like=True):
     ts: float
-    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
+    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]  # type: ignore[valid-type]  # built by _positional
     data_parallel_rank: int | None = None
 
 
