@@ -146,15 +146,12 @@ def test_half_moved_slots_ask_and_tryagain_are_followed(six, cache_reads):
     rc.close()
 
 
-@pytest.mark.parametrize("cache_reads", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-    "index.cluster_cache: a frozen (hung, partitioned) master's invalidation connection and tracked "
-    "connections stay open and silent, so its CachedReads keeps answering from its copies after the "
-    "failover, and nothing refreshes the slot map while every read hits a copy (answer 768, not 256); "
-    "needs a liveness rule for the listener (no copy trusted after ~1 s of silence without a PONG)")))])
+@pytest.mark.parametrize("cache_reads", [False, True])
 def test_frozen_master_failed_over_copies_do_not_answer(six, cache_reads):
     """A master frozen (SIGSTOP: a hung or partitioned host, its sockets stay open, no EOF) is failed
     over to its replica; a writer evicts a chunk on the new master. A reader whose chunk copies
-    were read from the frozen master must not keep answering from them: the eviction is seen."""
+    were read from the frozen master must not keep answering from them: the eviction is seen
+    (kvlookup.index.tracking.LISTENER_TRUST_S: a silent invalidation connection is PINGed first)."""
     cluster = six
     writer_rc, reader_rc = connect(cluster.url, cluster=True), connect(cluster.url, cluster=True)
     writer = Store(writer_rc, purge_grace_s=0)
