@@ -301,12 +301,12 @@ class CachedReads:
         try:
             caching = self._drain()
             gen = self._gen
-            if caching:
+            if caching or local:  # local and not caching: the copies still say which misses are first ones
                 out = self._copies.get_many([(c[0], c[1]) if cacheable(c) else NOT_KEPT for c in commands])
                 missing = [i for i, copy in enumerate(out) if copy is _MISS]
             else:
                 out, missing = [None] * len(commands), list(range(len(commands)))
-            if missing and local:
+            if local and (missing or not caching):
                 raise self._needs_redis(commands, missing)
             self.stats["hits"] += len(commands) - len(missing)
             self.stats["misses"] += len(missing)
