@@ -35,8 +35,9 @@ from redis.exceptions import AskError, ClusterDownError, RedisError, TryAgainErr
 from kvlookup.index.cluster_io import ClusterIO, slot_of
 from kvlookup.index.tracking import LOCAL_ONLY, CachedReads, NeedsRedis, cacheable
 
-#: Keys whose slot a ClusterCachedReads remembers (all forgotten at once past it).
-SLOTS_KEPT = 1_000_000
+#: Keys whose slot a ClusterCachedReads remembers (all forgotten at once past it): about
+#: 150 B a key (the dict entry and the key string it keeps alive), so ~30 MiB per worker at most.
+SLOTS_KEPT = 200_000
 
 #: Replies that say the command must be sent again elsewhere (ClusterIO does that).
 REDIRECTED = (AskError, ClusterDownError, TryAgainError)  # MovedError is an AskError
