@@ -19,7 +19,9 @@ held by the whole fleet is a run of the same object, as on one server (kvlookup.
 What a cluster adds: a master demoted to a replica while it stays up (a manual failover) keeps
 answering from the copies read from it, invalidated as the replication stream changes them, until a
 miss on that master gets a MOVED; meanwhile a lookup reads as from a replica (behind by the
-replication lag). ``lookup_cache_keys`` bounds each master's copies.
+replication lag). A master frozen (hung, partitioned: no socket closes) is trusted only while its
+invalidation connection answers a PING (tracking.LISTENER_TRUST_S), so a failover away from it is
+seen. ``lookup_cache_keys`` bounds each master's copies.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from redis.exceptions import AskError, ClusterDownError, RedisError, TryAgainErr
 from kvlookup.index.cluster_io import ClusterIO, slot_of
 from kvlookup.index.tracking import LOCAL_ONLY, CachedReads, NeedsRedis, cacheable
 
-#: Keys whose slot a ClusterCachedReads remembers (all forgotten at once past it).
-SLOTS_KEPT = 1_000_000
+#: Keys whose slot a ClusterCachedReads remembers (all forgotten at once past it): about
+#: 150 B a key (the dict entry and the key string it keeps alive), so ~30 MiB per worker at most.
+SLOTS_KEPT = 200_000
 
 #: Replies that say the command must be sent again elsewhere (ClusterIO does that).
 REDIRECTED = (AskError, ClusterDownError, TryAgainError)  # MovedError is an AskError

@@ -15,7 +15,9 @@ back: a lookup never fails for want of the cache. Redis keeps what a connection 
 that connection lives: when it closes a tracked connection (``timeout``, ``CLIENT KILL``, an
 output buffer limit) the keys it read are no longer watched. So each call also looks, in one
 ``select``, whether an idle tracked connection was closed, and every (re)connection of a
-tracked connection drops every copy too.
+tracked connection drops every copy too. A hung or partitioned server closes nothing: copies are
+trusted only while the invalidation connection answered a PING within :data:`LISTENER_TRUST_S`
+(a cluster master frozen and failed over would otherwise keep answering from its copies).
 
 Only plain commands are cached; everything else (RESOLVE, writes) passes through.
 """
@@ -51,6 +53,14 @@ RECONNECT_S = 1.0
 
 #: The longest wait for the rest of an invalidation message already arriving (seconds).
 LISTENER_READ_S = 0.1
+#: Unfenced, the invalidation connection is PINGed (without waiting) once it has been silent this
+#: long (s), and copies are trusted only while it was heard from within :data:`LISTENER_TRUST_S`:
+#: a hung or partitioned server (SIGSTOP, a cluster master failed over while frozen) closes no
+#: socket, so silence is all there is to see. Past it a call waits for the PONG (at most
+#: :data:`LISTENER_DEAD_S`, then the listener counts as lost); under LOCAL_ONLY it reads elsewhere.
+LISTENER_PING_S = 0.5
+LISTENER_TRUST_S = 1.0
+LISTENER_DEAD_S = 1.0
 
 #: Set (to True) where a read must not wait on Redis (app.asgi's event loop): a read that would
 #: need a round trip raises :class:`NeedsRedis` instead, and the caller runs it elsewhere.
@@ -98,6 +108,8 @@ class CachedReads:
         self._inv_at: dict[str, int] = {}  # key -> the message that last invalidated it
         self._floor = 0  # a read that began before this message may be stale (flush, pruning)
         self._retry_at = 0.0
+        self._heard = 0.0  # when the listener last answered (monotonic s)
+        self._pings = 0  # PINGs sent on it whose PONG has not been read
         self.tracked = redis.Redis(connection_pool=redis.BlockingConnectionPool(
             connection_class=client.connection_pool.connection_class, max_connections=16, timeout=5,
             redis_connect_func=self._track, **kwargs))
@@ -129,6 +141,7 @@ class CachedReads:
             log.debug("client-side caching off for now: %s", exc)
             return False
         self._listener = conn
+        self._heard, self._pings = time.monotonic(), 0
         self._disconnect_tracked()  # every tracked connection must redirect here
         return True
 
@@ -194,17 +207,28 @@ class CachedReads:
                 self._retry_at = time.monotonic() + RECONNECT_S
                 return False
         assert self._listener is not None  # it was there, or _connect_listener just made it
+        silent = time.monotonic() - self._heard
+        fence = self.fence or silent > LISTENER_TRUST_S
+        if fence and not self.fence and LOCAL_ONLY.get():
+            return False  # a round trip is due first (LISTENER_TRUST_S): not here
         try:
-            if self.fence:
+            if fence or (silent > LISTENER_PING_S and not self._pings):
                 self._listener.send_command("PING")
-            while self.fence or self._listener.can_read(timeout=0):
+                self._pings += 1
+            while fence or self._listener.can_read(timeout=0):
                 # readable: the rest of a message is due at once; a server that stalls mid-message
                 # (hung, SIGSTOP) drops the listener instead of holding the lock (and app.asgi's loop)
-                msg = self._listener.read_response(**({} if self.fence else {"timeout": LISTENER_READ_S}))
+                msg = self._listener.read_response(
+                    **({} if self.fence else {"timeout": LISTENER_DEAD_S if fence else LISTENER_READ_S}))
+                if msg is None and fence:  # no PONG in time: a hung server
+                    raise redis.TimeoutError("the invalidation connection did not answer PING")
+                self._heard = time.monotonic()
                 if isinstance(msg, list) and len(msg) == 3 and msg[0] in ("message", b"message"):
                     self._invalidate(msg[2])
-                elif self.fence and isinstance(msg, list) and msg and msg[0] in ("pong", b"pong"):
-                    break  # every invalidation queued before the PING is taken
+                elif isinstance(msg, list) and msg and msg[0] in ("pong", b"pong"):
+                    self._pings = max(0, self._pings - 1)
+                    if fence and not self._pings:
+                        break  # every invalidation queued before the PING is taken
         except (redis.RedisError, OSError) as exc:
             self._listener.disconnect()
             self._listener = None
@@ -277,12 +301,12 @@ class CachedReads:
         try:
             caching = self._drain()
             gen = self._gen
-            if caching:
+            if caching or local:  # local and not caching: the copies still say which misses are first ones
                 out = self._copies.get_many([(c[0], c[1]) if cacheable(c) else NOT_KEPT for c in commands])
                 missing = [i for i, copy in enumerate(out) if copy is _MISS]
             else:
                 out, missing = [None] * len(commands), list(range(len(commands)))
-            if missing and local:
+            if local and (missing or not caching):
                 raise self._needs_redis(commands, missing)
             self.stats["hits"] += len(commands) - len(missing)
             self.stats["misses"] += len(missing)

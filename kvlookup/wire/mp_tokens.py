@@ -9,7 +9,7 @@ is ~0.9 ms less CPU a lookup here than msgspec's ``list[int]`` plus packing (doc
 It answers only bodies of at least :data:`MIN_BYTES` of the plain shape (one JSON array in the
 body, ``token_ids`` non-empty with
 every id in 0..2**32-1, ``model_name`` a string, ``world_size`` an int >= 1, ``cache_salt`` a string,
-no ``keys``, no repeated field); for anything else, and when either library is missing, it returns
+no ``keys``, no repeated field, no UTF-8 BOM); for anything else, and when either library is missing, it returns
 None and the caller decodes with :func:`kvlookup.wire.lmcache_mp.decode`, which gives the same
 request or the exact error. So the answer never depends on which decoder ran
 (tests/wire/test_mp_tokens.py compares them on valid and invalid bodies).
@@ -49,8 +49,11 @@ _local = threading.local()  # one parser a thread: a parser is reused only once 
 def decode_tokens_form(body: bytes) -> TokensForm | None:
     """The tokens form of ``body`` (JSON) when it has the plain shape (module docstring); None
     otherwise (decode it with ``lmcache_mp.decode``). Never raises for bad input."""
-    if simdjson is None or len(body) < MIN_BYTES or sys.byteorder != "little" or body.count(b"[") != 1:
-        return None  # one '[': token_ids holds no nested array (as_buffer would flatten one)
+    if simdjson is None or len(body) < MIN_BYTES or sys.byteorder != "little" or body.count(b"[") != 1 \
+            or body.startswith(b"\xef\xbb\xbf"):
+        # one '[': token_ids holds no nested array (as_buffer would flatten one); a BOM: simdjson
+        # skips it, msgspec refuses the body (400), so the generic path must answer it
+        return None
     try:
         ids = _ids(body)
     except RuntimeError:  # a parser still referenced (it never should be): a new one next time

@@ -340,21 +340,19 @@ def _checked(ev: Any) -> Event | None:
             if len(_GOOD_NAMES) < _GOOD_NAMES_MAX:
                 _GOOD_NAMES.add(name)
     fix: dict[str, Any] = {}
-    if not all(map(_is_int, ev.block_hashes)):
-        fix["block_hashes"] = _hashes(list(ev.block_hashes))
-    if stored:
-        if type(ev.parent_block_hash) is bytes:
-            fix["parent_block_hash"] = block_hash(ev.parent_block_hash)
-        if ev.token_ids is None:
-            fix["token_ids"] = ()
-        if ev.extra_keys is not None:
-            fix["extra_keys"] = _extra_keys(list(ev.extra_keys))
-    if not fix:
-        return ev
     try:
-        return _replace(ev, **fix)
-    except ValueError:  # an empty bytes hash
+        if not all(map(_is_int, ev.block_hashes)):
+            fix["block_hashes"] = _hashes(list(ev.block_hashes))
+        if stored:
+            if type(ev.parent_block_hash) is bytes:
+                fix["parent_block_hash"] = block_hash(ev.parent_block_hash)
+            if ev.token_ids is None:
+                fix["token_ids"] = ()
+            if ev.extra_keys is not None:
+                fix["extra_keys"] = _extra_keys(list(ev.extra_keys))
+    except ValueError:  # an empty bytes hash: the generic path makes it Malformed
         return None
+    return _replace(ev, **fix) if fix else ev
 
 
 #: Names already found printable (media, group kinds: a handful per engine), not checked again.

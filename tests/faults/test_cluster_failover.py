@@ -13,7 +13,7 @@ from kvlookup.client import Client
 from kvlookup.devtools.local_cluster import LocalCluster
 from kvlookup.index import keys
 from kvlookup.index.cluster_io import slot_of
-from kvlookup.index.store import ADMIT, Store
+from kvlookup.index.store import ADMIT, EVICT, Store
 from kvlookup.proc.redis_server import connect
 from tests.conftest import BACKENDS
 from tests.support.engines import CPU
@@ -144,3 +144,44 @@ def test_half_moved_slots_ask_and_tryagain_are_followed(six, cache_reads):
     assert answer() == want
     assert cluster.node_of(keys.holders_key()) is new and store.heartbeat_worker("a", 0)
     rc.close()
+
+
+@pytest.mark.parametrize("cache_reads", [False, True])
+def test_frozen_master_failed_over_copies_do_not_answer(six, cache_reads):
+    """A master frozen (SIGSTOP: a hung or partitioned host, its sockets stay open, no EOF) is failed
+    over to its replica; a writer evicts a chunk on the new master. A reader whose chunk copies
+    were read from the frozen master must not keep answering from them: the eviction is seen
+    (kvlookup.index.tracking.LISTENER_TRUST_S: a silent invalidation connection is PINGed first)."""
+    cluster = six
+    writer_rc, reader_rc = connect(cluster.url, cluster=True), connect(cluster.url, cluster=True)
+    writer = Store(writer_rc, purge_grace_s=0)
+    reader = Store(reader_rc, purge_grace_s=0, cache_reads=cache_reads)
+    client = Client(store=reader)
+    reg = cluster.node_of(keys.holders_key())
+    prompt = next(p for p in make_prompts(seed=7, n=50)
+                  if cluster.node_of(keys.chunk_key(PROFILE.chunk_hashes(p)[1])) is not reg)
+    chain = PROFILE.chunk_hashes(prompt)
+    victim = cluster.node_of(keys.chunk_key(chain[1]))  # chunk 1's master, not the registry's
+    (replica,) = cluster.replicas_of(victim)
+    writer.register_worker("a", 0)
+    writer.touch_instance("a")
+    writer.apply([("a", 0, CPU, [(ADMIT, h) for h in chain])])
+
+    def answer():
+        return [(m.instance_id, m.location, m.matched_prefix_length) for m in client.matches(prompt)]
+
+    assert answer() == answer() == [("a", CPU, len(prompt))]
+    cluster.freeze(victim)
+    try:
+        deadline = time.monotonic() + 30
+        while replica.client().info("replication").get("role") != "master":
+            assert time.monotonic() < deadline, "the replica was not promoted"
+            time.sleep(0.2)
+        writer.apply([("a", 0, CPU, [(EVICT, chain[1])])])
+        assert writer_rc.zrange(keys.chunk_key(chain[1]), 0, -1) == []
+        got = [answer() for _ in range(3)]
+    finally:
+        cluster.thaw(victim)
+    assert got == [[("a", CPU, PROFILE.chunk_size)]] * 3
+    writer_rc.close()
+    reader_rc.close()

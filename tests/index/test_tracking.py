@@ -174,3 +174,19 @@ def test_a_first_miss_is_read_by_digest_untracked_and_a_second_is_tracked(redis_
 def local_answers(cached) -> int:
     """Reads answered from copies plus whole lookups kept (kvlookup.index.kept): either is caching."""
     return cached.stats["hits"] + cached.stats["kept"]
+
+
+def test_a_silent_invalidation_connection_is_pinged_before_copies_answer(redis_url, r, writer):
+    """A hung server closes no socket (kvlookup.index.tracking.LISTENER_TRUST_S): after a second
+    with nothing heard on the invalidation connection, the event loop's attempt leaves the lookup
+    to a thread, which PINGs it and then answers from the copies (no chunk read)."""
+    client = Client(redis_url, cache_reads=True)
+    assert layout(client) == layout(client) == {"a": 12}
+    time.sleep(1.2)
+    pings, reads = _commands(r, "ping"), _commands(r, "zrange")
+    got = _local_attempt(client, SEED_TOKENS)
+    assert isinstance(got, NeedsRedis) and not got.first_miss
+    assert layout(client) == {"a": 12}
+    assert _commands(r, "ping") == pings + 1 and _commands(r, "zrange") == reads
+    kept = _local_attempt(client, SEED_TOKENS)  # heard from just now: the loop answers
+    assert [(m.instance_id, m.matched_prefix_length) for m in kept] == [("a", 12)]

@@ -39,6 +39,7 @@ ODD = [body(token_ids=[1, [2]]), body(token_ids=[[1, 2]]), body(token_ids=[1, -2
        body(model_name=3), body(keys=[]), body(extra=1), body(model_name="a[b"),
        b'{"token_ids": [1], "token_ids": [2], "model_name": "m"}', b'{"token_ids": [1, 2', b"[1, 2]", b"3", b"", b"{}",
        b'{"token_ids": [1e3], "model_name": "m"}',
+       b'\xef\xbb\xbf{"token_ids": [1, 2], "model_name": "m"}',  # a UTF-8 BOM: msgspec refuses it, simdjson skipped it
        msgspec.json.encode({"token_ids": list(range(300)), "model_name": "m"}).replace(b"m", b"\xff")]
 
 

@@ -21,6 +21,7 @@ from kvlookup.wire.vllm import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventBatch,
     Malformed,
     block_hash,
     decode_batch,
@@ -190,6 +191,18 @@ def test_typed_path_takes_every_vllm_fixture_and_agrees_with_the_generic_one(nam
     assert typed is not None  # vLLM's own encodings (array and map events, int and bytes hashes)
     assert typed == decode_generic(raw) == decode_batch(raw)
     assert typed.events[0].block_hashes == INT_HASHES
+
+
+def test_empty_bytes_hash_is_malformed_on_the_typed_path_too():
+    """An empty bytes hash (block or parent) decodes by msgspec as bytes: the typed path must leave
+    the batch to the generic one (a Malformed event), not raise out of decode_batch (the sidecar's
+    apply loop catches WireError only)."""
+    for events in ([["BlockStored", [b""], None, [1, 2], 16]], [["BlockStored", [5], b"", [1, 2], 16]],
+                   [{"type": "BlockRemoved", "block_hashes": [7, b""]}]):
+        raw = msgspec.msgpack.encode([1.0, events, 0])
+        assert decode_typed(raw) is None
+        assert decode_batch(raw) == decode_generic(raw) == EventBatch(
+            1.0, (Malformed("event_shape", "block hash b'' is not an int or bytes"),), 0)
 
 
 def test_typed_path_leaves_odd_shapes_to_the_generic_one():
