@@ -549,5 +549,4 @@ class LMCacheIngest:
 def _folded(operations) -> dict[str, str]:
     """A frame's ops as {chunk hash text: its last op (ADMIT or EVICT)}: one dict the queue
     merges in one ``update`` (a generator of pairs cost ~0.5 us an op more, in Python calls)."""
-    return {(k if isinstance(k := op.key, str) else str(k)): (ADMIT if op.op_type == "admit" else EVICT)
-            for op in operations}
+    return {text(op.key): (ADMIT if op.op_type == "admit" else EVICT) for op in operations}

@@ -145,6 +145,11 @@ MIRROR_MAX = 1_000_000
 MIRROR_LOAD_MAX = 50_000
 
 
+def _lora(ev: BlockStored) -> str | None:
+    """The LoRA adapter a store's chain root names: its ``lora_name``, else ``lora_id:<id>``."""
+    return ev.lora_name if ev.lora_name is not None else (None if ev.lora_id is None else f"lora_id:{ev.lora_id}")
+
+
 @functools.lru_cache(maxsize=1024)
 def _plain_root(block_size: int, lora: str | None) -> int:
     """``vh.namespace_root`` of a chain without namespace extras (memoized: a few per engine)."""
@@ -300,7 +305,7 @@ class BatchApplier:
                 and not tokenless:
             self._stored_plain(ev, bs, medium)
             return
-        res = medium if ev.ownership is None else residency(medium, ev.ownership)
+        res = residency(medium, ev.ownership)
         if tokenless:
             olds = self._resolve_tokenless(ev)
             for engine_hash, e in zip(ev.block_hashes, olds, strict=True):
@@ -327,9 +332,7 @@ class BatchApplier:
         if len(tokens) != len(hashes) * bs:
             raise WireError("token_count", f"{len(tokens)} tokens for {len(hashes)} blocks of {bs}")
         if ev.parent_block_hash is None:
-            lora = ev.lora_name if ev.lora_name is not None else (
-                None if ev.lora_id is None else f"lora_id:{ev.lora_id}")
-            parent = _plain_root(bs, lora)
+            parent = _plain_root(bs, _lora(ev))
         else:
             entry = self._get(engine_field(ev.parent_block_hash))
             if entry is None:  # group None: no other group to place it from
@@ -374,9 +377,7 @@ class BatchApplier:
         per_block = [vh.split_extra_keys(e, ev.lora_name) for e in extra_keys] if extra_keys else None
         extras = [tuple(e) or None for e in per_block] if per_block else None  # None: plain blocks
         if ev.parent_block_hash is None:
-            lora = ev.lora_name if ev.lora_name is not None else (
-                None if ev.lora_id is None else f"lora_id:{ev.lora_id}")
-            parent = vh.namespace_root(bs, lora, per_block[0] if per_block else ())
+            parent = vh.namespace_root(bs, _lora(ev), per_block[0] if per_block else ())
             if extras:
                 extras[0] = None  # the first block's extra keys are part of the root
         else:
@@ -431,7 +432,7 @@ class BatchApplier:
 
     def _removed(self, ev: BlockRemoved) -> None:
         medium = ev.medium or DEFAULT_MEDIUM
-        res = medium if ev.ownership is None else residency(medium, ev.ownership)
+        res = residency(medium, ev.ownership)
         g = ev.group_idx
         alone = not g and not self.ctx.groups  # no other group may hold the same record
         changed = self.changed

@@ -105,8 +105,6 @@ class ClusterCachedReads:
                 continue
             try:
                 got = reads.execute([commands[i] for i in idx])
-            except NeedsRedis:
-                raise
             except (RedisError, OSError):  # the master is gone: ClusterIO retries and refreshes
                 if local:
                     raise NeedsRedis() from None

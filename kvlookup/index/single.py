@@ -47,7 +47,7 @@ class SingleNodeRecords:
         self.digests = Digests()
         if cache_reads:
             self.cached = CachedReads(client, max_keys=cache_keys, fence=cache_reads == "fenced")
-            self._resolve_cached = self.cached.register(scripts.RESOLVE)
+            self.cached.register(scripts.RESOLVE)  # the same sha as _resolve, loadable there too
             self.kept = KeptLookups(self.cached, self.holder_cache, cache_keys)
 
     def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
@@ -76,7 +76,7 @@ class SingleNodeRecords:
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         if self.cached is not None and not UNTRACKED.get():
             return self.kept.lookup(chains, live, lambda execute: StagedLookup(
-                execute, self._resolve_cached, self.holder_cache, chains, live, memo=True))
+                execute, self._resolve, self.holder_cache, chains, live, memo=True))
         return StagedLookup(self.io.execute, self._resolve, self.holder_cache, chains, live, memo=True,
                             digests=self.digests, heads=self._heads).run()
 
