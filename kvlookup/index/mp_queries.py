@@ -4,7 +4,6 @@ sequence, ``GET /directory/keys`` (walks the key pages ``keys.mp_page_key``) and
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 
 import msgspec
@@ -20,6 +19,7 @@ from kvlookup.index.mp_values import (
     parse_record,
     parse_tokens,
     placement_dict,
+    raw_b64,
     space_text,
 )
 from kvlookup.wire import lmcache_mp as W
@@ -70,9 +70,9 @@ class MPQueries(MPRecords):
         tails = [msgspec.json.encode({"model_name": model_name, "kv_rank": kr, "object_group_id": 0,
                                       "cache_salt": cache_salt})[1:].decode() for kr in ranks]
         hexes = [h.hex() for h in hashes]
-        b64s = [base64.urlsafe_b64encode(h)[:43].decode() for h in hashes]
+        b64s = [raw_b64(h) for h in hashes]
         n = len(ranks)
-        flat = self.chunk_fields([(x[:K.MP_BUCKET_HEX], b) for x, b in zip(hexes, b64s, strict=True)],
+        flat = self.chunk_fields([(K.mp_bucket(x), b) for x, b in zip(hexes, b64s, strict=True)],
                                  [sid or "0" for sid in sids])  # space 0 never exists
         frags = self._placement_json({v.partition("|")[2] for r in range(n) for v in flat[r::n + 1] if v})
         parts = []

@@ -5,13 +5,12 @@ buckets (``keys.mp_names_key``, ``keys.mp_chunks_key``; formats in kvlookup.inde
 
 from __future__ import annotations
 
-import base64
 import time
 from collections.abc import Iterable, Sequence
 
 from kvlookup.index import keys as K
 from kvlookup.index.mp_registry import UNBOUND_RECHECK_S, MPRegistry, capacity_of
-from kvlookup.index.mp_values import Record, parse_record, parse_tokens
+from kvlookup.index.mp_values import Record, parse_record, parse_tokens, raw_b64
 
 #: Buckets read per script call: one call stays well under a millisecond of Redis time.
 READ_SLICE = 1024
@@ -108,7 +107,7 @@ class MPRecords(MPRegistry):
             buckets = [K.mp_chunks_key(K.mp_bucket(h.hex())) for h in part]
             got = self._read_prefix(
                 keys=[K.mp_heartbeats_key(), K.mp_capacity_key(), *buckets],
-                args=[cutoff, len(sids), *sids, *(base64.urlsafe_b64encode(h)[:43].decode() for h in part)])
+                args=[cutoff, len(sids), *sids, *map(raw_b64, part)])
             if live is None:
                 live = {m: float(sc) / 1000 for m, sc in zip(got[0][0::2], got[0][1::2], strict=True)}
                 capacity = capacity_of(dict(zip(got[1][0::2], got[1][1::2], strict=True)))
