@@ -187,13 +187,16 @@ _MP_LIB = _MP_LIB.replace("local PAGE, L1B, L1RUN, BH = 128, 256, 64, 3",
 #: Apply one POST /events body: the gate, then each admitted batch, all or nothing.
 #: KEYS[1..10] as _MP_LIB, KEYS[11..] the chunk bucket hash (``keys.mp_chunks_key``) of each
 #: bucket ARGV[3] names. ARGV[1] now (unix ms), ARGV[2] number of batches, ARGV[3] the buckets of
-#: the entries, comma-separated, in the order of KEYS[11..]; then per batch 12 fields
+#: the entries, comma-separated, in the order of KEYS[11..]; then per batch 15 fields
 #: (instance_id, incarnation, seq, event_type, tier, backend, shared 0|1, dropped_events,
-#: ts ms, capacity_bytes, capacity_revision, number of entries, the entries packed: per entry
-#: its ref ``<bucket><chunk b64>.<space id>`` (the key page's value as is), or
+#: ts ms, capacity_bytes, capacity_revision, number of entries, then the entries in one of two
+#: forms: width 0, size 0 and the general form packed: per entry its ref
+#: ``<bucket><chunk b64>.<space id>`` (the key page's value as is), or
 #: ``<bucket><chunk b64>\t<model\tsalt\tkv_rank\tgroup>`` when the caller does not know the
 #: space's id; byte 31; size_bytes; byte 31; the token binding ``offset\tb64`` or ''; byte 30
-#: (one gmatch a batch yields the three). Returns {applied, duplicates, stale}.
+#: (one gmatch a batch yields the three); or the fixed-width form: width w > 0, the size_bytes
+#: of every entry, and the refs (known space ids, no token bindings) one after another, w
+#: characters each (one string.sub an entry). Returns {applied, duplicates, stale}.
 MP_APPLY = _MP_LIB + """
 local now = tonumber(ARGV[1])
 local nb = tonumber(ARGV[2])
@@ -275,8 +278,8 @@ for _ = 1, nb do
     ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
   local dropped, ts, cap, rev, ne = tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8]), ARGV[i + 9],
     tonumber(ARGV[i + 10]), tonumber(ARGV[i + 11])
-  local packed = ARGV[i + 12]
-  i = i + 13
+  local width, usize, packed = tonumber(ARGV[i + 12]), ARGV[i + 13], ARGV[i + 14]
+  i = i + 15
   local verdict = gate(inst, inc, seq, tier, dropped, ts)
   if verdict == 'stale' then stale = stale + 1 elseif verdict == 'dup' then dup = dup + 1 else
     applied = applied + 1
@@ -293,7 +296,7 @@ for _ = 1, nb do
       if tb then epinfo[ep] = iid end
       local sfx = tb and (',0|' .. tb .. ',' .. ep .. ',')  -- a new record is <key id> .. sfx .. <size>
       local pnames, lnames = {}, {}  -- page number / L1 bucket -> its key name, made once a batch
-      for ref, size_s, tokens in string.gmatch(packed, '([^\\31\\30]*)\\31([^\\31\\30]*)\\31([^\\30]*)\\30') do
+      local function one(ref, size_s, tokens)
         local t = string.find(ref, '\t', 1, true)  -- the space's id is not known to the caller
         if t then
           local space = string.sub(ref, t + 1)
@@ -360,6 +363,13 @@ for _ = 1, nb do
             end
           end
         end
+      end
+      if width == 0 then
+        for ref, size_s, tokens in string.gmatch(packed, '([^\\31\\30]*)\\31([^\\31\\30]*)\\31([^\\30]*)\\30') do
+          one(ref, size_s, tokens)
+        end
+      else
+        for p = 1, #packed, width do one(string.sub(packed, p, p + width - 1), usize, '') end
       end
       written(pbuf, 'HSET'); written(lbuf, 'SADD')
       if new_keys > 0 then

@@ -281,3 +281,46 @@ def test_reads_in_slices_answer_as_one(d, monkeypatch):
     assert [len(x["placements"]) for x in msgspec.json.decode(one[0])["results"]] == [1] * 7 + [0, 1, 0]
     sids = d.space_ids([f"{MODEL}\t\t{WS1}\t0"])
     assert len(d.prefix_fields(mphash.chunk_hashes(toks), sids)[2]) == 8  # slices of 3: 3, 3, then 2 (stops)
+
+
+def _traffic(d: MPDirectory) -> list[dict]:
+    """Batches that reach every branch of MP_APPLY's entry loop (new keys, a key again in one
+    batch, another instance's and a shared placement on a key, access, delete, a restart that
+    fences L1, a departure), answered in order; then everything the directory shows of them."""
+    hashes = [f"{i:02x}" * 32 for i in range(40)] + ["0a" * 32]  # 0a twice: once more in the first batch
+    inst2 = "mp-test-2"
+    out = [
+        post(d, batch(1, entries=[entry(h, size=100 + i) for i, h in enumerate(hashes)])),
+        post(d, batch(2, entries=[entry(h, size=7) for h in hashes[:30]])),  # known space: one size
+        post(d, batch(1, inst=inst2, entries=[entry(h, size=9) for h in hashes[10:35]])),
+        post(d, batch(3, tier="l2", backend="fs", shared=True, entries=[entry(h, size=5) for h in hashes[5:25]])),
+        post(d, batch(2, inst=inst2, tier="l2", backend="fs", shared=True,
+                      entries=[entry(h, size=6) for h in hashes[20:30]])),
+        post(d, batch(4, etype="access", backend="", entries=[entry(h, size=0) for h in hashes[:12] * 2])),
+        post(d, batch(5, etype="delete", entries=[entry(h, size=0) for h in hashes[:8]])),
+        post(d, batch(3, inst=inst2, etype="delete", tier="l2", backend="fs", shared=True,
+                      entries=[entry(h, size=0) for h in hashes[18:22]])),
+        post(d, batch(1, inc=INC + 1, entries=[entry(h, size=11) for h in hashes[30:]])),  # restart: L1 fenced
+    ]
+    d.deregister(inst2)
+    out.append(post(d, batch(4, inst=inst2, entries=[entry(h) for h in hashes[:3]])))  # departed: stale
+    keys = [W.EncodedObjectKey(chunk_hash_hex=h, model_name=MODEL, kv_rank=WS1) for h in hashes]
+    return out + [d.stats(), d.counters(), d.lookup_keys(keys), d.list_keys(limit=10_000),
+                  d.list_keys(tier="l1", instance_id="mp-test-1", offset=3, limit=5)]
+
+
+def test_fixed_width_entries_apply_as_the_general_form(r, monkeypatch):
+    """The fixed-width form of a batch's entries (MPDirectory._uniform, built with numpy) leaves
+    the directory exactly as the general form does: the same traffic both ways, everything the
+    directory answers compared."""
+    import kvlookup.index.mp as M
+
+    used = []
+    refs = M._refs
+    monkeypatch.setattr(M, "_refs", lambda *a: used.append(1) or refs(*a))
+    fast = _traffic(MPDirectory(r))
+    assert len(used) >= 5  # every batch after the space is interned, but the first
+    r.flushall()
+    monkeypatch.setattr(M, "np", None)
+    assert _traffic(MPDirectory(r)) == fast
+    assert fast[9] == {"applied": 0, "duplicates": 0, "stale": 1}
