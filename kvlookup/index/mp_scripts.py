@@ -368,6 +368,40 @@ for _ = 1, nb do
         for ref, size_s, tokens in string.gmatch(packed, '([^\\31\\30]*)\\31([^\\31\\30]*)\\31([^\\30]*)\\30') do
           one(ref, size_s, tokens)
         end
+      elseif etype == 'store' then  -- the fixed-width form of a store: new keys inline, the rest as one()
+        if not kseq then kseq = tonumber(redis.call('HGET', STATS, 'kseq') or '0') end
+        local vsfx, size, sub = sfx .. usize, tonumber(usize), string.sub
+        local pg, pt, lb, lt = -1, nil, -1, nil  -- the page and L1 bucket of the last new key, their buffers
+        for p = 1, #packed, width do
+          local bucket = sub(packed, p, p + BH - 1)
+          local field = sub(packed, p + BH, p + width - 1)
+          if redis.call('HSETNX', CK[bucket] or ckey(bucket), field, (kseq + 1) .. vsfx) == 1 then
+            kseq = kseq + 1
+            local g = math.floor(kseq / PAGE)
+            if g ~= pg then
+              pg = g
+              local pk = KPFX .. fmt(g)
+              pt = pbuf[pk]
+              if not pt then pt = {}; pbuf[pk] = pt end
+            end
+            pt[#pt + 1] = kseq % PAGE
+            pt[#pt + 1] = sub(packed, p, p + width - 1)
+            if is_l1 then
+              local b = math.floor(kseq / L1RUN) % L1B
+              if b ~= lb then
+                lb = b
+                local lk = lkey(iid, fmt(b))
+                lt = lbuf[lk]
+                if not lt then lt = {}; lbuf[lk] = lt end
+              end
+              lt[#lt + 1] = kseq
+              new_l1 = new_l1 + 1
+            end
+            new_keys, new_bytes = new_keys + 1, new_bytes + size
+          else
+            one(sub(packed, p, p + width - 1), usize, '')
+          end
+        end
       else
         for p = 1, #packed, width do one(string.sub(packed, p, p + width - 1), usize, '') end
       end
