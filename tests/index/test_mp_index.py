@@ -8,6 +8,7 @@ import pytest
 from kvlookup.hashing import mp as mphash
 from kvlookup.index import keys as K
 from kvlookup.index.mp import ChunkSizeConflict, MPDirectory
+from kvlookup.index.mp_values import chunk_b64
 from kvlookup.wire import lmcache_mp as W
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -284,23 +285,25 @@ def test_reads_in_slices_answer_as_one(d, monkeypatch):
 
 
 def _traffic(d: MPDirectory) -> list[dict]:
-    """Batches that reach every branch of MP_APPLY's entry loop (new keys, a key again in one
-    batch, another instance's and a shared placement on a key, access, delete, a restart that
-    fences L1, a departure), answered in order; then everything the directory shows of them."""
-    hashes = [f"{i:02x}" * 32 for i in range(40)] + ["0a" * 32]  # 0a twice: once more in the first batch
+    """Batches that reach every branch of MP_APPLY's entry loop (new keys in runs across key pages,
+    broken by known keys, a key twice in one batch, another instance's and a shared placement on a
+    key, access, delete, a restart that fences L1, a departure), answered in order; then
+    everything the directory shows of them."""
+    hashes = [i.to_bytes(2, "big").hex() * 16 for i in range(300)]
     inst2 = "mp-test-2"
     out = [
-        post(d, batch(1, entries=[entry(h, size=100 + i) for i, h in enumerate(hashes)])),
-        post(d, batch(2, entries=[entry(h, size=7) for h in hashes[:30]])),  # known space: one size
-        post(d, batch(1, inst=inst2, entries=[entry(h, size=9) for h in hashes[10:35]])),
+        post(d, batch(1, entries=[entry(h, size=100 + i) for i, h in enumerate(hashes[:3])])),  # interns the space
+        post(d, batch(2, entries=[entry(h, size=7) for h in hashes[3:10] + hashes[:3] + hashes[10:200]
+                                  + hashes[5:6]])),
+        post(d, batch(1, inst=inst2, entries=[entry(h, size=9) for h in hashes[150:260]])),
         post(d, batch(3, tier="l2", backend="fs", shared=True, entries=[entry(h, size=5) for h in hashes[5:25]])),
         post(d, batch(2, inst=inst2, tier="l2", backend="fs", shared=True,
                       entries=[entry(h, size=6) for h in hashes[20:30]])),
         post(d, batch(4, etype="access", backend="", entries=[entry(h, size=0) for h in hashes[:12] * 2])),
-        post(d, batch(5, etype="delete", entries=[entry(h, size=0) for h in hashes[:8]])),
+        post(d, batch(5, etype="delete", entries=[entry(h, size=0) for h in hashes[:8] + hashes[40:60]])),
         post(d, batch(3, inst=inst2, etype="delete", tier="l2", backend="fs", shared=True,
                       entries=[entry(h, size=0) for h in hashes[18:22]])),
-        post(d, batch(1, inc=INC + 1, entries=[entry(h, size=11) for h in hashes[30:]])),  # restart: L1 fenced
+        post(d, batch(1, inc=INC + 1, entries=[entry(h, size=11) for h in hashes[250:]])),  # restart: L1 fenced
     ]
     d.deregister(inst2)
     out.append(post(d, batch(4, inst=inst2, entries=[entry(h) for h in hashes[:3]])))  # departed: stale
@@ -324,3 +327,19 @@ def test_fixed_width_entries_apply_as_the_general_form(r, monkeypatch):
     monkeypatch.setattr(M, "np", None)
     assert _traffic(MPDirectory(r)) == fast
     assert fast[9] == {"applied": 0, "duplicates": 0, "stale": 1}
+    # left: the restarted instance's new L1 keys, and the shared L2 pool's keys but the 4 deleted
+    assert fast[10]["num_keys"] == fast[13]["total"] == 50 + (25 - 4)
+
+
+def test_key_pages_go_with_their_last_key(d, r):
+    """A run of refs in a key page loses a dropped key's ref and goes with the last one: after
+    every key is deleted no page is left (keys.mp_page_key)."""
+    hashes = [i.to_bytes(2, "big").hex() * 16 for i in range(300)]
+    post(d, batch(1, entries=[entry(hashes[0])]))
+    post(d, batch(2, entries=[entry(h) for h in hashes]))  # fixed-width: runs of refs across pages 0-2
+    assert r.hgetall(K.mp_page_key(1)) == {"0:48": "".join(f"{h[:3]}{chunk_b64(h)}.1" for h in hashes[127:255])}
+    post(d, batch(3, etype="delete", entries=[entry(h) for h in hashes[128:200]]))
+    assert d.list_keys(limit=1000)["total"] == 228
+    post(d, batch(4, etype="delete", entries=[entry(h) for h in hashes]))
+    assert d.stats()["num_keys"] == 0
+    assert [r.exists(K.mp_page_key(p)) for p in range(4)] == [0, 0, 0, 0]
