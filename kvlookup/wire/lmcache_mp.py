@@ -146,6 +146,8 @@ def _check_batch(batch: CacheEventBatch, where: str) -> None:
         raise MPBodyError(f"backend must be non-empty for {batch.event_type} batches - at `{where}.backend`")
     if batch.event_type == "config" and batch.entries:
         raise MPBodyError(f"config batches declare capacity and carry no entries - at `{where}.entries`")
+    if _plain(batch.entries, where):
+        return
     checked: set[tuple[str, str]] = set()  # (model_name, cache_salt) pairs found valid
     for j, entry in enumerate(batch.entries):
         key = entry.key
@@ -157,6 +159,26 @@ def _check_batch(batch: CacheEventBatch, where: str) -> None:
                 pass
         check_key(key, f"{where}.entries[{j}].key")
         checked.add((key.model_name, key.cache_salt))
+
+
+def _plain(entries: list[CacheEventEntry], where: str) -> bool:
+    """True when the entries are valid as a whole: one valid (model_name, cache_salt) and every
+    ``chunk_hash_hex`` 64 hex digits (one ``bytes.fromhex`` of them all: 64n characters giving
+    32n bytes hold no whitespace, so each is 64 digits). False leaves the verdict, and the
+    field an error names, to the entry-by-entry check."""
+    if not entries:
+        return True
+    keys = [e.key for e in entries]
+    if len({(k.model_name, k.cache_salt) for k in keys}) != 1:
+        return False
+    hexes = [k.chunk_hash_hex for k in keys]
+    if set(map(len, hexes)) != {64}:
+        return False
+    try:
+        check_key(keys[0], where)
+        return len(bytes.fromhex("".join(hexes))) == 32 * len(keys)
+    except (MPBodyError, ValueError):
+        return False
 
 
 def check_key(key: EncodedObjectKey, where: str) -> None:

@@ -170,6 +170,13 @@ def test_decode_errors_name_the_field():
     assert "cache_salt" in bad(batch(1, entries=[entry(salt="a/b")]))
     assert "token_offset" in bad(batch(1, entries=[entry(offset=-2)]))
     assert "entries" in bad(batch(1, etype="config", entries=[entry()]))
+    # the whole-batch check (wire.lmcache_mp._plain) leaves the naming to the entry-by-entry one
+    assert "entries[2].key.chunk_hash_hex" in bad(batch(1, entries=[entry(), entry(C1), entry("0g" * 32)]))
+    assert "entries[1].key.model_name" in bad(batch(1, entries=[entry(), entry(C1, model="a@b")]))
+    assert "entries[0].key.cache_salt" in bad(batch(1, entries=[entry(salt="a/b"), entry(C1, salt="a/b")]))
+    spaced = W.decode(msgspec.json.encode({"batches": [batch(1, entries=[entry(), entry(C1[:62] + " " + C1[62:])])]}),
+                      W.CacheEventsRequest)  # bytes.fromhex takes whitespace between bytes, as the coordinator does
+    assert len(spaced.batches[0].entries) == 2
 
 
 def test_memory_per_placement(d, r, cluster):
@@ -303,6 +310,8 @@ def _traffic(d: MPDirectory) -> list[dict]:
         post(d, batch(5, etype="delete", entries=[entry(h, size=0) for h in hashes[:8] + hashes[40:60]])),
         post(d, batch(3, inst=inst2, etype="delete", tier="l2", backend="fs", shared=True,
                       entries=[entry(h, size=0) for h in hashes[18:22]])),
+        post(d, batch(6, tier="l2", backend="fs", entries=[entry(h, size=7) for h in hashes[290:295]]
+                      + [entry(hashes[1][:62] + "  ", size=7)])),  # 64 characters, 31 bytes: the general form
         post(d, batch(1, inc=INC + 1, entries=[entry(h, size=11) for h in hashes[250:]])),  # restart: L1 fenced
     ]
     d.deregister(inst2)
@@ -326,9 +335,10 @@ def test_fixed_width_entries_apply_as_the_general_form(r, monkeypatch):
     r.flushall()
     monkeypatch.setattr(M, "np", None)
     assert _traffic(MPDirectory(r)) == fast
-    assert fast[9] == {"applied": 0, "duplicates": 0, "stale": 1}
-    # left: the restarted instance's new L1 keys, and the shared L2 pool's keys but the 4 deleted
-    assert fast[10]["num_keys"] == fast[13]["total"] == 50 + (25 - 4)
+    assert fast[10] == {"applied": 0, "duplicates": 0, "stale": 1}
+    # left: the restarted instance's new L1 keys, the shared L2 pool's keys but the 4 deleted, the
+    # one L2 key of a 31-byte hash
+    assert fast[11]["num_keys"] == fast[14]["total"] == 50 + (25 - 4) + 1
 
 
 def test_key_pages_go_with_their_last_key(d, r):
