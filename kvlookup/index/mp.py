@@ -62,11 +62,10 @@ class MPDirectory(MPBlend):
         for b in batches:
             args += [b.instance_id, b.incarnation, b.seq, b.event_type, b.tier, b.backend, int(b.shared),
                      b.dropped_events, int(b.ts * 1000), b.capacity_bytes, b.capacity_revision, len(b.entries)]
-            packed = self._uniform(b.entries, b.event_type == "store", buckets)
-            if packed is None:
-                packed = self._general(b.entries, b.event_type == "store", buckets, fresh)
-                bound = bound or (b.event_type == "store" and any(e.token_ids for e in b.entries))
-            args += packed
+            store = b.event_type == "store"
+            packed = self._uniform(b.entries, store, buckets)
+            args += self._general(b.entries, store, buckets, fresh) if packed is None else packed
+            bound = bound or (store and any(e.token_ids for e in b.entries))
         order = sorted(buckets)  # KEYS[11..]: the chunk bucket of every entry (keys.mp_chunks_key)
         prefix = K.mp_chunks_prefix()
         applied, dup, stale = self._apply(keys=K.mp_script_keys() + [prefix + b for b in order],
@@ -79,18 +78,19 @@ class MPDirectory(MPBlend):
         return {"applied": int(applied), "duplicates": int(dup), "stale": int(stale)}
 
     def _uniform(self, entries: Sequence[W.CacheEventEntry], store: bool, buckets: set[str]) -> list | None:
-        """MP_APPLY's fixed-width form of a batch's entries, ``[width, size_bytes, refs]``, when every
-        entry has a 32-byte chunk hash written as 64 hex digits, one space whose id is known, one
-        size_bytes and (for a store) no token binding: the refs ``<bucket><chunk b64>.<space id>``
-        are built for the whole batch at once (numpy), not entry by entry. None otherwise (or
-        without numpy): the caller packs the general form. Adds the batch's buckets to ``buckets``."""
+        """MP_APPLY's fixed-width form of a batch's entries, ``[width, size_bytes, refs, bindings]``,
+        when every entry has a 32-byte chunk hash written as 64 hex digits, one space whose id is
+        known and one size_bytes: the refs ``<bucket><chunk b64>.<space id>`` are built for the
+        whole batch at once (numpy), not entry by entry; ``bindings`` is '' when no store entry has
+        a token binding, else each entry's (or '') followed by byte 30. None otherwise (or without
+        numpy): the caller packs the general form. Adds the batch's buckets to ``buckets``."""
         if np is None or not entries:
             return None
         keys = [e.key for e in entries]
         if len({(k.model_name, k.cache_salt, k.kv_rank, k.object_group_id) for k in keys}) != 1:
             return None
         sid = self._names.get("n:s" + space_text(keys[0]))
-        if sid is None or (store and any(e.token_ids for e in entries)):
+        if sid is None:
             return None
         sizes = {e.size_bytes for e in entries} if store else {0}
         hexes = [k.chunk_hash_hex for k in keys]
@@ -103,11 +103,13 @@ class MPDirectory(MPBlend):
             return None
         if len(raw) != 32 * n:  # whitespace somewhere: not 64 hex digits each
             return None
-        return [_REF_W + len(sid), sizes.pop(), _refs(raw, n, sid, buckets)]
+        bindings = "".join(f"{tokens_text(e.token_ids, e.token_offset) if e.token_ids else ''}\x1e"
+                           for e in entries) if store and any(e.token_ids for e in entries) else ""
+        return [_REF_W + len(sid), sizes.pop(), _refs(raw, n, sid, buckets), bindings]
 
     def _general(self, entries: Sequence[W.CacheEventEntry], store: bool, buckets: set[str],
                  fresh: set[str]) -> list:
-        """MP_APPLY's general form of a batch's entries, ``[0, 0, packed]`` (mp_scripts.MP_APPLY):
+        """MP_APPLY's general form of a batch's entries, ``[0, 0, packed, '']`` (mp_scripts.MP_APPLY):
         any hash length, spaces not interned yet (``fresh`` gets their texts), token bindings."""
         known = self._names
         spaces: dict[tuple, str] = {}  # (model, salt, kv_rank, group) -> ".<space id>", or "\t<text>" when new
@@ -127,7 +129,7 @@ class MPDirectory(MPBlend):
             bucket = K.mp_bucket(raw[:2].hex())
             buckets.add(bucket)
             parts.append(f"{bucket}{raw_b64(raw)}{space}\x1f{e.size_bytes}\x1f{tokens}\x1e")
-        return [0, 0, "".join(parts)]
+        return [0, 0, "".join(parts), ""]
 
 
 #: Width of a fixed-width ref before its space id: bucket, 43 base64url characters, '.'.

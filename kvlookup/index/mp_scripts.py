@@ -216,16 +216,17 @@ _MP_LIB = _MP_LIB.replace("local PAGE, L1B, L1RUN, BH = 128, 256, 64, 3",
 #: Apply one POST /events body: the gate, then each admitted batch, all or nothing.
 #: KEYS[1..10] as _MP_LIB, KEYS[11..] the chunk bucket hash (``keys.mp_chunks_key``) of each
 #: bucket ARGV[3] names. ARGV[1] now (unix ms), ARGV[2] number of batches, ARGV[3] the buckets of
-#: the entries, comma-separated, in the order of KEYS[11..]; then per batch 15 fields
+#: the entries, comma-separated, in the order of KEYS[11..]; then per batch 16 fields
 #: (instance_id, incarnation, seq, event_type, tier, backend, shared 0|1, dropped_events,
 #: ts ms, capacity_bytes, capacity_revision, number of entries, then the entries in one of two
 #: forms: width 0, size 0 and the general form packed: per entry its ref
 #: ``<bucket><chunk b64>.<space id>`` (the key page's value as is), or
 #: ``<bucket><chunk b64>\t<model\tsalt\tkv_rank\tgroup>`` when the caller does not know the
 #: space's id; byte 31; size_bytes; byte 31; the token binding ``offset\tb64`` or ''; byte 30
-#: (one gmatch a batch yields the three); or the fixed-width form: width w > 0, the size_bytes
-#: of every entry, and the refs (known space ids, no token bindings) one after another, w
-#: characters each (one string.sub an entry). Returns {applied, duplicates, stale}.
+#: (one gmatch a batch yields the three), then ''; or the fixed-width form: width w > 0, the
+#: size_bytes of every entry, the refs (32-byte hashes, known space ids) one after another, w
+#: characters each (one string.sub an entry), then '' or every entry's token binding (or '')
+#: followed by byte 30. Returns {applied, duplicates, stale}.
 MP_APPLY = _MP_LIB + """
 local now = tonumber(ARGV[1])
 local nb = tonumber(ARGV[2])
@@ -307,8 +308,8 @@ for _ = 1, nb do
     ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
   local dropped, ts, cap, rev, ne = tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8]), ARGV[i + 9],
     tonumber(ARGV[i + 10]), tonumber(ARGV[i + 11])
-  local width, usize, packed = tonumber(ARGV[i + 12]), ARGV[i + 13], ARGV[i + 14]
-  i = i + 15
+  local width, usize, packed, bindings = tonumber(ARGV[i + 12]), ARGV[i + 13], ARGV[i + 14], ARGV[i + 15]
+  i = i + 16
   local verdict = gate(inst, inc, seq, tier, dropped, ts)
   if verdict == 'stale' then stale = stale + 1 elseif verdict == 'dup' then dup = dup + 1 else
     applied = applied + 1
@@ -407,10 +408,17 @@ for _ = 1, nb do
             later(pbuf, KPFX .. fmt(rpg), fmt(rs) .. ':' .. fmt(width), sub(packed, rp, rp + rn * width - 1))
           end
         end
+        local tp = 1  -- where the next entry's token binding starts in bindings
         for p = 1, #packed, width do
           local bucket = sub(packed, p, p + BH - 1)
           local field = sub(packed, p + BH, p + width - 1)
-          if redis.call('HSETNX', CK[bucket] or ckey(bucket), field, (kseq + 1) .. vsfx) == 1 then
+          local tokens = ''
+          if bindings ~= '' then
+            local e = string.find(bindings, '\\30', tp, true)
+            tokens, tp = sub(bindings, tp, e - 1), e + 1
+          end
+          local bkey = CK[bucket] or ckey(bucket)
+          if redis.call('HSETNX', bkey, field, (kseq + 1) .. vsfx) == 1 then
             kseq = kseq + 1
             local g = math.floor(kseq / PAGE)
             if g == rpg and p == rp + rn * width then rn = rn + 1
@@ -427,8 +435,9 @@ for _ = 1, nb do
               new_l1 = new_l1 + 1
             end
             new_keys, new_bytes = new_keys + 1, new_bytes + size
+            if tokens ~= '' then redis.call('HSET', bkey, sub(field, 1, 43), tokens) end
           else
-            one(sub(packed, p, p + width - 1), usize, '')
+            one(sub(packed, p, p + width - 1), usize, tokens)
           end
         end
         run_done()

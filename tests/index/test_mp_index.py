@@ -310,6 +310,9 @@ def _traffic(d: MPDirectory) -> list[dict]:
         post(d, batch(5, etype="delete", entries=[entry(h, size=0) for h in hashes[:8] + hashes[40:60]])),
         post(d, batch(3, inst=inst2, etype="delete", tier="l2", backend="fs", shared=True,
                       entries=[entry(h, size=0) for h in hashes[18:22]])),
+        post(d, batch(1, inst="mp-test-3", tier="l2", backend="s3", entries=[  # token bindings, some entries
+            entry(h, size=3, tokens=range(256 * i, 256 * i + (256 if i % 3 else 100)), offset=256 * i if i % 2 else -1)
+            if i % 4 else entry(h, size=3) for i, h in enumerate(hashes[60:70] + hashes[280:285])])),
         post(d, batch(6, tier="l2", backend="fs", entries=[entry(h, size=7) for h in hashes[290:295]]
                       + [entry(hashes[1][:62] + "  ", size=7)])),  # 64 characters, 31 bytes: the general form
         post(d, batch(1, inc=INC + 1, entries=[entry(h, size=11) for h in hashes[250:]])),  # restart: L1 fenced
@@ -318,7 +321,8 @@ def _traffic(d: MPDirectory) -> list[dict]:
     out.append(post(d, batch(4, inst=inst2, entries=[entry(h) for h in hashes[:3]])))  # departed: stale
     keys = [W.EncodedObjectKey(chunk_hash_hex=h, model_name=MODEL, kv_rank=WS1) for h in hashes]
     return out + [d.stats(), d.counters(), d.lookup_keys(keys), d.list_keys(limit=10_000),
-                  d.list_keys(tier="l1", instance_id="mp-test-1", offset=3, limit=5)]
+                  d.list_keys(tier="l1", instance_id="mp-test-1", offset=3, limit=5),
+                  d.blend_matches(list(range(256, 768)), MODEL, 1, "")]
 
 
 def test_fixed_width_entries_apply_as_the_general_form(r, monkeypatch):
@@ -335,10 +339,11 @@ def test_fixed_width_entries_apply_as_the_general_form(r, monkeypatch):
     r.flushall()
     monkeypatch.setattr(M, "np", None)
     assert _traffic(MPDirectory(r)) == fast
-    assert fast[10] == {"applied": 0, "duplicates": 0, "stale": 1}
+    assert fast[11] == {"applied": 0, "duplicates": 0, "stale": 1}
     # left: the restarted instance's new L1 keys, the shared L2 pool's keys but the 4 deleted, the
-    # one L2 key of a 31-byte hash
-    assert fast[11]["num_keys"] == fast[14]["total"] == 50 + (25 - 4) + 1
+    # one L2 key of a 31-byte hash, the 10 keys another instance holds in L2
+    assert fast[12]["num_keys"] == fast[15]["total"] == 50 + (25 - 4) + 1 + 10
+    assert sum(len(k["token_ids"]) > 0 for k in fast[14]) == 11 and fast[17]  # bindings; a blend match
 
 
 def test_key_pages_go_with_their_last_key(d, r):
