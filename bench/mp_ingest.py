@@ -7,7 +7,7 @@ Redis. Printed per placement, one JSON line a run: the benchmark process's CPU (
 and argument building), Redis's CPU (``redis_us``, ``INFO cpu``) and Redis ``used_memory`` growth
 (``bytes``). To compare two versions of the code, run this alternately with each on
 ``PYTHONPATH`` (e.g. a ``git archive`` of the other commit): on a shared machine compare medians of
-several alternating runs, never one run.
+several alternating runs, never one run. ``--tokens`` gives every entry a 256-token binding.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ import time
 import msgspec
 
 
-def bodies(placements: int, batch_entries: int = 500, clients: int = 4, seed: int = 7) -> list[bytes]:
-    """The ``POST /events`` bodies, one store batch each, emitters in turn."""
+def bodies(placements: int, batch_entries: int = 500, clients: int = 4, seed: int = 7,
+           tokens: bool = False) -> list[bytes]:
+    """The ``POST /events`` bodies, one store batch each, emitters in turn; ``tokens``: every entry
+    carries a 256-token binding (as LMCache-driven stores do), else none (engine-driven stores)."""
     rnd = random.Random(seed)
     out, seqs = [], [0] * clients
     for i in range(placements // batch_entries):
@@ -30,7 +32,8 @@ def bodies(placements: int, batch_entries: int = 500, clients: int = 4, seed: in
         seqs[c] += 1
         entries = [{"key": {"chunk_hash_hex": rnd.randbytes(32).hex(), "model_name": "bench-model",
                             "kv_rank": 16777472, "object_group_id": 0, "cache_salt": ""},
-                    "size_bytes": 4194304, "token_ids": [], "token_offset": -1} for _ in range(batch_entries)]
+                    "size_bytes": 4194304, "token_ids": [rnd.randrange(128000) for _ in range(256)] if tokens else [],
+                    "token_offset": 256 * j if tokens else -1} for j in range(batch_entries)]
         out.append(msgspec.json.encode({"batches": [{
             "instance_id": f"bench-emitter-{c}", "incarnation": 1, "seq": seqs[c], "event_type": "store",
             "tier": "l1", "backend": "dram", "entries": entries, "shared": False, "ts": time.time(),
@@ -38,13 +41,14 @@ def bodies(placements: int, batch_entries: int = 500, clients: int = 4, seed: in
     return out
 
 
-def run(placements: int = 100_000) -> dict:
-    """{py_us, redis_us, bytes} per placement for ``placements`` placements into an empty Redis."""
+def run(placements: int = 100_000, tokens: bool = False) -> dict:
+    """{py_us, redis_us, bytes} per placement for ``placements`` placements into an empty Redis
+    (``tokens``: with token bindings, :func:`bodies`)."""
     from kvlookup.app.coordinator import apply_events
     from kvlookup.index.mp import MPDirectory
     from kvlookup.proc.redis_server import EmbeddedRedis, connect
 
-    data = bodies(placements)
+    data = bodies(placements, tokens=tokens)
     with tempfile.TemporaryDirectory() as tmp:
         srv = EmbeddedRedis(tmp, appendonly=False)
         srv.start()
@@ -67,4 +71,5 @@ def run(placements: int = 100_000) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(int(sys.argv[1]) if len(sys.argv) > 1 else 100_000)))
+    args = [a for a in sys.argv[1:] if a != "--tokens"]
+    print(json.dumps(run(int(args[0]) if args else 100_000, tokens="--tokens" in sys.argv[1:])))

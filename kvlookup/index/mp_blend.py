@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from kvlookup.hashing import mp as mphash
 from kvlookup.index import keys as K
 from kvlookup.index.mp_lookup import MPLookup
-from kvlookup.index.mp_values import canon, chunk_b64, chunk_hex, fingerprint, tokens_text
+from kvlookup.index.mp_values import chunk_hex, fingerprint, raw_b64
 from kvlookup.wire import lmcache_mp as W
 
 
@@ -38,15 +38,18 @@ class MPBlend(MPLookup):
             if b.event_type != "store":
                 continue
             for e in b.entries:
-                if len(e.token_ids) != cs or e.token_offset < 0 or not tokens_text(e.token_ids, 0):
+                if len(e.token_ids) != cs or e.token_offset < 0:
+                    continue
+                try:  # ids outside uint32 have no binding (mp_values.tokens_text)
+                    window = array("I", e.token_ids)
+                except OverflowError:
                     continue
                 k = e.key
                 nid = self._blend_ns(k.model_name, k.cache_salt, mphash.world_size_of(k.kv_rank), create=True)
                 if nid is None:  # pragma: no cover (create=True always names one)
                     continue
-                fp = fingerprint(array("I", e.token_ids).tobytes())
-                todo.setdefault(nid, {}).setdefault(fp, set()).add(f"{chunk_b64(canon(k.chunk_hash_hex))},"
-                                                                    f"{e.token_offset}")
+                todo.setdefault(nid, {}).setdefault(fingerprint(window.tobytes()), set()).add(
+                    f"{raw_b64(bytes.fromhex(k.chunk_hash_hex))},{e.token_offset}")  # = chunk_b64(canon(...))
         for nid, fps in todo.items():
             key = K.mp_blend_key(nid)
             old = dict(zip(fps, self.r.hmget(key, list(fps)), strict=True))
