@@ -50,16 +50,9 @@ class MPBlend(MPLookup):
                     continue
                 todo.setdefault(nid, {}).setdefault(fingerprint(window.tobytes()), set()).add(
                     f"{raw_b64(bytes.fromhex(k.chunk_hash_hex))},{e.token_offset}")  # = chunk_b64(canon(...))
-        for nid, fps in todo.items():
-            key = K.mp_blend_key(nid)
-            old = dict(zip(fps, self.r.hmget(key, list(fps)), strict=True))
-            new = {}
-            for fp, claims in fps.items():
-                have = set(filter(None, (old[fp] or "").split(";")))
-                if not claims <= have:
-                    new[fp] = ";".join(sorted(have | claims))
-            if new:
-                self.r.hset(key, mapping=new)
+        for nid, fps in todo.items():  # one script a namespace (mp_scripts.MP_BLEND_ADD): no claim lost
+            self._blend_add(keys=[K.mp_blend_key(nid)],
+                            args=[x for fp, claims in fps.items() for x in (fp, ";".join(sorted(claims)))])
 
     def blend_matches(self, tokens: Sequence[int], model_name: str, world_size: int = 1,
                       cache_salt: str = "") -> list[dict]:

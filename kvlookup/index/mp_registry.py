@@ -56,6 +56,7 @@ class MPRegistry:
         self._read_fields = redis.register_script(S.MP_READ_FIELDS)
         self._read_chunks = redis.register_script(S.MP_READ_CHUNKS)
         self._read_prefix = redis.register_script(S.MP_READ_PREFIX)
+        self._blend_add = redis.register_script(S.MP_BLEND_ADD)
         self._foreign = redis.register_script(R.FOREIGN)
         self._hold = redis.register_script(R.MP_HOLD)
         self._writers: dict[str, tuple[float, str]] = {}  # instance -> (monotonic s, FOREIGN's answer)

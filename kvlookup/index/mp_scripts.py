@@ -485,6 +485,29 @@ flush()
 return 1
 """
 
+#: Add claims to the blend index of one namespace, atomically (two controllers indexing one
+#: fingerprint at once both keep theirs). KEYS[1] the blend hash (keys.mp_blend_key); ARGV pairs:
+#: a fingerprint, its new claims ``<chunk b64>,<token_offset>`` joined by ';'. A field gets the
+#: claims it lacks, sorted. Returns the number of fields changed.
+MP_BLEND_ADD = """
+local changed = 0
+for j = 1, #ARGV, 2 do
+  local seen, out, grew = {}, {}, false
+  for c in string.gmatch(redis.call('HGET', KEYS[1], ARGV[j]) or '', '[^;]+') do
+    if not seen[c] then seen[c] = true; out[#out + 1] = c end
+  end
+  for c in string.gmatch(ARGV[j + 1], '[^;]+') do
+    if not seen[c] then seen[c] = true; out[#out + 1] = c; grew = true end
+  end
+  if grew then
+    table.sort(out)
+    redis.call('HSET', KEYS[1], ARGV[j], table.concat(out, ';'))
+    changed = changed + 1
+  end
+end
+return changed
+"""
+
 #: Register an MP instance. KEYS[1] instances, KEYS[2] heartbeats, KEYS[3] departed; ARGV[1] instance_id, ARGV[2] JSON
 #: registration, ARGV[3] now (unix ms). Returns 1 when it was registered already (re_registered).
 MP_REGISTER = """

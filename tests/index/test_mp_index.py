@@ -358,3 +358,13 @@ def test_key_pages_go_with_their_last_key(d, r):
     post(d, batch(4, etype="delete", entries=[entry(h) for h in hashes]))
     assert d.stats()["num_keys"] == 0
     assert [r.exists(K.mp_page_key(p)) for p in range(4)] == [0, 0, 0, 0]
+
+
+def test_blend_claims_merge_in_redis(d, r):
+    """MP_BLEND_ADD adds the claims a fingerprint lacks and keeps what another controller wrote
+    meanwhile (the merge happens in Redis, not read-modify-written from Python)."""
+    key = K.mp_blend_key(7)
+    r.hset(key, "fp1", "b,0;a,256")  # written by another controller
+    assert d._blend_add(keys=[key], args=["fp1", "c,512;a,256", "fp2", "z,0"]) == 2
+    assert r.hgetall(key) == {"fp1": "a,256;b,0;c,512", "fp2": "z,0"}
+    assert d._blend_add(keys=[key], args=["fp1", "b,0"]) == 0
