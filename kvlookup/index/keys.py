@@ -478,11 +478,8 @@ def mp_page_prefix() -> str:
 
 
 def mp_page_key(page: int) -> str:
-    """Hash of key ids in insertion order (GET /directory/keys walks the pages 0 .. seq / MP_PAGE),
-    a ref being ``<bucket><chunk b64>.<space id>``: ``<key id % MP_PAGE>`` -> a key's ref, or
-    ``<first key id % MP_PAGE>:<width>`` -> a run of refs of consecutive key ids, ``width``
-    characters each, concatenated (one field for a store batch's new keys), a dropped key's ref
-    overwritten by ``~`` (kvlookup.index.mp_values.page_refs)."""
+    """Hash ``<key id % MP_PAGE>`` -> ``<chunk b64>.<space id>``: key ids in insertion order
+    (GET /directory/keys walks the pages 0 .. seq / MP_PAGE)."""
     return f"{mp_page_prefix()}{page}"
 
 

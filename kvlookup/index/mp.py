@@ -11,9 +11,8 @@ instance left out when ``shared``: the last reporter of a shared pool wins.
 
 Storage (per object key, ~100-150 B; docs/redis-schema.md): a field ``<chunk b64>.<space id>``
 in the chunk's bucket hash with value ``<key id>,<access count>|<tb>,<epoch>,<size>|...``
-(tb, epoch and space are small interned ids), its ref in one page of the insertion-ordered key
-list (a field, or a share of one run field for a store batch's new keys), and for L1 a key id in
-the reporting instance's reverse-index bucket (an intset).
+(tb, epoch and space are small interned ids), a field in one page of the insertion-ordered key
+list, and for L1 a key id in the reporting instance's reverse-index bucket (an intset).
 
 One class, :class:`MPDirectory`, built in layers, one Redis concept a module:
 kvlookup.index.mp_registry (instances, heartbeats, departures, cursors, capacity, chunk size),

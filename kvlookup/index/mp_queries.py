@@ -16,7 +16,6 @@ from kvlookup.index.mp_values import (
     chunk_b64,
     chunk_hex,
     key_dict,
-    page_refs,
     parse_record,
     parse_tokens,
     placement_dict,
@@ -139,7 +138,7 @@ class MPQueries(MPRecords):
             pipe.hgetall(K.mp_page_key(p))
         refs: list[tuple[int, str]] = []
         for p, page in zip(pages, pipe.execute(), strict=True):
-            refs += page_refs(p, page, K.MP_PAGE)
+            refs += sorted((p * K.MP_PAGE + int(slot), ref) for slot, ref in page.items())
         bh = K.MP_BUCKET_HEX
         recs = self.records([(ref[:bh], ref[bh:]) for _, ref in refs])
         pmap = self.placements(r for r in recs if r)

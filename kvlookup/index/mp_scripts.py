@@ -114,34 +114,6 @@ local function reindex(kid, before, after)
     end
   end
 end
--- a key page (keys.mp_page_key) holds ``<slot>`` -> ref, or ``<first slot>:<width>`` -> a run of refs
--- of that width, concatenated, the ref of a dropped key overwritten by '~'s
-local function run_of(all, slot)  -- the run holding slot: field, value, offset of its ref, width
-  for j = 1, #all, 2 do
-    local s, w = string.match(all[j], '^(%d+):(%d+)$')
-    if s then
-      s, w = tonumber(s), tonumber(w)
-      if slot >= s and slot < s + #all[j + 1] / w then return all[j], all[j + 1], (slot - s) * w, w end
-    end
-  end
-end
-local function page_ref(kid, cache)  -- the ref of key id kid, or nil
-  local pk, slot = pkey(kid), tonumber(kid) % PAGE
-  local all = cache[pk]
-  if not all then all = redis.call('HGETALL', pk); cache[pk] = all end
-  local single = fmt(slot)
-  for j = 1, #all, 2 do if all[j] == single then return all[j + 1] end end
-  local _, v, off, w = run_of(all, slot)
-  if v and string.sub(v, off + 1, off + 1) ~= '~' then return string.sub(v, off + 1, off + w) end
-end
-local function page_drop(kid)
-  local pk, slot = pkey(kid), tonumber(kid) % PAGE
-  if redis.call('HDEL', pk, fmt(slot)) == 1 then return end
-  local f, v, off, w = run_of(redis.call('HGETALL', pk), slot)
-  if not f then return end
-  v = string.sub(v, 1, off) .. string.rep('~', w) .. string.sub(v, off + w + 1)
-  if string.find(v, '[^~]') then redis.call('HSET', pk, f, v) else redis.call('HDEL', pk, f) end
-end
 local function sps_list()
   local s = redis.call('HGET', NAMES, 'sps') or ''
   local out = {}
@@ -152,7 +124,7 @@ end
 local function drop_key(bucket, field, kid)
   local tkey = ckey(bucket)
   redis.call('HDEL', tkey, field)
-  page_drop(kid)
+  redis.call('HDEL', pkey(kid), fmt(tonumber(kid) % PAGE))
   add('keys', -1)
   local chunk = string.match(field, '^(.*)%.%d+$')
   if redis.call('HEXISTS', tkey, chunk) == 1 then
@@ -164,12 +136,11 @@ local function drop_key(bucket, field, kid)
 end
 -- every L1 placement instance number ``iid`` reported goes (restart, departure, timeout)
 local function fence(iid)
-  local pages = {}  -- page key -> its fields and values, read once a fence
   for b = 0, L1B - 1 do
     local set = lkey(iid, fmt(b))
     local kids = redis.call('SMEMBERS', set)
     for _, kid in ipairs(kids) do
-      local ref = page_ref(kid, pages)
+      local ref = redis.call('HGET', pkey(kid), fmt(tonumber(kid) % PAGE))
       if ref then
         local bucket, field = string.sub(ref, 1, BH), string.sub(ref, BH + 1)
         local v = redis.call('HGET', ckey(bucket), field)
@@ -401,13 +372,7 @@ for _ = 1, nb do
       elseif etype == 'store' then  -- the fixed-width form of a store: new keys inline, the rest as one()
         if not kseq then kseq = tonumber(redis.call('HGET', STATS, 'kseq') or '0') end
         local vsfx, size, sub = sfx .. usize, tonumber(usize), string.sub
-        local lb, lt = -1, nil  -- the L1 bucket of the last new key, its buffer
-        local rpg, rs, rp, rn = -1, 0, 0, 0  -- the run of new refs gathered: page, first slot, offset in packed, count
-        local function run_done()
-          if rn > 0 then
-            later(pbuf, KPFX .. fmt(rpg), fmt(rs) .. ':' .. fmt(width), sub(packed, rp, rp + rn * width - 1))
-          end
-        end
+        local pg, pt, lb, lt = -1, nil, -1, nil  -- the page and L1 bucket of the last new key, their buffers
         local tp = 1  -- where the next entry's token binding starts in bindings
         for p = 1, #packed, width do
           local bucket = sub(packed, p, p + BH - 1)
@@ -421,8 +386,14 @@ for _ = 1, nb do
           if redis.call('HSETNX', bkey, field, (kseq + 1) .. vsfx) == 1 then
             kseq = kseq + 1
             local g = math.floor(kseq / PAGE)
-            if g == rpg and p == rp + rn * width then rn = rn + 1
-            else run_done(); rpg, rs, rp, rn = g, kseq % PAGE, p, 1 end
+            if g ~= pg then
+              pg = g
+              local pk = KPFX .. fmt(g)
+              pt = pbuf[pk]
+              if not pt then pt = {}; pbuf[pk] = pt end
+            end
+            pt[#pt + 1] = kseq % PAGE
+            pt[#pt + 1] = sub(packed, p, p + width - 1)
             if is_l1 then
               local b = math.floor(kseq / L1RUN) % L1B
               if b ~= lb then
@@ -440,7 +411,6 @@ for _ = 1, nb do
             one(sub(packed, p, p + width - 1), usize, tokens)
           end
         end
-        run_done()
       else
         for p = 1, #packed, width do one(string.sub(packed, p, p + width - 1), usize, '') end
       end

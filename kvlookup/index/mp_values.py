@@ -80,23 +80,6 @@ def parse_record(value: str) -> Record:
     return Record(int(kid), int(acc), [(tb, ep, int(sz)) for tb, ep, sz in (p.split(",") for p in rest)])
 
 
-def page_refs(page: int, fields: dict[str, str], page_size: int) -> list[tuple[int, str]]:
-    """The (key id, ref) pairs of one key page's fields (``keys.mp_page_key``), in key id order:
-    a field ``<slot>`` holds one ref; ``<first slot>:<width>`` a run of refs of that width,
-    concatenated, the ref of a dropped key overwritten by ``~``."""
-    out = []
-    base = page * page_size
-    for f, v in fields.items():
-        slot, _, width = f.partition(":")
-        if not width:
-            out.append((base + int(slot), v))
-            continue
-        w, first = int(width), base + int(slot)
-        out += [(first + i, v[o:o + w]) for i, o in enumerate(range(0, len(v), w)) if v[o] != "~"]
-    out.sort()
-    return out
-
-
 def fingerprint(window: bytes) -> str:
     """The blend index's fingerprint of one chunk's tokens (little-endian uint32 bytes)."""
     return blake3(window).digest(8).hex()

@@ -347,12 +347,12 @@ def test_fixed_width_entries_apply_as_the_general_form(r, monkeypatch):
 
 
 def test_key_pages_go_with_their_last_key(d, r):
-    """A run of refs in a key page loses a dropped key's ref and goes with the last one: after
-    every key is deleted no page is left (keys.mp_page_key)."""
+    """A key page holds one field a key and goes with its last one: after every key is deleted no
+    page is left (keys.mp_page_key)."""
     hashes = [i.to_bytes(2, "big").hex() * 16 for i in range(300)]
     post(d, batch(1, entries=[entry(hashes[0])]))
-    post(d, batch(2, entries=[entry(h) for h in hashes]))  # fixed-width: runs of refs across pages 0-2
-    assert r.hgetall(K.mp_page_key(1)) == {"0:48": "".join(f"{h[:3]}{chunk_b64(h)}.1" for h in hashes[127:255])}
+    post(d, batch(2, entries=[entry(h) for h in hashes]))  # the fixed-width form: pages 0-2
+    assert r.hgetall(K.mp_page_key(1)) == {str(i): f"{h[:3]}{chunk_b64(h)}.1" for i, h in enumerate(hashes[127:255])}
     post(d, batch(3, etype="delete", entries=[entry(h) for h in hashes[128:200]]))
     assert d.list_keys(limit=1000)["total"] == 228
     post(d, batch(4, etype="delete", entries=[entry(h) for h in hashes]))
