@@ -292,7 +292,7 @@ def test_reads_in_slices_answer_as_one(d, monkeypatch):
 
 
 def _traffic(d: MPDirectory) -> list[dict]:
-    """Batches that reach every branch of MP_APPLY's entry loop (new keys in runs across key pages,
+    """Batches that reach every branch of MP_APPLY's entry loop (new keys across key pages,
     broken by known keys, a key twice in one batch, another instance's and a shared placement on a
     key, access, delete, a restart that fences L1, a departure), answered in order; then
     everything the directory shows of them."""
