@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from kvlookup.index import keys
 from kvlookup.index.copies import Digests
 from kvlookup.index.io import raise_errors
-from kvlookup.index.keys import CHUNK_DIGEST_MEMBER, SEP
+from kvlookup.index.keys import CHUNK_DIGEST_MEMBER
 from kvlookup.index.records import Chain, Liveness, Match, Matches, walk_registry_keys
-from kvlookup.index.walk import ChainWalk, Holder
+from kvlookup.index.walk import ChainWalk, Holder, resolved
 
 #: Chunks of each chain read in a lookup's first round; later rounds read 8x the previous.
 FIRST_STAGE = 128
@@ -39,13 +39,17 @@ class HolderCache:
 
     A holder that does not count (retired, unknown) stays so until the version moves; one that
     counts does until its ``until`` (its lease's expiry, or its last heartbeat + the worker TTL):
-    after that it is asked again (the lease was probably renewed). So a lookup whose holders are
-    all known needs no RESOLVE, and its answer is the one a RESOLVE would give.
+    after that it is asked again (the lease was probably renewed), unless RESOLVE said its lease
+    had lapsed already on Redis server time (``lapsed``): a lease write that revives a lapsed
+    lease moves the version (scripts._REVIVE), so until then it stays out without asking (a
+    prompt held by a dead fleet costs no RESOLVE a lookup). So a lookup whose holders are all
+    known needs no RESOLVE, and its answer is the one a RESOLVE would give.
     """
 
     def __init__(self):
         self.version: str | None = None
-        self.entries: dict[str, tuple[Holder | None, float]] = {}
+        #: holder id -> (holder or None, until, lapsed): :func:`kvlookup.index.walk.resolved`
+        self.entries: dict[str, tuple[Holder | None, float, bool]] = {}
         #: walk answers of :class:`StagedLookup` (memo=True), valid while no entry changes:
         #: key -> (answer, earliest ``until`` of its holders, the member lists it was walked over)
         self.memo: dict[tuple, tuple[Matches, float, list]] = {}
@@ -73,10 +77,12 @@ class HolderCache:
         entry = self.entries.get(hid)
         if entry is None:
             return False, None
-        holder, until = entry
+        holder, until, lapsed = entry
         if holder is None:
             return True, None
-        return (True, holder) if until >= now_ms else (False, None)
+        if until >= now_ms:
+            return True, holder
+        return (True, None) if lapsed else (False, None)
 
     def put(self, version: str, hids: Sequence[str], texts: Sequence[str]) -> None:
         """RESOLVE's answers. Kept walk answers stay when no holder's answer changed (only its
@@ -84,11 +90,10 @@ class HolderCache:
         self.at(version)
         changed = False
         for hid, text in zip(hids, texts, strict=True):
-            holder = Holder.parse(text.rpartition(SEP)[0]) if text else None
-            until = float(text.rpartition(SEP)[2]) if text else float("inf")
+            entry = resolved(text)
             old = self.entries.get(hid)
-            changed = changed or old is None or old[0] != holder
-            self.entries[hid] = (holder, until)
+            changed = changed or old is None or old[0] != entry[0] or old[2] != entry[2]
+            self.entries[hid] = entry
         if changed:
             self._changed()
 
