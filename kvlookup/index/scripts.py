@@ -34,6 +34,12 @@ from kvlookup.index.keys import CHUNK_DIGEST_MEMBER, DEPARTURES_KEEP_MS, DEPARTU
 #: on another host) without a revival going unseen.
 LAPSED_SLACK_MS = 1000
 
+#: A lease renewed with less than this left (ms) counts as revived (moves the registry version):
+#: a reader's estimate of Redis server time (kvlookup.index.clock.ServerClock) may run ahead by
+#: up to this, and a kept answer leaves out a holder whose ``until`` it saw passed. Renewals run
+#: with 2/3 of the lease left (every ``min(1, TTL/3)`` s), so a lease of 1.5 s or more never moves it.
+REVIVE_AHEAD_MS = 500
+
 #: Codes shared by the registry scripts.
 NOT_REGISTERED = -1
 RETRY = -2
@@ -61,17 +67,19 @@ end
 # version: RESOLVE marks a holder whose lease lapsed on server time (``lapsed``), and readers
 # keep that answer while the version stays (kvlookup.index.staged.HolderCache), so a dead
 # fleet's prompt costs no RESOLVE per lookup and a renewed lease counts at the next lookup.
-# revived(alive, insts, now): does any of ``insts`` have no lease, or one before ``now``?
+# revived(alive, insts, now): does any of ``insts`` have no lease, or one that expires before
+# ``now`` + REVIVE_AHEAD_MS (a reader's estimate of server time may run that far ahead, and it
+# keeps out a holder whose ``until`` it sees passed)?
 _REVIVE = _BUMP + """
 local function revived(alive_key, insts, now)
   if #insts == 0 then return false end
   local old = redis.call('ZMSCORE', alive_key, unpack(insts))
   for i = 1, #insts do
-    if not old[i] or tonumber(old[i]) < now then return true end
+    if not old[i] or tonumber(old[i]) < now + AHEAD then return true end
   end
   return false
 end
-"""
+""".replace("AHEAD", str(REVIVE_AHEAD_MS))
 
 # Retire a worker's holders (all locations, or one field): marked dead at once (lookups skip
 # them, scored by retire time) and purged later in bounded steps. bump(): see _BUMP.

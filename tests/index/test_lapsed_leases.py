@@ -116,3 +116,19 @@ def test_a_lease_that_lapses_while_kept_is_asked_once(store, r):
     assert _resolves(r, store, before) == 0
     short.renew("sc-short")
     assert _held(client) == set(DEAD[:6])
+
+
+def test_a_kept_out_lapsed_holder_counts_for_a_lookup_judged_earlier(store, r):
+    """Liveness judged as of an earlier time (kvlookup.index.clock: frozen while Redis refuses
+    writes) counts a holder whose lease had not lapsed then, though its lapsed answer is kept."""
+    _fleet(store, LIVE[:2], "sc-live")
+    _fleet(store, DEAD[:3], "sc-dead")
+    now = store.clock.now_ms()
+    r.zadd(keys.alive_key(), dict.fromkeys(DEAD[:3], now - 10_000))  # lapsed 10 s ago
+
+    def held(at_ms: int) -> set[str]:
+        return {m.instance_id for m in store.lookup(Client(store=store).chains(TOKENS), now_ms=at_ms)}
+
+    assert held(now) == held(now) == set(LIVE[:2])  # kept: lapsed, not asked again
+    assert held(now - 20_000) == set(LIVE[:2]) | set(DEAD[:3])
+    assert held(now) == set(LIVE[:2])
