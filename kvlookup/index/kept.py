@@ -1,4 +1,5 @@
-"""Whole lookups kept while nothing they read changed (cached reads only, kvlookup.index.tracking).
+"""Whole lookups kept while nothing they read changed (cached reads only: kvlookup.index.tracking on one
+server, kvlookup.index.cluster_cache on a cluster).
 
 A lookup of a long prompt reads its chains in stages (kvlookup.index.staged), so the walk memo
 there (one-round lookups only) does not apply to it, and reading 2,000 chunk copies and walking
@@ -24,10 +25,25 @@ dead fleet whose records are not purged yet, its leases lapsed: kvlookup.index.s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from kvlookup.index.records import Chain, Liveness, Matches
 from kvlookup.index.staged import MEMO_MAX, Execute, HolderCache, StagedLookup
-from kvlookup.index.tracking import CACHED, CachedReads
+from kvlookup.index.tracking import CACHED
+
+
+class TrackedReads(Protocol):
+    """Cached reads that can tell what changed: kvlookup.index.tracking.CachedReads (one server)
+    or kvlookup.index.cluster_cache.ClusterCachedReads (every master)."""
+
+    def since(self) -> tuple[Any, int]:
+        """A mark taken before reads; its [1] moves whenever a read went untracked."""
+
+    def unchanged(self, names: Sequence[str], mark: Any) -> bool:
+        """No key of ``names`` (read after ``mark``) known to have changed since."""
+
+    def execute(self, commands: Sequence[tuple]) -> list:
+        """Results of ``commands``, from copies where kept."""
 
 
 class KeptLookups:
@@ -35,9 +51,9 @@ class KeptLookups:
     :data:`kvlookup.index.staged.MEMO_MAX` answers and ``max_keys`` key names in all (all
     dropped when either is full). Thread- and greenlet-safe (dict operations only)."""
 
-    def __init__(self, cached: CachedReads, holders: HolderCache, max_keys: int):
+    def __init__(self, cached: TrackedReads, holders: HolderCache, max_keys: int):
         self.cached, self.holders, self.max_keys = cached, holders, max_keys
-        self.entries: dict[tuple, tuple[Matches, list[str], tuple[int, int], tuple[float, float], int]] = {}
+        self.entries: dict[tuple, tuple[Matches, list[str], Any, tuple[float, float], int]] = {}
         self.names = 0
 
     def lookup(self, chains: Sequence[Chain], live: Liveness, walk: Callable[[Execute], StagedLookup]) -> Matches:
@@ -64,7 +80,7 @@ class KeptLookups:
             self._keep(key, out, read, mark, staged.kept_window or self.holders.window(staged.holders), gen)
         return out
 
-    def _keep(self, key: tuple, out: Matches, read: list[str], mark: tuple[int, int], window: tuple[float, float],
+    def _keep(self, key: tuple, out: Matches, read: list[str], mark: Any, window: tuple[float, float],
               gen: int) -> None:
         if len(self.entries) >= MEMO_MAX or self.names + len(read) > self.max_keys:
             self.entries.clear()
