@@ -13,9 +13,11 @@ value). If the invalidation connection breaks (Redis restarted, the connection d
 lagging), every copy goes and reads go to Redis, on connections without tracking, until it is
 back: a lookup never fails for want of the cache. Redis keeps what a connection read only while
 that connection lives: when it closes a tracked connection (``timeout``, ``CLIENT KILL``, an
-output buffer limit) the keys it read are no longer watched. So each call also looks, in one
-``select``, whether an idle tracked connection was closed, and every (re)connection of a
-tracked connection drops every copy too. A hung or partitioned server closes nothing: copies are
+output buffer limit) the keys it read are no longer watched. So each call looks, in one
+``select`` (for a cluster, one for every master: :meth:`CachedReads.watched`), whether an idle
+tracked connection was closed and whether the invalidation connection has something to read (it
+is read only then, or after a fence), and every (re)connection of a tracked connection drops
+every copy too. A hung or partitioned server closes nothing: copies are
 trusted only while the invalidation connection answered a PING within :data:`LISTENER_TRUST_S`
 (a cluster master frozen and failed over would otherwise keep answering from its copies).
 
