@@ -28,10 +28,16 @@ the lease renewer paused during each block so its ``TOUCH`` calls are not counte
 leases=True (the default, as a deployment): every instance has a 30 s liveness lease that a
 thread of this process renews every second (as a sidecar does; its calls land on both prompts
 alike) and lookups check it; it is paused only during each Redis block (far shorter than a
-lease). A lapsed lease is not what this measures: a holder whose lease has lapsed costs a
-RESOLVE on every lookup (docs/benchmarks-notes.md, "Holder fan-out"). http: also each point over HTTP at
+lease). lapsed=True (the default) adds one point more: a prompt held by the largest holder count
+of instances whose leases have **all lapsed** (a dead fleet whose records are not purged yet:
+owned by a sidecar that stopped, leases of 1 s left to run out before the point) against the
+8-holder live prompt; it matches nothing, and since RESOLVE marks a lapsed lease and a revival
+moves the registry version (kvlookup.index.staged.HolderCache) it should cost what the live
+prompt does, with no RESOLVE per lookup. http: also each point over HTTP at
 concurrency 1 (``kvlookup controller``, gunicorn uvicorn:2, its defaults), the two prompts
-interleaved per request on one keep-alive connection.
+interleaved per request on one keep-alive connection; the controller checks the same leases
+(``--instance-ttl``; before 2026-12-02 19:00 the HTTP column ran with ``--instance-ttl 0``, leases
+not checked).
 """
 
 from __future__ import annotations
@@ -157,10 +163,10 @@ def redis_per_lookup(client: Client, r, prompts: dict[str, list[int]], seconds: 
 
 
 def run(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds: float = 2.0, rounds: int = 1,
-        leases: bool = True, http: bool = True, with_cluster: bool = True) -> dict:
+        leases: bool = True, http: bool = True, with_cluster: bool = True, lapsed: bool = True) -> dict:
     ttl = 30.0 if leases else 0.0
     out: dict = {"seconds_per_point": seconds, "rounds": rounds, "ref_holders": REF_HOLDERS, "leases": leases,
-                 "interleaved": "per request", "points": []}
+                 "interleaved": "per request", "points": [], "lapsed_point": lapsed and leases}
     cluster = None
     renewer = None
     with Procs() as procs:
@@ -180,9 +186,11 @@ def run(lengths=(1024, 32768), holder_counts=(1, 8, 64, 512, 1024), seconds: flo
         out["modes"] = list(clients)
         if leases:
             renewer = Renewer([Store(connect(u, cluster=k), instance_ttl_s=ttl) for _c, u, k in backends.values()])
-        base = procs.start_controller(url) if http else None
+        # the controller checks the same leases (start_controller's default is --instance-ttl 0)
+        base = procs.start_controller(url, extra=("--instance-ttl", str(ttl))) if http else None
         try:
-            _points(out, stores, clients, lengths, holder_counts, seconds, rounds, renewer, base, procs)
+            _points(out, stores, clients, lengths, holder_counts, seconds, rounds, renewer, base,
+                    lapsed and leases)
         finally:
             if renewer is not None:
                 renewer.stop.set()
@@ -200,18 +208,41 @@ def _fleet(stores, renewer, tokens: list[int], names: list[str]) -> None:
                 store.own("bench-sidecar", inst)
 
 
-def _points(out, stores, clients, lengths, holder_counts, seconds, rounds, renewer, base, procs) -> None:
+#: The lease a lapsed point's fleet is given (s): run out before that point is timed.
+LAPSED_TTL_S = 1.0
+
+
+def _dead_fleet(stores, tokens: list[int], names: list[str]) -> None:
+    """``names`` hold ``tokens``, owned by a sidecar that never renews ("bench-gone"), their
+    leases :data:`LAPSED_TTL_S` long; returns once every lease has lapsed on the server's clock
+    by more than RESOLVE's slack (scripts.LAPSED_SLACK_MS)."""
+    from kvlookup.index.scripts import LAPSED_SLACK_MS
+
+    for store in stores.values():
+        hold(store, tokens, names)
+        short = Store(store.r, instance_ttl_s=LAPSED_TTL_S)
+        for inst in names:
+            short.own("bench-gone", inst)
+    time.sleep(LAPSED_TTL_S + LAPSED_SLACK_MS / 1000 + 0.5)
+
+
+def _points(out, stores, clients, lengths, holder_counts, seconds, rounds, renewer, base, lapsed) -> None:
     """The reference prompt held by REF_HOLDERS instances; each holder count N its own prompt
-    held by N instances; each point the two timed interleaved."""
+    held by N instances; each point the two timed interleaved; lapsed: then a prompt held by
+    max(holder_counts) instances whose leases lapsed."""
     top = max(lengths)
     ref = prompt(top, 7)
     _fleet(stores, renewer, ref, [f"ref-{i}" for i in range(REF_HOLDERS)])
-    for n in sorted(holder_counts):
-        held = prompt(top, 1000 + n)
-        _fleet(stores, renewer, held, [f"fleet-{i}" for i in range(n)])
+    points = [(n, False) for n in sorted(holder_counts)] + ([(max(holder_counts), True)] if lapsed else [])
+    for n, dead in points:
+        held = prompt(top, (5000 if dead else 1000) + n)
+        if dead:
+            _dead_fleet(stores, held, [f"gone-{i}" for i in range(n)])
+        else:
+            _fleet(stores, renewer, held, [f"fleet-{i}" for i in range(n)])
         for length in lengths:
             prompts = {"ref": ref[:length], "n": held[:length]}
-            row: dict = {"tokens": length, "holders": n, "ref_holders": REF_HOLDERS}
+            row: dict = {"tokens": length, "holders": n, "ref_holders": REF_HOLDERS, "lapsed": dead}
             modes = list(clients)
             acc: dict = {m: {} for m in modes}
             for i in range(rounds):  # the modes in turn, in alternating order
@@ -227,7 +258,7 @@ def _points(out, stores, clients, lengths, holder_counts, seconds, rounds, renew
                 row[m]["p99_ratio"] = round(row[m]["n"]["p99_ms"] / row[m]["ref"]["p99_ms"], 2)
             if base:
                 row["http_c1"] = _http(base, prompts, seconds, rounds)
-            progress.note(f"  {length} tokens, {n} vs {REF_HOLDERS} holders: " + " | ".join(
+            progress.note(f"  {length} tokens, {n}{' lapsed' if dead else ''} vs {REF_HOLDERS} holders: " + " | ".join(
                 f"{m} p50 {row[m]['n']['p50_ms']}/{row[m]['ref']['p50_ms']} ms ({row[m]['p50_ratio']}x) "
                 f"p99 {row[m]['n']['p99_ms']}/{row[m]['ref']['p99_ms']} ({row[m]['p99_ratio']}x) "
                 f"cpu {row[m]['n']['cpu_ms_per_lookup']} redis {row[m]['n']['redis_ms_per_lookup']} ms"

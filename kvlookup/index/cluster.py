@@ -23,6 +23,7 @@ from kvlookup.index.cluster_cache import ClusterCachedReads
 from kvlookup.index.cluster_io import ClusterIO
 from kvlookup.index.copies import Digests
 from kvlookup.index.io import purge_step, raise_errors
+from kvlookup.index.kept import KeptLookups
 from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches
 from kvlookup.index.staged import HolderCache, StagedLookup
 from kvlookup.index.tracking import UNTRACKED
@@ -52,6 +53,7 @@ class ClusterRecords:
         self.cached: ClusterCachedReads | None = None
         if cache_reads:
             self.cached = ClusterCachedReads(self.io, max_keys=cache_keys, fence=cache_reads == "fenced")
+            self.kept = KeptLookups(self.cached, self.cache, cache_keys)
         self.marked: set[tuple[str, int]] = set()  # (holder id, bucket) its bucket set names
 
     # -- writes ------------------------------------------------------------------------------
@@ -110,7 +112,8 @@ class ClusterRecords:
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         if self.cached is not None and not UNTRACKED.get():  # UNTRACKED: a first miss (kvlookup.index.single)
-            return StagedLookup(self.cached.execute, self.resolve_sha, self.cache, chains, live, memo=True).run()
+            return self.kept.lookup(chains, live, lambda execute: StagedLookup(
+                execute, self.resolve_sha, self.cache, chains, live, memo=True))
         return StagedLookup(self.io.execute, self.resolve_sha, self.cache, chains, live, memo=True,
                             digests=self.digests).run()
 

@@ -26,6 +26,7 @@ seen. ``lookup_cache_keys`` bounds each master's copies.
 
 from __future__ import annotations
 
+import select
 import threading
 from collections import defaultdict
 from collections.abc import Sequence
@@ -56,6 +57,8 @@ class ClusterCachedReads:
         self._masters: dict[tuple[str, int], CachedReads] = {}
         self._shared: dict[tuple, tuple] = {}
         self._slot: dict[str, int] = {}  # key -> its slot (a pure function of the key)
+        self._map: list | None = None  # the slot map the masters were last pruned by
+        self._plain = 0  # cacheable reads sent through ClusterIO (untracked)
         self._lock = threading.Lock()
 
     def register(self, script: str) -> str:
@@ -77,6 +80,30 @@ class ClusterCachedReads:
                 out[k] += v
         return dict(out)
 
+    # -- what changed since (kvlookup.index.kept: whole lookups kept, as on one server) ------
+
+    def since(self) -> tuple[tuple, int]:
+        """A mark for :meth:`unchanged`, taken before the reads it covers: (the slot map and each
+        master's CachedReads mark, reads sent untracked so far); its [1] moves whenever a
+        cacheable read went untracked (as CachedReads.since)."""
+        masters = tuple((addr, reads, reads.since()) for addr, reads in list(self._masters.items()))
+        return (self.io.slot_map(), masters, self._plain), self._plain + sum(m[2][1] for m in masters)
+
+    def unchanged(self, names: Sequence[str], mark: tuple[tuple, int]) -> bool:
+        """Is no key of ``names`` (each read through :meth:`execute` after ``mark``) known to have
+        changed since? Every master asks its CachedReads.unchanged (one ``select`` for all of
+        them; a master's invalidations name only its own keys, so each is given every name);
+        False, never a wrong True, when the slot map changed, a master was added, a read went
+        untracked, or any master says so."""
+        (slots, masters, plain), _total = mark
+        if slots is not self.io.slot_map() or self._plain != plain or len(self._masters) != len(masters):
+            return False
+        readable = _readable([sock for _addr, reads, _m in masters for sock in reads.watched()])
+        for _addr, reads, m in masters:
+            if not reads.unchanged(names, m, readable):
+                return False
+        return True
+
     def execute(self, commands: Sequence[tuple]) -> list:
         """Results of ``commands`` in order (errors as ClusterIO.execute). Under LOCAL_ONLY it
         raises NeedsRedis before sending anything when a command needs a round trip."""
@@ -97,14 +124,20 @@ class ClusterCachedReads:
                 rest.append(i)
         if rest and local:
             raise NeedsRedis()
+        if slots is not self._map:
+            self._drop_gone(slots)
         out: list = [None] * len(commands)
+        masters = []
         for addr, idx in groups.items():
             reads = self._master(addr) if addr[0] else None
             if reads is None:
                 rest += idx
-                continue
+            else:
+                masters.append((reads, idx))
+        readable = _readable([sock for reads, _idx in masters for sock in reads.watched()])
+        for reads, idx in masters:
             try:
-                got = reads.execute([commands[i] for i in idx])
+                got = reads.execute([commands[i] for i in idx], readable)
             except (RedisError, OSError):  # the master is gone: ClusterIO retries and refreshes
                 if local:
                     raise NeedsRedis() from None
@@ -119,9 +152,22 @@ class ClusterCachedReads:
             if local:
                 raise NeedsRedis()
             rest.sort()
+            if any(cacheable(commands[i]) for i in rest):
+                self._plain += 1  # untracked: no invalidation will tell of it (since/unchanged)
             for i, res in zip(rest, self.io.execute([commands[i] for i in rest]), strict=True):
                 out[i] = res
         return out
+
+    def _drop_gone(self, slots: list[tuple[str, int]]) -> None:
+        """A new slot map: forget (and disconnect) the copies of masters that serve no slot now
+        (failed over, removed), so they hold no connection and are not asked :meth:`local_now`."""
+        with self._lock:
+            if slots is self._map:
+                return
+            serving = set(slots)
+            for addr in [a for a in self._masters if a not in serving]:
+                self._masters.pop(addr).close()
+            self._map = slots
 
     def _master(self, addr: tuple[str, int]) -> CachedReads | None:
         reads = self._masters.get(addr)
@@ -136,3 +182,15 @@ class ClusterCachedReads:
                     reads = self._masters[addr] = CachedReads(node, max_keys=self.max_keys, fence=self.fence,
                                                               shared=self._shared)
         return reads
+
+
+def _readable(socks: list) -> set:
+    """The sockets of ``socks`` readable now: one ``select`` for every master a lookup reads
+    (each master's CachedReads then reads only an invalidation connection that has something,
+    instead of one ``select`` and one poll a master: issue 18, the cluster's fixed cost)."""
+    if not socks:
+        return set()
+    try:
+        return set(select.select(socks, [], [], 0)[0])
+    except (OSError, ValueError):  # a socket closed under us: each master looks at its own
+        return set(socks)

@@ -28,7 +28,7 @@ from kvlookup.hashing.namespace import DEFAULT, Namespace
 from kvlookup.index import keys, scripts, staleness
 from kvlookup.index.io import raise_errors
 from kvlookup.index.records import Chain, walk_registry_keys
-from kvlookup.index.walk import ChainWalk, Holder
+from kvlookup.index.walk import ChainWalk, Holder, resolved
 
 log = logging.getLogger(__name__)
 
@@ -251,8 +251,8 @@ class _State:
         res = res[1:] if hids else res
         self.resolved: dict[str, tuple[Holder | None, float]] = {}
         for hid, text in zip(hids, texts, strict=True):
-            holder = Holder.parse(text.rpartition(keys.SEP)[0]) if text else None
-            self.resolved[hid] = (holder, float(text.rpartition(keys.SEP)[2]) if text else 0.0)
+            holder, until, _lapsed = resolved(text)
+            self.resolved[hid] = (holder, until if text else 0.0)
         dead = res.pop(0) if hids else []
         alive = res.pop(0) if insts else []
         beats = res.pop(0) if members else []

@@ -29,18 +29,60 @@ from __future__ import annotations
 
 from kvlookup.index.keys import CHUNK_DIGEST_MEMBER, DEPARTURES_KEEP_MS, DEPARTURES_MAX, DIGEST_MOD
 
+#: A lease counts as lapsed for good (RESOLVE's ``lapsed``) only this long (ms) after its expiry
+#: on Redis server time: the margin a server clock may step back (NTP, a failover to a replica
+#: on another host) without a revival going unseen.
+LAPSED_SLACK_MS = 1000
+
+#: A lease renewed with less than this left (ms) counts as revived (moves the registry version):
+#: a reader's estimate of Redis server time (kvlookup.index.clock.ServerClock) may run ahead by
+#: up to this, and a kept answer leaves out a holder whose ``until`` it saw passed. Renewals run
+#: with 2/3 of the lease left (every ``min(1, TTL/3)`` s), so a lease of 1.5 s or more never moves it.
+REVIVE_AHEAD_MS = 500
+
 #: Codes shared by the registry scripts.
 NOT_REGISTERED = -1
 RETRY = -2
 LIVE = -3
 TOO_MANY_WORKERS = -4
 
+# bump() moves the registry version (keys.registry_version_key) to ``<run_id of this master>:<n + 1>``
+# (n starts at the server's time in microseconds when the key is missing): values never repeat,
+# even across a failover that lost the last bumps or a FLUSHALL that restarts holder ids, so a
+# reader that kept answers for one version can trust them while it reads the same value.
+_BUMP = """
+local function bump(version_key)
+  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+  local old = redis.call('GET', version_key)
+  local n = tonumber(old and string.match(old, ':(%d+)$') or '0') + 1
+  if not old then  -- a new or flushed index: a sequence of its own (server time, microseconds)
+    local t = redis.call('TIME')
+    n = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  end
+  redis.call('SET', version_key, run .. ':' .. string.format('%d', n))
+end
+"""
+
+# A lease write that revives a lapsed lease (or writes a missing one) moves the registry
+# version: RESOLVE marks a holder whose lease lapsed on server time (``lapsed``), and readers
+# keep that answer while the version stays (kvlookup.index.staged.HolderCache), so a dead
+# fleet's prompt costs no RESOLVE per lookup and a renewed lease counts at the next lookup.
+# revived(alive, insts, now): does any of ``insts`` have no lease, or one that expires before
+# ``now`` + REVIVE_AHEAD_MS (a reader's estimate of server time may run that far ahead, and it
+# keeps out a holder whose ``until`` it sees passed)?
+_REVIVE = _BUMP + """
+local function revived(alive_key, insts, now)
+  if #insts == 0 then return false end
+  local old = redis.call('ZMSCORE', alive_key, unpack(insts))
+  for i = 1, #insts do
+    if not old[i] or tonumber(old[i]) < now + AHEAD then return true end
+  end
+  return false
+end
+""".replace("AHEAD", str(REVIVE_AHEAD_MS))
+
 # Retire a worker's holders (all locations, or one field): marked dead at once (lookups skip
-# them, scored by retire time) and purged later in bounded steps. bump() moves the registry
-# version (keys.registry_version_key) to ``<run_id of this master>:<n + 1>`` (n starts at the
-# server's time in microseconds when the key is missing): values never repeat, even across a
-# failover that lost the last bumps or a FLUSHALL that restarts holder ids, so a reader that kept answers for one
-# version can trust them while it reads the same value.
+# them, scored by retire time) and purged later in bounded steps. bump(): see _BUMP.
 _RETIRE = """
 local function retire(worker_key, dead_key, now, only_field)
   local fields = redis.call('HGETALL', worker_key)
@@ -55,16 +97,7 @@ local function retire(worker_key, dead_key, now, only_field)
   end
   return n
 end
-local function bump(version_key)
-  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
-  local old = redis.call('GET', version_key)
-  local n = tonumber(old and string.match(old, ':(%d+)$') or '0') + 1
-  if not old then  -- a new or flushed index: a sequence of its own (server time, microseconds)
-    local t = redis.call('TIME')
-    n = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  end
-  redis.call('SET', version_key, run .. ':' .. string.format('%d', n))
-end
+""" + _BUMP + """
 local function rule_of(rules_key, inst)
   local v = redis.call('HGET', rules_key, inst)
   return v and string.match(v, '^([^\\t]*)') or 'all'
@@ -326,18 +359,22 @@ return foreign(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2], ARGV[3], AR
 #: writes for it (_FOREIGN: a live claimer, a live first owner unless shared, an MP registration).
 #: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] the previous owner's set the
 #: caller saw (KEYS[2] when none or the same), KEYS[4] alive, KEYS[5] claims, KEYS[6] sidecars,
-#: KEYS[7] MP-held; ARGV[1] instance_id, ARGV[2] sidecar id, ARGV[3] previous owner the caller
+#: KEYS[7] MP-held, KEYS[8] registry version (moved when the lease was lapsed or missing: _REVIVE);
+#: ARGV[1] instance_id, ARGV[2] sidecar id, ARGV[3] previous owner the caller
 #: saw ('' none), ARGV[4] lease lifetime (ms, from Redis server time), ARGV[5] shared ('1'/'0').
 #: Returns 1, RETRY, or the other writer ('claim:<id>', 'owner:<id>', 'mp').
-OWN = _CLOCK + _FOREIGN + """
+OWN = _CLOCK + _FOREIGN + _REVIVE + """
 local prev = redis.call('HGET', KEYS[1], ARGV[1]) or ''
 if prev ~= ARGV[3] then return -2 end
-local other = foreign(KEYS[5], KEYS[1], KEYS[6], KEYS[7], ARGV[1], ARGV[2], ARGV[5], '0', server_ms())
+local now = server_ms()
+local other = foreign(KEYS[5], KEYS[1], KEYS[6], KEYS[7], ARGV[1], ARGV[2], ARGV[5], '0', now)
 if other ~= '' then return other end
 if prev ~= '' and prev ~= ARGV[2] then redis.call('SREM', KEYS[3], ARGV[1]) end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[1])
-redis.call('ZADD', KEYS[4], server_ms() + tonumber(ARGV[4]), ARGV[1])
+local revive = revived(KEYS[4], {ARGV[1]}, now)
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), ARGV[1])
+if revive then bump(KEYS[8]) end
 return 1
 """
 
@@ -353,10 +390,11 @@ return redis.call('ZADD', KEYS[1], string.format('%d', server_ms() + tonumber(AR
 #: renews the sidecar's own lease and ticks the lease clock. Instances another sidecar took
 #: over leave this sidecar's set. Leases run from Redis server time.
 #: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] alive, KEYS[4] sidecars,
-#: KEYS[5] lease clock; ARGV[1] sidecar id, ARGV[2] instance lease lifetime, ARGV[3] sidecar
+#: KEYS[5] lease clock, KEYS[6] registry version (moved when a lease renewed was lapsed: _REVIVE);
+#: ARGV[1] sidecar id, ARGV[2] instance lease lifetime, ARGV[3] sidecar
 #: lease lifetime, ARGV[4] outage gap (ms), ARGV[5] SSCAN cursor ('0' to start), ARGV[6]
 #: instances per slice (SSCAN's COUNT). Returns {next cursor ('0' when done), instances renewed}.
-TOUCH = _CLOCK + """
+TOUCH = _CLOCK + _REVIVE + """
 local now
 if ARGV[5] == '0' then
   now = clock_tick(KEYS[5], tonumber(ARGV[4]))
@@ -367,18 +405,37 @@ end
 local expiry = string.format('%d', now + tonumber(ARGV[2]))
 local page = redis.call('SSCAN', KEYS[2], ARGV[5], 'COUNT', ARGV[6])
 local owners = #page[2] > 0 and redis.call('HMGET', KEYS[1], unpack(page[2])) or {}
-local renew, gone = {}, {}
+local renew, gone, mine = {}, {}, {}
 for i, inst in ipairs(page[2]) do
   if owners[i] == ARGV[1] then
     renew[#renew + 1] = expiry
     renew[#renew + 1] = inst
+    mine[#mine + 1] = inst
   else
     gone[#gone + 1] = inst
   end
 end
+local revive = revived(KEYS[3], mine, now)
 if #renew > 0 then redis.call('ZADD', KEYS[3], unpack(renew)) end
 if #gone > 0 then redis.call('SREM', KEYS[2], unpack(gone)) end
+if revive then bump(KEYS[6]) end
 return {page[1], #renew / 2}
+"""
+
+#: Renew instances' leases directly (no owning sidecar: Store.touch_instances). KEYS[1] alive,
+#: KEYS[2] registry version (moved when a lease renewed was lapsed or missing: _REVIVE);
+#: ARGV[1] the new expiry (unix ms), ARGV[2..] instance ids. Returns the number renewed.
+TOUCH_LEASES = _CLOCK + _REVIVE + """
+local insts = {unpack(ARGV, 2)}
+local revive = revived(KEYS[1], insts, server_ms())
+local pairs_ = {}
+for _, inst in ipairs(insts) do
+  pairs_[#pairs_ + 1] = ARGV[1]
+  pairs_[#pairs_ + 1] = inst
+end
+if #pairs_ > 0 then redis.call('ZADD', KEYS[1], unpack(pairs_)) end
+if revive then bump(KEYS[2]) end
+return #insts
 """
 
 #: Retire a holder id the registry does not describe: a write for it was refused because it is
@@ -441,18 +498,27 @@ end
 #: KEYS[1..5] as _RESOLVER, KEYS[6] registry version; ARGV[1..3] as _RESOLVER; ARGV[4..] holder ids.
 #: Returns the registry version, then one string per holder id: '' when it does not count
 #: while the version stays (retired, unknown, its instance has no workers), else
-#: ``<instance_id>\\t<worker_id or ''>\\t<rank>\\t<location>\\t<need>\\t<until>``: it counts
-#: until ``until`` (unix ms; its lease's expiry, or its last heartbeat + the worker TTL, the
-#: earlier; ``inf`` when neither applies), which may be past already.
+#: ``<instance_id>\\t<worker_id or ''>\\t<rank>\\t<location>\\t<need>\\t<until>\\t<lapsed>``: it
+#: counts until ``until`` (unix ms; its lease's expiry, or its last heartbeat + the worker TTL,
+#: the earlier; ``inf`` when neither applies), which may be past already. ``lapsed`` is '1' when
+#: its lease (checked) is missing or expired more than LAPSED_SLACK_MS ago on Redis server time:
+#: every lease write that revives such a lease moves the version (_REVIVE), so a reader keeps
+#: "not counting after ``until``" for it while the version stays; else '0' (a heartbeat
+#: that lapses is asked again: its writer does not know the readers' worker TTL).
 RESOLVE = _RESOLVER + """
+local clock = redis.call('TIME')
+local lapse_before = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) - SLACK
 local function until_ms(inst, member)
-  local t = math.huge
-  if check_alive then t = tonumber(redis.call('ZSCORE', KEYS[4], inst) or '-1') end
+  local t, lapsed = math.huge, '0'
+  if check_alive then
+    t = tonumber(redis.call('ZSCORE', KEYS[4], inst) or '-1')
+    if t < lapse_before then lapsed = '1' end
+  end
   if wttl > 0 then
     local hb = redis.call('ZSCORE', KEYS[5], member)
     if hb then t = math.min(t, tonumber(hb) + wttl) end
   end
-  return t == math.huge and 'inf' or string.format('%d', t)
+  return (t == math.huge and 'inf' or string.format('%d', t)) .. '\\t' .. lapsed
 end
 local out = {redis.call('GET', KEYS[6]) or '0'}
 for i = 4, #ARGV do
@@ -469,7 +535,7 @@ for i = 4, #ARGV do
   out[#out + 1] = s
 end
 return out
-"""
+""".replace("SLACK", str(LAPSED_SLACK_MS))
 
 # A chunk set's digest member (keys.CHUNK_DIGEST_MEMBER), kept after every change of its holders:
 # hdig(hid) is keys.holder_digest; redigest(key, hd, sign) after holder hd joined (1) or left (-1)

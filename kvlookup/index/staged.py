@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from kvlookup.index import keys
 from kvlookup.index.copies import Digests
 from kvlookup.index.io import raise_errors
-from kvlookup.index.keys import CHUNK_DIGEST_MEMBER, SEP
+from kvlookup.index.keys import CHUNK_DIGEST_MEMBER
 from kvlookup.index.records import Chain, Liveness, Match, Matches, walk_registry_keys
-from kvlookup.index.walk import ChainWalk, Holder
+from kvlookup.index.walk import ChainWalk, Holder, resolved
 
 #: Chunks of each chain read in a lookup's first round; later rounds read 8x the previous.
 FIRST_STAGE = 128
@@ -39,16 +39,20 @@ class HolderCache:
 
     A holder that does not count (retired, unknown) stays so until the version moves; one that
     counts does until its ``until`` (its lease's expiry, or its last heartbeat + the worker TTL):
-    after that it is asked again (the lease was probably renewed). So a lookup whose holders are
-    all known needs no RESOLVE, and its answer is the one a RESOLVE would give.
+    after that it is asked again (the lease was probably renewed), unless RESOLVE said its lease
+    had lapsed already on Redis server time (``lapsed``): a lease write that revives a lapsed
+    lease moves the version (scripts._REVIVE), so until then it stays out without asking (a
+    prompt held by a dead fleet costs no RESOLVE a lookup). So a lookup whose holders are all
+    known needs no RESOLVE, and its answer is the one a RESOLVE would give.
     """
 
     def __init__(self):
         self.version: str | None = None
-        self.entries: dict[str, tuple[Holder | None, float]] = {}
+        #: holder id -> (holder or None, until, lapsed): :func:`kvlookup.index.walk.resolved`
+        self.entries: dict[str, tuple[Holder | None, float, bool]] = {}
         #: walk answers of :class:`StagedLookup` (memo=True), valid while no entry changes:
-        #: key -> (answer, earliest ``until`` of its holders, the member lists it was walked over)
-        self.memo: dict[tuple, tuple[Matches, float, list]] = {}
+        #: key -> (answer, its :meth:`window`, the member lists it was walked over)
+        self.memo: dict[tuple, tuple[Matches, tuple[float, float], list]] = {}
         self.gen = 0  # moves whenever an entry (or the version) changes
 
     def _changed(self) -> None:
@@ -73,10 +77,31 @@ class HolderCache:
         entry = self.entries.get(hid)
         if entry is None:
             return False, None
-        holder, until = entry
+        holder, until, lapsed = entry
         if holder is None:
             return True, None
-        return (True, holder) if until >= now_ms else (False, None)
+        if until >= now_ms:
+            return True, holder
+        return (True, None) if lapsed else (False, None)
+
+    def window(self, holders: dict[str, Holder | None]) -> tuple[float, float]:
+        """(after, until): the lookup times (unix ms) at which an answer walked over ``holders``
+        (a lookup's view: id -> Holder, or None where it did not count) is still the one a new
+        walk gives: ``after < now <= until``. until: the earliest ``until`` of those that counted;
+        after: the latest ``until`` of those left out only because it had passed (a lapsed
+        lease, kept out without asking): at an earlier ``now`` (a clock frozen while Redis
+        refuses writes, kvlookup.index.clock) they would count."""
+        after, until = float("-inf"), float("inf")
+        entries = self.entries
+        for hid, holder in holders.items():
+            entry = entries.get(hid)
+            if entry is None or entry[0] is None:
+                continue
+            if holder is not None:
+                until = min(until, entry[1])
+            else:
+                after = max(after, entry[1])
+        return after, until
 
     def put(self, version: str, hids: Sequence[str], texts: Sequence[str]) -> None:
         """RESOLVE's answers. Kept walk answers stay when no holder's answer changed (only its
@@ -84,11 +109,10 @@ class HolderCache:
         self.at(version)
         changed = False
         for hid, text in zip(hids, texts, strict=True):
-            holder = Holder.parse(text.rpartition(SEP)[0]) if text else None
-            until = float(text.rpartition(SEP)[2]) if text else float("inf")
+            entry = resolved(text)
             old = self.entries.get(hid)
-            changed = changed or old is None or old[0] != holder
-            self.entries[hid] = (holder, until)
+            changed = changed or old is None or old[0] != entry[0] or old[2] != entry[2]
+            self.entries[hid] = entry
         if changed:
             self._changed()
 
@@ -122,8 +146,8 @@ class StagedLookup:
         self.read_upto = [0] * len(chains)  # chunks read per chain
         self.unfed: list[list] = [[] for _ in chains]  # member lists read, not walked yet
         self.stage = [FIRST_STAGE] * len(chains)
-        #: set when :meth:`run` answered from the memo: the earliest ``until`` of that answer's holders
-        self.kept_until: float | None = None
+        #: set when :meth:`run` answered from the memo: that answer's HolderCache.window
+        self.kept_window: tuple[float, float] | None = None
 
     def run(self) -> Matches:
         new_hids: list[str] = []
@@ -163,8 +187,8 @@ class StagedLookup:
                 if self.memo:
                     memo = self._memo_key(reads, res, cache.gen)
                     hit = cache.memo.get(memo[0]) if memo is not None else None
-                    if hit is not None and hit[1] >= self.live.now_ms:
-                        self.kept_until = hit[1]
+                    if hit is not None and hit[1][0] < self.live.now_ms <= hit[1][1]:
+                        self.kept_window = hit[1]
                         return hit[0]
             first = False
             self._feed()  # what the previous round read is resolved now
@@ -253,17 +277,15 @@ class StagedLookup:
         return tuple(key), objs, gen
 
     def _remember(self, out: Matches, key: tuple, objs: list, gen: int) -> None:
-        """Keep a one-round answer, valid until the first ``until`` of its counting holders."""
+        """Keep a one-round answer, valid in its :meth:`HolderCache.window`."""
         cache = self.cache
-        entries = cache.entries
-        until = min((entries[h][1] for h, holder in self.holders.items() if holder is not None and h in entries),
-                    default=float("inf"))
+        window = cache.window(self.holders)
         if cache.gen != gen:
             return  # another lookup changed the cache meanwhile: what this one saw may be gone
         if len(cache.memo) >= MEMO_MAX:
             cache.memo.clear()
         out.kept = True  # shared by every lookup that gets it: never changed (kvlookup.client)
-        cache.memo[key] = (out, until, objs)
+        cache.memo[key] = (out, window, objs)
 
     def _may_extend(self, ci: int) -> bool:
         walk, unfed = self.walks[ci], self.unfed[ci]

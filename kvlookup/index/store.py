@@ -155,7 +155,7 @@ class Store:
         self.records = records or make_records(client, cache_reads, cache_keys)
         s = {name: client.register_script(getattr(scripts, name)) for name in (
             "REGISTER", "DEREGISTER", "REAP_WORKER", "RETIRE_LOCATION", "HOLDER", "HEARTBEAT", "MARK_PROBED", "OWN",
-            "TOUCH", "FORGET_HOLDER", "RETIRE_UNKNOWN", "LEASE_CLOCK", "FOREIGN", "MP_HOLD")}
+            "TOUCH", "TOUCH_LEASES", "FORGET_HOLDER", "RETIRE_UNKNOWN", "LEASE_CLOCK", "FOREIGN", "MP_HOLD")}
         self._scripts = s
         self.clock = ServerClock(client)
         self.reaper_run: tuple[int, int] | None = None  # (since, last) of a periodic reaper (fleet.reap)
@@ -365,10 +365,16 @@ class Store:
         return deadline_ms >= since_ms or now_ms - since_ms > grace
 
     def touch_instances(self, instance_ids: Iterable[str]) -> None:
-        """Renew instances' liveness leases directly (without a sidecar owning them)."""
+        """Renew instances' liveness leases directly (without a sidecar owning them), in slices of
+        :data:`RENEW_SLICE` (scripts.TOUCH_LEASES: one that revives a lapsed lease moves the
+        registry version, so lookups that kept it out see it at once)."""
         ids = list(instance_ids)
-        if self.instance_ttl_ms > 0 and ids:
-            self.r.zadd(keys.alive_key(), dict.fromkeys(ids, self._expiry()))
+        if self.instance_ttl_ms <= 0 or not ids:
+            return
+        expiry = self._expiry()
+        for i in range(0, len(ids), RENEW_SLICE):
+            self._scripts["TOUCH_LEASES"](keys=[keys.alive_key(), keys.registry_version_key()],
+                                          args=[expiry, *ids[i:i + RENEW_SLICE]])
 
     def touch_instance(self, instance_id: str) -> None:
         """Renew one instance's liveness lease."""
@@ -384,7 +390,7 @@ class Store:
             mine = keys.sidecar_instances_key(sidecar_id)
             n = self._scripts["OWN"](
                 keys=[keys.owners_key(), mine, keys.sidecar_instances_key(prev) if prev else mine, keys.alive_key(),
-                      keys.claims_key(), keys.sidecars_key(), keys.mp_held_key()],
+                      keys.claims_key(), keys.sidecars_key(), keys.mp_held_key(), keys.registry_version_key()],
                 args=[instance_id, sidecar_id, prev, self.instance_ttl_ms, "1" if self.shared_ownership else "0"])
             if isinstance(n, (bytes, str)):
                 raise OtherWriter(instance_id, n.decode() if isinstance(n, bytes) else n)
@@ -412,7 +418,7 @@ class Store:
         this first and resumes where it stopped. Runs in slices of :data:`RENEW_SLICE`
         instances, one short script each, so Redis serves everyone else in between."""
         keys_ = [keys.owners_key(), keys.sidecar_instances_key(sidecar_id), keys.alive_key(), keys.sidecars_key(),
-                 keys.lease_clock_key()]
+                 keys.lease_clock_key(), keys.registry_version_key()]
         cursor, total = "0", 0
         while True:
             cursor, n = self._scripts["TOUCH"](

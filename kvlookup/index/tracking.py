@@ -13,9 +13,11 @@ value). If the invalidation connection breaks (Redis restarted, the connection d
 lagging), every copy goes and reads go to Redis, on connections without tracking, until it is
 back: a lookup never fails for want of the cache. Redis keeps what a connection read only while
 that connection lives: when it closes a tracked connection (``timeout``, ``CLIENT KILL``, an
-output buffer limit) the keys it read are no longer watched. So each call also looks, in one
-``select``, whether an idle tracked connection was closed, and every (re)connection of a
-tracked connection drops every copy too. A hung or partitioned server closes nothing: copies are
+output buffer limit) the keys it read are no longer watched. So each call looks, in one
+``select`` (for a cluster, one for every master: :meth:`CachedReads.watched`), whether an idle
+tracked connection was closed and whether the invalidation connection has something to read (it
+is read only then, or after a fence), and every (re)connection of a tracked connection drops
+every copy too. A hung or partitioned server closes nothing: copies are
 trusted only while the invalidation connection answered a PING within :data:`LISTENER_TRUST_S`
 (a cluster master frozen and failed over would otherwise keep answering from its copies).
 
@@ -109,6 +111,7 @@ class CachedReads:
         self._floor = 0  # a read that began before this message may be stale (flush, pruning)
         self._retry_at = 0.0
         self._heard = 0.0  # when the listener last answered (monotonic s)
+        self._buffered = False  # a message may wait in the listener's read buffer (its socket quiet)
         self._pings = 0  # PINGs sent on it whose PONG has not been read
         self.tracked = redis.Redis(connection_pool=redis.BlockingConnectionPool(
             connection_class=client.connection_pool.connection_class, max_connections=16, timeout=5,
@@ -141,7 +144,7 @@ class CachedReads:
             log.debug("client-side caching off for now: %s", exc)
             return False
         self._listener = conn
-        self._heard, self._pings = time.monotonic(), 0
+        self._heard, self._pings, self._buffered = time.monotonic(), 0, False
         self._disconnect_tracked()  # every tracked connection must redirect here
         return True
 
@@ -158,6 +161,18 @@ class CachedReads:
         conn.send_command("CLIENT", "TRACKING", "ON", "REDIRECT", self._listener_id, "OPTIN")
         if conn.read_response() not in (b"OK", "OK"):
             raise redis.ConnectionError("CLIENT TRACKING was refused")
+
+    def close(self) -> None:
+        """Drop every copy and disconnect the invalidation and tracked connections for good (a
+        gone cluster master's copies: kvlookup.index.cluster_cache); a call after it reads
+        plainly (caching off, never reconnected)."""
+        with self._lock:
+            self._retry_at = float("inf")
+            if self._listener is not None:
+                self._listener.disconnect()
+                self._listener = None
+            self._reset("closed")
+            self._disconnect_tracked()
 
     def _reset(self, why: str) -> None:
         if self._copies:
@@ -180,25 +195,47 @@ class CachedReads:
         # redis-py types Redis.connection_pool as ConnectionPool; __init__ gave it a BlockingConnectionPool
         return cast(redis.BlockingConnectionPool, self.tracked.connection_pool)
 
-    def _tracked_lost(self) -> bool:
-        """Was an idle tracked connection closed by the server (readable: EOF)? It is dropped."""
-        idle = [c for c in list(self._tracked_pool().pool.queue) if c is not None and c._sock is not None]
-        if not idle:
-            return False
-        try:
-            readable, _, _ = select.select([c._sock for c in idle], [], [], 0)
-        except (OSError, ValueError):  # a socket closed under us
-            readable = [c._sock for c in idle]
-        for c in idle:
-            if c._sock in readable:
-                c.disconnect()
-                c._kvl_tracked = False  # the caller drops every copy
-        return bool(readable)
+    def watched(self) -> list:
+        """The sockets a call looks at, in one ``select``, before it reads copies: the invalidation
+        connection's (readable: invalidations or a PONG arrived) and every idle tracked
+        connection's (readable: the server closed it); [] without an invalidation connection. A
+        caller that selects over several CachedReads at once (kvlookup.index.cluster_cache: one
+        ``select`` a lookup for every master) passes what was readable to :meth:`execute`."""
+        listener = self._listener
+        if listener is None or listener._sock is None:
+            return []
+        return [listener._sock, *[c._sock for c in list(self._tracked_pool().pool.queue)
+                                  if c is not None and c._sock is not None]]
 
-    def _drain(self) -> bool:
-        """Take every invalidation that arrived; False when caching is off (no listener)."""
-        if self._listener is not None and self._tracked_lost():
-            self._reset("a tracked connection was closed")
+    def _readable(self) -> set:
+        socks = self.watched()
+        if not socks:
+            return set()
+        try:
+            return set(select.select(socks, [], [], 0)[0])
+        except (OSError, ValueError):  # a socket closed under us: look at each
+            return set(socks)
+
+    def _tracked_lost(self, readable: set) -> bool:
+        """Was an idle tracked connection closed by the server (its socket in ``readable``: EOF)?
+        It is dropped."""
+        lost = [c for c in list(self._tracked_pool().pool.queue)
+                if c is not None and c._sock is not None and c._sock in readable]
+        for c in lost:
+            c.disconnect()
+            c._kvl_tracked = False  # the caller drops every copy
+        return bool(lost)
+
+    def _drain(self, readable: set | None = None) -> bool:
+        """Take every invalidation that arrived; False when caching is off (no listener).
+        readable: the sockets of :meth:`watched` found readable by the caller's ``select`` (None:
+        select here); the invalidation connection is read only when its socket was readable or
+        a message may wait in its buffer (a fence stops reading at its PONG)."""
+        if self._listener is not None:
+            if readable is None:
+                readable = self._readable()
+            if readable and self._tracked_lost(readable):
+                self._reset("a tracked connection was closed")
         if self._listener is None:
             if LOCAL_ONLY.get() or time.monotonic() < self._retry_at:  # (reconnecting waits on Redis)
                 return False
@@ -211,11 +248,12 @@ class CachedReads:
         fence = self.fence or silent > LISTENER_TRUST_S
         if fence and not self.fence and LOCAL_ONLY.get():
             return False  # a round trip is due first (LISTENER_TRUST_S): not here
+        waiting = readable is None or self._buffered or self._listener._sock in readable
         try:
             if fence or (silent > LISTENER_PING_S and not self._pings):
                 self._listener.send_command("PING")
                 self._pings += 1
-            while fence or self._listener.can_read(timeout=0):
+            while fence or (waiting and self._listener.can_read(timeout=0)):
                 # readable: the rest of a message is due at once; a server that stalls mid-message
                 # (hung, SIGSTOP) drops the listener instead of holding the lock (and app.asgi's loop)
                 msg = self._listener.read_response(
@@ -228,7 +266,10 @@ class CachedReads:
                 elif isinstance(msg, list) and msg and msg[0] in ("pong", b"pong"):
                     self._pings = max(0, self._pings - 1)
                     if fence and not self._pings:
+                        self._buffered = True  # what came after the PONG may be read already
                         break  # every invalidation queued before the PING is taken
+            else:
+                self._buffered = False
         except (redis.RedisError, OSError) as exc:
             self._listener.disconnect()
             self._listener = None
@@ -271,16 +312,17 @@ class CachedReads:
         """A mark for :meth:`unchanged`: taken before the reads it covers."""
         return self._gen, self._plain_reads
 
-    def unchanged(self, names: Sequence[str], mark: tuple[int, int]) -> bool:
+    def unchanged(self, names: Sequence[str], mark: tuple[int, int], readable: set | None = None) -> bool:
         """Is no key of ``names`` (each read through :meth:`execute` after ``mark`` was taken)
         known to have changed since? Takes every invalidation that has arrived first (with
         ``fence``, every one queued: a round trip). False, never a wrong True, when caching is
-        off or was off meanwhile, a copy reset happened, or (under LOCAL_ONLY) the lock is busy."""
+        off or was off meanwhile, a copy reset happened, or (under LOCAL_ONLY) the lock is busy.
+        readable: as :meth:`execute`."""
         gen, plain = mark
         if not self._lock.acquire(blocking=not LOCAL_ONLY.get()):
             return False
         try:
-            if not self._drain() or self._floor > gen or self._plain_reads != plain:
+            if not self._drain(readable) or self._floor > gen or self._plain_reads != plain:
                 return False
             if self._gen != gen and max(map(self._inv_at.get, names, repeat(-1)), default=-1) > gen:
                 return False
@@ -291,15 +333,17 @@ class CachedReads:
 
     # -- reads ------------------------------------------------------------------------------
 
-    def execute(self, commands: Sequence[tuple]) -> list:
+    def execute(self, commands: Sequence[tuple], readable: set | None = None) -> list:
         """Results of ``commands`` in order, from copies where they are kept (a round trip only
         for the rest); errors as SingleIO.execute. Under :data:`LOCAL_ONLY` it never waits: not on
-        Redis, not on another thread holding the copies (which may be waiting on Redis)."""
+        Redis, not on another thread holding the copies (which may be waiting on Redis).
+        readable: what the caller's ``select`` over :meth:`watched` found readable, just before
+        (None: this call selects)."""
         local = LOCAL_ONLY.get()
         if not self._lock.acquire(blocking=not local):
             raise NeedsRedis()
         try:
-            caching = self._drain()
+            caching = self._drain(readable)
             gen = self._gen
             if caching or local:  # local and not caching: the copies still say which misses are first ones
                 out = self._copies.get_many([(c[0], c[1]) if cacheable(c) else NOT_KEPT for c in commands])

@@ -36,6 +36,17 @@ class Holder:
         return cls(inst + SEP + wid if wid else inst, inst, wid, rank, loc, int(need))
 
 
+def resolved(text: str) -> tuple[Holder | None, float, bool]:
+    """One answer of the RESOLVE script (kvlookup.index.scripts): (holder or None when it does not
+    count while the registry version stays, until (unix ms; inf), lapsed: its lease lapsed on
+    Redis server time, so after ``until`` it stays out until the version moves)."""
+    if not text:
+        return None, float("inf"), False
+    head, _, lapsed = text.rpartition(SEP)
+    head, _, until = head.rpartition(SEP)
+    return Holder.parse(head), float(until), lapsed == "1"
+
+
 @dataclass
 class _Group:
     instance_id: str

@@ -183,5 +183,8 @@ def test_frozen_master_failed_over_copies_do_not_answer(six, cache_reads):
     finally:
         cluster.thaw(victim)
     assert got == [[("a", CPU, PROFILE.chunk_size)]] * 3
+    if cache_reads:  # the frozen master's copies (and connections) were dropped with the new slot map
+        masters = {port for _host, port in reader.records.cached._masters}
+        assert victim.port not in masters and replica.port in masters
     writer_rc.close()
     reader_rc.close()

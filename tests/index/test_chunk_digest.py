@@ -14,7 +14,7 @@ from __future__ import annotations
 from kvlookup.hashing.lmcache import HashProfile
 from kvlookup.index import keys
 from kvlookup.index.store import ADMIT, EVICT, Chain, Store
-from tests.support.helpers import chunk_holders
+from tests.support.helpers import chunk_holders, command_calls
 
 CPU = "LocalCPUBackend"
 CHUNK = 4
@@ -103,9 +103,9 @@ def test_a_shared_prefix_costs_a_digest_a_chunk(r, store, cluster):
     for i in range(64):
         _hold(store, f"i{i}", 8)
     assert len(_layout(store)) == 64  # warm: digests and holders known
-    before = _calls(r)
+    before = command_calls(r)
     assert len(_layout(store)) == 64
-    got = _calls(r)
+    got = command_calls(r)
     spent = {k: got[k] - before.get(k, 0) for k in got if got[k] != before.get(k, 0)}
     spent.pop("info", None)
     spent.pop("replconf", None)  # a replica's once-a-second ACK to its master, not the lookup's
@@ -115,16 +115,3 @@ def test_a_shared_prefix_costs_a_digest_a_chunk(r, store, cluster):
         assert spent == {"zrange": 8, "get": 1}, spent
     else:  # one CHUNK_HEADS call (its ZRANGEs count too)
         assert spent == {"evalsha": 1, "zscore": 8, "get": 1}, spent
-
-
-def _calls(r) -> dict[str, int]:
-    nodes = r.get_primaries() if hasattr(r, "get_primaries") else [None]
-    out: dict[str, int] = {}
-    for node in nodes:
-        info = r.info("commandstats", **({"target_nodes": node} if node else {}))
-        if node is not None and len(info) == 1 and isinstance(only := next(iter(info.values())), dict):
-            info = only
-        for k, v in info.items():
-            if k.startswith("cmdstat_"):
-                out[k[8:]] = out.get(k[8:], 0) + int(v["calls"])
-    return out

@@ -163,3 +163,18 @@ def chunk_holders(r, key: str) -> set[str]:
     else:
         assert len(raw) == len(holders), (key, raw)
     return set(holders)
+
+
+def command_calls(r) -> dict[str, int]:
+    """Calls per command name (``INFO commandstats``, lower case: ``evalsha``, ``zrange``) summed
+    over every master of ``r`` (one server, or each primary of a cluster)."""
+    nodes = r.get_primaries() if hasattr(r, "get_primaries") else [None]
+    out: dict[str, int] = {}
+    for node in nodes:
+        info = r.info("commandstats", **({"target_nodes": node} if node else {}))
+        if node is not None and len(info) == 1 and isinstance(only := next(iter(info.values())), dict):
+            info = only
+        for k, v in info.items():
+            if k.startswith("cmdstat_"):
+                out[k[8:]] = out.get(k[8:], 0) + int(v["calls"])
+    return out
