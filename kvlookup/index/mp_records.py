@@ -80,18 +80,6 @@ class MPRecords(MPRegistry):
             out += [v or None for v in got]
         return out
 
-    def chunk_fields(self, chunks: Sequence[tuple[str, str]], sids: Sequence[str]) -> list[str | None]:
-        """Per chunk ``(bucket, unpadded base64url hash)``: its records in the spaces ``sids`` then its
-        token binding, flat (``len(sids) + 1`` values a chunk), None where missing. One script call
-        per READ_SLICE chunks (scripts.MP_READ_CHUNKS)."""
-        out: list[str | None] = []
-        for i in range(0, len(chunks), READ_SLICE):
-            part = chunks[i:i + READ_SLICE]
-            got = self._read_chunks(keys=[K.mp_chunks_key(b) for b, _ in part],
-                                    args=[len(sids), *sids, *(b64 for _, b64 in part)])
-            out += [v or None for v in got]
-        return out
-
     def prefix_fields(self, hashes: Sequence[bytes], sids: Sequence[str], now: float | None = None
                       ) -> tuple[dict[str, float], dict[str, dict], list[str | None]]:
         """What a prefix match reads, in one script call per READ_SLICE chunks (scripts.MP_READ_PREFIX):
