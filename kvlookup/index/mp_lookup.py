@@ -8,8 +8,12 @@ from collections.abc import Sequence
 
 from kvlookup.hashing import mp as mphash
 from kvlookup.index import keys as K
+from kvlookup.index import mp_records
+from kvlookup.index import mp_scripts as S
+from kvlookup.index.io import raise_errors
 from kvlookup.index.mp_queries import MPQueries
-from kvlookup.index.mp_values import chunk_b64
+from kvlookup.index.mp_registry import capacity_of
+from kvlookup.index.mp_values import chunk_b64, raw_b64
 
 
 class MPLookup(MPQueries):
@@ -59,6 +63,32 @@ class MPLookup(MPQueries):
             if not open_:
                 break
         return [(inst, run[inst] * cs, locs[inst]) for inst in live if run[inst]]
+
+    def prefix_fields(self, hashes: Sequence[bytes], sids: Sequence[str], now: float | None = None
+                      ) -> tuple[dict[str, float], dict[str, dict], list[str | None]]:
+        """What a prefix match reads, in one script call per READ_SLICE chunks (scripts.MP_READ_PREFIX,
+        through :meth:`mp_io`): (:meth:`live_instances`, :meth:`capacity`, the records of chunks
+        ``hashes`` in the spaces ``sids``, ``len(sids)`` a chunk, None where missing). The records end
+        after the first chunk no space holds (a prefix cannot reach past it)."""
+        cutoff = repr(self.heartbeat_cutoff_ms(now))
+        io = self.mp_io()
+        sha = io.register(S.MP_READ_PREFIX)
+        live: dict[str, float] | None = None
+        capacity: dict[str, dict] = {}
+        flat: list[str | None] = []
+        step = mp_records.READ_SLICE
+        for i in range(0, len(hashes), step):
+            part = hashes[i:i + step]
+            got = raise_errors(io.execute([("EVALSHA", sha, 2 + len(part), K.mp_heartbeats_key(), K.mp_capacity_key(),
+                                            *(K.mp_chunks_key(K.mp_bucket(h.hex())) for h in part),
+                                            cutoff, len(sids), *sids, *map(raw_b64, part))]))[0]
+            if live is None:
+                live = {m: float(sc) / 1000 for m, sc in zip(got[0][0::2], got[0][1::2], strict=True)}
+                capacity = capacity_of(dict(zip(got[1][0::2], got[1][1::2], strict=True)))
+            flat += [v or None for v in got[2:]]
+            if len(got) - 2 < len(part) * len(sids):
+                break
+        return live or {}, capacity, flat
 
     #: chunk sizes tried when explaining a miss (another fleet's size stored the prompt)
     OTHER_CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
