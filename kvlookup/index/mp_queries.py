@@ -81,32 +81,33 @@ class MPQueries(MPRecords):
         mids = ['",' + msgspec.json.encode({"model_name": model_name, "kv_rank": kr, "object_group_id": 0,
                                             "cache_salt": cache_salt})[1:].decode() + ',"placements":[' for kr in ranks]
         ends: dict[str, str] = {}  # a record less its key id -> the rest of its item (this call only)
-        parts = []
+        items = []  # each result item less its opening '{"key":{"chunk_hash_hex":"' (the join's separator)
         for i, h in enumerate(hexes):
             base = i * (n + 1)
             binding = flat[base + n]
             for r in range(n):
                 value = flat[base + r]
-                tail = value[value.index(",") + 1:] if value else ""  # "<access count>|<placements>"
-                end = ends.get(tail) if not binding else None
-                if end is None:
-                    end = self._item_end(tail, frags, binding)
+                tail = value[value.find(",") + 1:]  # "<access count>|<placements>"; '' when not stored
+                known = None if binding else ends.get(tail)
+                if known is None:
+                    known = self._item_end(tail, frags, binding)
                     if not binding:
-                        ends[tail] = end
-                parts.append(f'{{"key":{{"chunk_hash_hex":"{h}{mids[r]}{end}')
-        return f'{{"chunks":{len(hashes)},"results":[{",".join(parts)}]}}\n'.encode()
+                        ends[tail] = known
+                items.append(f"{h}{mids[r]}{known}")
+        head = '{"key":{"chunk_hash_hex":"'
+        return f'{{"chunks":{len(hashes)},"results":[{head if items else ""}{("," + head).join(items)}]}}\n'.encode()
 
     @staticmethod
-    def _item_end(tail: str, frags: dict[str, str], binding: str | None) -> str:
+    def _item_end(tail: str, frags: dict[str, str], binding: str) -> str:
         """A result item from its placements on: ``<placements>],"token_ids":[...],"access_count":n}``
         for a record's ``<access count>|<placements>`` (``tail``, '' when not stored)."""
         acc, _, rest = tail.partition("|")
         toks = msgspec.json.encode(parse_tokens(binding)[0]).decode() if binding else "[]"
         return f'{frags[rest] if tail else ""}],"token_ids":{toks},"access_count":{acc or 0}}}'
 
-    def lookup_fields(self, hashes: Sequence[bytes], hexes: Sequence[str], sids: Sequence[str]) -> list[str | None]:
+    def lookup_fields(self, hashes: Sequence[bytes], hexes: Sequence[str], sids: Sequence[str]) -> list[str]:
         """Per chunk (its digest in ``hashes``, its hex in ``hexes``): its records in the spaces ``sids``
-        then its token binding, flat (``len(sids) + 1`` values a chunk), None where missing.
+        then its token binding, flat (``len(sids) + 1`` values a chunk), '' where missing.
         One round trip (scripts.MP_READ_CHUNKS, one call per READ_SLICE chunks, pipelined;
         hiredis packs the arguments: ~0.2 ms less than redis-py's Script at 128 chunks)."""
         io = self.mp_io()
@@ -116,7 +117,7 @@ class MPQueries(MPRecords):
             part = range(i, min(i + step, len(hashes)))
             calls.append(("EVALSHA", sha, len(part), *(K.mp_chunks_key(K.mp_bucket(hexes[j])) for j in part),
                           len(sids), *sids, *(raw_b64(hashes[j]) for j in part)))
-        return [v or None for got in raise_errors(io.execute(calls)) for v in got]
+        return [v for got in raise_errors(io.execute(calls)) for v in got]
 
     def mp_io(self) -> CommandIO:
         """The pipelined command IO of this directory's client (SingleIO, ClusterIO: hiredis packs
