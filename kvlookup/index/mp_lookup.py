@@ -40,29 +40,43 @@ class MPLookup(MPQueries):
             return []
         holders = self._holders({v.partition("|")[2] for v in flat if v}, self._shared_pools(live, capacity))
         n = len(ranks)
-        # per instance: per chunk, the locations every rank holds (None: some rank lacks it)
-        run: dict[str, int] = {inst: 0 for inst in live}
-        locs: dict[str, dict[str, int]] = {inst: {} for inst in live}
+        run = dict.fromkeys(live, 0)
+        credit: dict[tuple[str, ...], dict[str, list[str]]] = {}  # a chunk's placements parts -> its holders
+        counts: dict[str, dict[tuple[str, ...], int]] = {inst: {} for inst in live}  # chunks credited, per parts
         open_ = set(live)
         for c in range(len(flat) // n):
-            held: dict[str, list[set[str]]] = {}
-            for r in range(n):
-                value = flat[c * n + r]
-                for inst, loc in holders[value.partition("|")[2]] if value else ():
-                    if inst in open_:
-                        held.setdefault(inst, [set() for _ in range(n)])[r].add(loc)
+            parts = tuple(v.partition("|")[2] if v else "" for v in flat[c * n:(c + 1) * n])
+            held = credit.get(parts)
+            if held is None:  # once per distinct parts (the chunks of a prompt mostly share one)
+                held = credit[parts] = self._credit(parts, holders)
             for inst in list(open_):
-                per_rank = held.get(inst)
-                if not per_rank or not all(per_rank):
+                if inst not in held:
                     open_.discard(inst)
                     continue
                 run[inst] = c + 1
-                common = set.intersection(*per_rank) or per_rank[0]
-                for loc in common:
-                    locs[inst][loc] = locs[inst].get(loc, 0) + cs
+                counts[inst][parts] = counts[inst].get(parts, 0) + 1
             if not open_:
                 break
-        return [(inst, run[inst] * cs, locs[inst]) for inst in live if run[inst]]
+        out = []
+        for inst in live:
+            if run[inst]:
+                locs: dict[str, int] = {}
+                for parts, k in counts[inst].items():
+                    for loc in credit[parts][inst]:
+                        locs[loc] = locs.get(loc, 0) + k * cs
+                out.append((inst, run[inst] * cs, locs))
+        return out
+
+    @staticmethod
+    def _credit(parts: tuple[str, ...], holders: dict[str, list[tuple[str, str]]]) -> dict[str, list[str]]:
+        """For one chunk (its records' placements parts, one a rank; '' where none): each instance
+        every rank of which it holds -> the locations all ranks share (else rank 0's)."""
+        held: dict[str, list[set[str]]] = {}
+        for r, rest in enumerate(parts):
+            for inst, loc in holders[rest] if rest else ():
+                held.setdefault(inst, [set() for _ in parts])[r].add(loc)
+        return {inst: list(set.intersection(*per_rank) or per_rank[0])
+                for inst, per_rank in held.items() if all(per_rank)}
 
     def prefix_fields(self, hashes: Sequence[bytes], sids: Sequence[str], now: float | None = None
                       ) -> tuple[dict[str, float], dict[str, dict], list[str | None]]:
