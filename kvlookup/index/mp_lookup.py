@@ -8,8 +8,12 @@ from collections.abc import Sequence
 
 from kvlookup.hashing import mp as mphash
 from kvlookup.index import keys as K
+from kvlookup.index import mp_records
+from kvlookup.index import mp_scripts as S
+from kvlookup.index.io import raise_errors
 from kvlookup.index.mp_queries import MPQueries
-from kvlookup.index.mp_values import chunk_b64
+from kvlookup.index.mp_registry import capacity_of
+from kvlookup.index.mp_values import chunk_b64, raw_b64
 
 
 class MPLookup(MPQueries):
@@ -36,29 +40,69 @@ class MPLookup(MPQueries):
             return []
         holders = self._holders({v.partition("|")[2] for v in flat if v}, self._shared_pools(live, capacity))
         n = len(ranks)
-        # per instance: per chunk, the locations every rank holds (None: some rank lacks it)
-        run: dict[str, int] = {inst: 0 for inst in live}
-        locs: dict[str, dict[str, int]] = {inst: {} for inst in live}
+        run = dict.fromkeys(live, 0)
+        credit: dict[tuple[str, ...], dict[str, list[str]]] = {}  # a chunk's placements parts -> its holders
+        counts: dict[str, dict[tuple[str, ...], int]] = {inst: {} for inst in live}  # chunks credited, per parts
         open_ = set(live)
         for c in range(len(flat) // n):
-            held: dict[str, list[set[str]]] = {}
-            for r in range(n):
-                value = flat[c * n + r]
-                for inst, loc in holders[value.partition("|")[2]] if value else ():
-                    if inst in open_:
-                        held.setdefault(inst, [set() for _ in range(n)])[r].add(loc)
+            parts = tuple(v.partition("|")[2] if v else "" for v in flat[c * n:(c + 1) * n])
+            held = credit.get(parts)
+            if held is None:  # once per distinct parts (the chunks of a prompt mostly share one)
+                held = credit[parts] = self._credit(parts, holders)
             for inst in list(open_):
-                per_rank = held.get(inst)
-                if not per_rank or not all(per_rank):
+                if inst not in held:
                     open_.discard(inst)
                     continue
                 run[inst] = c + 1
-                common = set.intersection(*per_rank) or per_rank[0]
-                for loc in common:
-                    locs[inst][loc] = locs[inst].get(loc, 0) + cs
+                counts[inst][parts] = counts[inst].get(parts, 0) + 1
             if not open_:
                 break
-        return [(inst, run[inst] * cs, locs[inst]) for inst in live if run[inst]]
+        out = []
+        for inst in live:
+            if run[inst]:
+                locs: dict[str, int] = {}
+                for parts, k in counts[inst].items():
+                    for loc in credit[parts][inst]:
+                        locs[loc] = locs.get(loc, 0) + k * cs
+                out.append((inst, run[inst] * cs, locs))
+        return out
+
+    @staticmethod
+    def _credit(parts: tuple[str, ...], holders: dict[str, list[tuple[str, str]]]) -> dict[str, list[str]]:
+        """For one chunk (its records' placements parts, one a rank; '' where none): each instance
+        every rank of which it holds -> the locations all ranks share (else rank 0's)."""
+        held: dict[str, list[set[str]]] = {}
+        for r, rest in enumerate(parts):
+            for inst, loc in holders[rest] if rest else ():
+                held.setdefault(inst, [set() for _ in parts])[r].add(loc)
+        return {inst: list(set.intersection(*per_rank) or per_rank[0])
+                for inst, per_rank in held.items() if all(per_rank)}
+
+    def prefix_fields(self, hashes: Sequence[bytes], sids: Sequence[str], now: float | None = None
+                      ) -> tuple[dict[str, float], dict[str, dict], list[str | None]]:
+        """What a prefix match reads, in one script call per READ_SLICE chunks (scripts.MP_READ_PREFIX,
+        through :meth:`mp_io`): (:meth:`live_instances`, :meth:`capacity`, the records of chunks
+        ``hashes`` in the spaces ``sids``, ``len(sids)`` a chunk, None where missing). The records end
+        after the first chunk no space holds (a prefix cannot reach past it)."""
+        cutoff = repr(self.heartbeat_cutoff_ms(now))
+        io = self.mp_io()
+        sha = io.register(S.MP_READ_PREFIX)
+        live: dict[str, float] | None = None
+        capacity: dict[str, dict] = {}
+        flat: list[str | None] = []
+        step = mp_records.READ_SLICE
+        for i in range(0, len(hashes), step):
+            part = hashes[i:i + step]
+            got = raise_errors(io.execute([("EVALSHA", sha, 2 + len(part), K.mp_heartbeats_key(), K.mp_capacity_key(),
+                                            *(K.mp_chunks_key(K.mp_bucket(h.hex())) for h in part),
+                                            cutoff, len(sids), *sids, *map(raw_b64, part))]))[0]
+            if live is None:
+                live = {m: float(sc) / 1000 for m, sc in zip(got[0][0::2], got[0][1::2], strict=True)}
+                capacity = capacity_of(dict(zip(got[1][0::2], got[1][1::2], strict=True)))
+            flat += [v or None for v in got[2:]]
+            if len(got) - 2 < len(part) * len(sids):
+                break
+        return live or {}, capacity, flat
 
     #: chunk sizes tried when explaining a miss (another fleet's size stored the prompt)
     OTHER_CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)

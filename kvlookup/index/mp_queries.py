@@ -7,9 +7,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
+from redis.cluster import RedisCluster
 
 from kvlookup.hashing import mp as mphash
 from kvlookup.index import keys as K
+from kvlookup.index import mp_records
+from kvlookup.index import mp_scripts as S
+from kvlookup.index.cluster_io import ClusterIO
+from kvlookup.index.io import SingleIO, raise_errors
 from kvlookup.index.mp_records import MPRecords
 from kvlookup.index.mp_values import (
     canon,
@@ -22,6 +27,7 @@ from kvlookup.index.mp_values import (
     raw_b64,
     space_text,
 )
+from kvlookup.index.records import CommandIO
 from kvlookup.wire import lmcache_mp as W
 
 
@@ -66,29 +72,60 @@ class MPQueries(MPRecords):
             ids = mphash.unpack_ids(token_ids) if isinstance(token_ids, memoryview) else token_ids
             chunks, keys = self.keys_for_tokens(ids, model_name, world_size, cache_salt)
             return msgspec.json.encode({"chunks": chunks, "results": self.lookup_keys(keys)}) + b"\n"
-        sids = self.space_ids([f"{model_name}\t{cache_salt}\t{kr}\t0" for kr in ranks])
-        tails = [msgspec.json.encode({"model_name": model_name, "kv_rank": kr, "object_group_id": 0,
-                                      "cache_salt": cache_salt})[1:].decode() for kr in ranks]
+        sids = [sid or "0" for sid in self.space_ids([f"{model_name}\t{cache_salt}\t{kr}\t0" for kr in ranks])]
         hexes = [h.hex() for h in hashes]
-        b64s = [raw_b64(h) for h in hashes]
+        flat = self.lookup_fields(hashes, hexes, sids)  # space 0 never exists
         n = len(ranks)
-        flat = self.chunk_fields([(K.mp_bucket(x), b) for x, b in zip(hexes, b64s, strict=True)],
-                                 [sid or "0" for sid in sids])  # space 0 never exists
         frags = self._placement_json({v.partition("|")[2] for r in range(n) for v in flat[r::n + 1] if v})
-        parts = []
+        # per rank the text between a chunk's hash and its placements: the rest of its key
+        mids = ['",' + msgspec.json.encode({"model_name": model_name, "kv_rank": kr, "object_group_id": 0,
+                                            "cache_salt": cache_salt})[1:].decode() + ',"placements":[' for kr in ranks]
+        ends: dict[str, str] = {}  # a record less its key id -> the rest of its item (this call only)
+        items = []  # each result item less its opening '{"key":{"chunk_hash_hex":"' (the join's separator)
         for i, h in enumerate(hexes):
-            binding = flat[i * (n + 1) + n]
-            toks = msgspec.json.encode(parse_tokens(binding)[0]).decode() if binding else "[]"
+            base = i * (n + 1)
+            binding = flat[base + n]
             for r in range(n):
-                value = flat[i * (n + 1) + r]
-                if value:
-                    head, _, rest = value.partition("|")
-                    pls, acc = frags[rest], int(head.partition(",")[2])
-                else:
-                    pls, acc = "", 0
-                parts.append(f'{{"key":{{"chunk_hash_hex":"{h}",{tails[r]},"placements":[{pls}],'
-                             f'"token_ids":{toks},"access_count":{acc}}}')
-        return f'{{"chunks":{len(hashes)},"results":[{",".join(parts)}]}}\n'.encode()
+                value = flat[base + r]
+                tail = value[value.find(",") + 1:]  # "<access count>|<placements>"; '' when not stored
+                known = None if binding else ends.get(tail)
+                if known is None:
+                    known = self._item_end(tail, frags, binding)
+                    if not binding:
+                        ends[tail] = known
+                items.append(f"{h}{mids[r]}{known}")
+        head = '{"key":{"chunk_hash_hex":"'
+        return f'{{"chunks":{len(hashes)},"results":[{head if items else ""}{("," + head).join(items)}]}}\n'.encode()
+
+    @staticmethod
+    def _item_end(tail: str, frags: dict[str, str], binding: str) -> str:
+        """A result item from its placements on: ``<placements>],"token_ids":[...],"access_count":n}``
+        for a record's ``<access count>|<placements>`` (``tail``, '' when not stored)."""
+        acc, _, rest = tail.partition("|")
+        toks = msgspec.json.encode(parse_tokens(binding)[0]).decode() if binding else "[]"
+        return f'{frags[rest] if tail else ""}],"token_ids":{toks},"access_count":{acc or 0}}}'
+
+    def lookup_fields(self, hashes: Sequence[bytes], hexes: Sequence[str], sids: Sequence[str]) -> list[str]:
+        """Per chunk (its digest in ``hashes``, its hex in ``hexes``): its records in the spaces ``sids``
+        then its token binding, flat (``len(sids) + 1`` values a chunk), '' where missing.
+        One round trip (scripts.MP_READ_CHUNKS, one call per READ_SLICE chunks, pipelined;
+        hiredis packs the arguments: ~0.2 ms less than redis-py's Script at 128 chunks)."""
+        io = self.mp_io()
+        sha = io.register(S.MP_READ_CHUNKS)
+        calls, step = [], mp_records.READ_SLICE
+        for i in range(0, len(hashes), step):
+            part = range(i, min(i + step, len(hashes)))
+            calls.append(("EVALSHA", sha, len(part), *(K.mp_chunks_key(K.mp_bucket(hexes[j])) for j in part),
+                          len(sids), *sids, *(raw_b64(hashes[j]) for j in part)))
+        return [v for got in raise_errors(io.execute(calls)) for v in got]
+
+    def mp_io(self) -> CommandIO:
+        """The pipelined command IO of this directory's client (SingleIO, ClusterIO: hiredis packs
+        the arguments, ~0.1 ms less than redis-py's Script at 128 chunks); kept (it holds only the client)."""
+        io = getattr(self, "_io", None)
+        if io is None:
+            io = self._io = ClusterIO(self.r) if isinstance(self.r, RedisCluster) else SingleIO(self.r)
+        return io
 
     def _placement_json(self, tails: set[str]) -> dict[str, str]:
         """Each distinct placements part of a record (``<tb>,<epoch>,<size>|...``, what follows the

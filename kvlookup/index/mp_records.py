@@ -9,8 +9,8 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kvlookup.index import keys as K
-from kvlookup.index.mp_registry import UNBOUND_RECHECK_S, MPRegistry, capacity_of
-from kvlookup.index.mp_values import Record, parse_record, parse_tokens, raw_b64
+from kvlookup.index.mp_registry import UNBOUND_RECHECK_S, MPRegistry
+from kvlookup.index.mp_values import Record, parse_record, parse_tokens
 
 #: Buckets read per script call: one call stays well under a millisecond of Redis time.
 READ_SLICE = 1024
@@ -79,42 +79,6 @@ class MPRecords(MPRegistry):
                                     args=[n, *(f for _, fields in part for f in fields)])
             out += [v or None for v in got]
         return out
-
-    def chunk_fields(self, chunks: Sequence[tuple[str, str]], sids: Sequence[str]) -> list[str | None]:
-        """Per chunk ``(bucket, unpadded base64url hash)``: its records in the spaces ``sids`` then its
-        token binding, flat (``len(sids) + 1`` values a chunk), None where missing. One script call
-        per READ_SLICE chunks (scripts.MP_READ_CHUNKS)."""
-        out: list[str | None] = []
-        for i in range(0, len(chunks), READ_SLICE):
-            part = chunks[i:i + READ_SLICE]
-            got = self._read_chunks(keys=[K.mp_chunks_key(b) for b, _ in part],
-                                    args=[len(sids), *sids, *(b64 for _, b64 in part)])
-            out += [v or None for v in got]
-        return out
-
-    def prefix_fields(self, hashes: Sequence[bytes], sids: Sequence[str], now: float | None = None
-                      ) -> tuple[dict[str, float], dict[str, dict], list[str | None]]:
-        """What a prefix match reads, in one script call per READ_SLICE chunks (scripts.MP_READ_PREFIX):
-        (:meth:`live_instances`, :meth:`capacity`, the records of chunks ``hashes`` in the spaces
-        ``sids``, ``len(sids)`` a chunk, None where missing). The records end after the first chunk
-        no space holds (a prefix cannot reach past it)."""
-        cutoff = repr(self.heartbeat_cutoff_ms(now))
-        live: dict[str, float] | None = None
-        capacity: dict[str, dict] = {}
-        flat: list[str | None] = []
-        for i in range(0, len(hashes), READ_SLICE):
-            part = hashes[i:i + READ_SLICE]
-            buckets = [K.mp_chunks_key(K.mp_bucket(h.hex())) for h in part]
-            got = self._read_prefix(
-                keys=[K.mp_heartbeats_key(), K.mp_capacity_key(), *buckets],
-                args=[cutoff, len(sids), *sids, *map(raw_b64, part)])
-            if live is None:
-                live = {m: float(sc) / 1000 for m, sc in zip(got[0][0::2], got[0][1::2], strict=True)}
-                capacity = capacity_of(dict(zip(got[1][0::2], got[1][1::2], strict=True)))
-            flat += [v or None for v in got[2:]]
-            if len(got) - 2 < len(part) * len(sids):
-                break
-        return live or {}, capacity, flat
 
     def records(self, refs: Sequence[tuple[str, str]]) -> list[Record | None]:
         """The records of (bucket, field) refs, in order (:meth:`bucket_fields`)."""

@@ -49,9 +49,10 @@ _local = threading.local()  # one parser a thread: a parser is reused only once 
 def decode_tokens_form(body: bytes) -> TokensForm | None:
     """The tokens form of ``body`` (JSON) when it has the plain shape (module docstring); None
     otherwise (decode it with ``lmcache_mp.decode``). Never raises for bad input."""
-    if simdjson is None or len(body) < MIN_BYTES or sys.byteorder != "little" or body.count(b"[") != 1 \
-            or body.startswith(b"\xef\xbb\xbf"):
-        # one '[': token_ids holds no nested array (as_buffer would flatten one); a BOM: simdjson
+    if simdjson is None or len(body) < MIN_BYTES or sys.byteorder != "little" \
+            or body.find(b"[", body.find(b"[") + 1) != -1 or body.startswith(b"\xef\xbb\xbf"):
+        # at most one '[' (find uses memchr: ~30x cheaper than count on a 200 KB body): token_ids
+        # holds no nested array (as_buffer would flatten one); a BOM: simdjson
         # skips it, msgspec refuses the body (400), so the generic path must answer it
         return None
     try:
