@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 
 from kvlookup import metrics
@@ -81,10 +81,12 @@ REMOTE = "REMOTE"
 @dataclass(slots=True)
 class Entry:
     """Engine map value: our chunk hash, the residencies holding the block, its space ("" in
-    entries written before spaces were kept: the rank's legacy block size applies)."""
+    entries written before spaces were kept: the rank's legacy block size applies). media is
+    never changed in place (a change makes a new Entry); a single residency is one shared
+    frozenset (:func:`only`), not a set per entry."""
 
     own: int
-    media: set[str] = field(default_factory=set)
+    media: Set[str] = frozenset()
     space: str = ""
 
     @classmethod
@@ -93,12 +95,27 @@ class Entry:
             return None
         own, _, rest = raw.partition("|")
         media, _, space = rest.partition("|")
-        return cls(int(own), set(media.split(",")) if media else set(), space)
+        return cls(int(own), (only(media) if "," not in media else frozenset(media.split(","))) if media
+                   else frozenset(), space)
 
     def format(self) -> str:
         media = self.media
         text = ",".join(sorted(media)) if len(media) != 1 else next(iter(media))
         return f"{self.own}|{text}|{self.space}"
+
+
+_ONLY: dict[str, frozenset[str]] = {}
+
+
+def only(res: str) -> frozenset[str]:
+    """``frozenset({res})``, one shared per residency (a few per engine; the mirror holds one per
+    block otherwise: ~200 B each)."""
+    got = _ONLY.get(res)
+    if got is None:
+        got = frozenset((res,))
+        if len(_ONLY) < 1024:  # residency names come from the wire: the memo stays bounded
+            _ONLY[res] = got
+    return got
 
 
 def is_sparse(ev: BlockStored) -> bool:
@@ -370,10 +387,12 @@ class BatchApplier:
             owns = [hash((parent, tokens if type(tokens) is tuple else tuple(tokens)))]
         else:
             owns = vh.plain_chain(parent, tokens, bs)
+        fresh = only(medium)
         for engine_hash, own in zip(hashes, owns, strict=True):
             f = str(engine_hash)  # engine_field(engine_hash, None)
             old = changed[f] if f in changed else base(f)
-            changed[f] = Entry(own, {*old.media, medium} if old and old.own == own else {medium}, space)
+            changed[f] = Entry(own, fresh if not old or old.own != own else
+                               old.media if medium in old.media else {*old.media, medium}, space)
             ops[str(own)] = ADMIT  # chunk_text
 
     def _place(self, f, own: int, space, medium: str, res, ops: dict | None = None) -> None:
@@ -381,7 +400,8 @@ class BatchApplier:
         (residency ``res``), keeping the media the field already had for the same hash. ops: the
         (medium, space) op list, when the caller has it."""
         old = self._get(f)
-        self.changed[f] = Entry(own, {*old.media, res} if old and old.own == own else {res}, space)
+        self.changed[f] = Entry(own, only(res) if not old or old.own != own else
+                                old.media if res in old.media else {*old.media, res}, space)
         (self._ops(medium, space) if ops is None else ops)[str(own)] = ADMIT
         self.counts[(medium, space)][0] += 1
 
