@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 
 from kvlookup import metrics
@@ -81,10 +81,12 @@ REMOTE = "REMOTE"
 @dataclass(slots=True)
 class Entry:
     """Engine map value: our chunk hash, the residencies holding the block, its space ("" in
-    entries written before spaces were kept: the rank's legacy block size applies)."""
+    entries written before spaces were kept: the rank's legacy block size applies). media is
+    never changed in place (a change makes a new Entry); a single residency is one shared
+    frozenset (:func:`only`), not a set per entry."""
 
     own: int
-    media: set[str] = field(default_factory=set)
+    media: Set[str] = frozenset()
     space: str = ""
 
     @classmethod
@@ -93,10 +95,27 @@ class Entry:
             return None
         own, _, rest = raw.partition("|")
         media, _, space = rest.partition("|")
-        return cls(int(own), set(media.split(",")) if media else set(), space)
+        return cls(int(own), (only(media) if "," not in media else frozenset(media.split(","))) if media
+                   else frozenset(), space)
 
     def format(self) -> str:
-        return f"{self.own}|{','.join(sorted(self.media))}|{self.space}"
+        media = self.media
+        text = ",".join(sorted(media)) if len(media) != 1 else next(iter(media))
+        return f"{self.own}|{text}|{self.space}"
+
+
+_ONLY: dict[str, frozenset[str]] = {}
+
+
+def only(res: str) -> frozenset[str]:
+    """``frozenset({res})``, one shared per residency (a few per engine; the mirror holds one per
+    block otherwise: ~200 B each)."""
+    got = _ONLY.get(res)
+    if got is None:
+        got = frozenset((res,))
+        if len(_ONLY) < 1024:  # residency names come from the wire: the memo stays bounded
+            _ONLY[res] = got
+    return got
 
 
 def is_sparse(ev: BlockStored) -> bool:
@@ -150,6 +169,15 @@ def _lora(ev: BlockStored) -> str | None:
     return ev.lora_name if ev.lora_name is not None else (None if ev.lora_id is None else f"lora_id:{ev.lora_id}")
 
 
+_NOTHING: dict[str, Entry | None] = {}  # the engine map just wiped (BatchApplier._base)
+
+
+@functools.lru_cache(maxsize=1024)
+def _prefix_space(block_size: int) -> str:
+    """``prefix_space`` memoized (a few block sizes per engine)."""
+    return prefix_space(block_size)
+
+
 @functools.lru_cache(maxsize=1024)
 def _plain_root(block_size: int, lora: str | None) -> int:
     """``vh.namespace_root`` of a chain without namespace extras (memoized: a few per engine)."""
@@ -200,14 +228,10 @@ class Mirror:
             self.entries.clear()
             self.complete = False
         e = self.entries
-        if self.complete:
-            for f, v in values.items():
-                if v is None:
-                    e.pop(f, None)
-                else:
-                    e[f] = v
-        else:
-            e.update(values)
+        e.update(values)
+        if self.complete:  # a complete mirror holds no None: a field deleted is absent
+            for f in [f for f, v in values.items() if v is None]:
+                del e[f]
 
 
 class BatchApplier:
@@ -219,7 +243,10 @@ class BatchApplier:
         self.fetched: dict[str, Entry | None] = {}
         self.changed: dict[str, Entry | None] = {}
         self.wiped = False
-        self.ops: dict[tuple[str, str], list[tuple[str, int]]] = {}  # (medium, space) -> ops
+        #: (medium, space) -> its ops folded as Store.apply takes them ({chunk hash text: ADMIT|EVICT},
+        #: each chunk's last op), and [admits, evicts] as they came (kvlookup_ingest_ops_total)
+        self.ops: dict[tuple[str, str], dict[str, str]] = {}
+        self.counts: dict[tuple[str, str], list[int]] = {}
         self.new_chains = False
         self.new_groups: dict[int, GroupSpec] = {}
         self.session: str | None = None
@@ -228,8 +255,17 @@ class BatchApplier:
     def run(self, events: Sequence[Event], persist: dict[str, str | int]) -> None:
         """Apply ``events``; write ``persist`` (instance hash fields) with the last writes."""
         self._prefetch(events)
+        plain = self._stored_plain
         for ev in events:
             try:
+                if type(ev) is BlockStored and ev.group_idx is None and ev.locality is None \
+                        and ev.ownership is None and ev.extra_keys is None and not ev.lookahead_token_ids \
+                        and ev.token_ids and ev.block_hashes and type(bs := ev.block_size) is int \
+                        and 0 < bs <= MAX_BLOCK_SIZE:  # the usual store: what _stored would find
+                    if ev.session_id:
+                        self.session = ev.session_id
+                    plain(ev, bs, ev.medium or DEFAULT_MEDIUM)
+                    continue
                 self._event(ev)
             except WireError as exc:
                 self.ctx.rejected[exc.reason] += 1
@@ -321,7 +357,7 @@ class BatchApplier:
         if space == chain_space and (bs, lookahead) not in self.ctx.chains:
             self.ctx.chains.add((bs, lookahead))
             self.new_chains = True
-        ops = self.ops.setdefault((medium, space), [])
+        ops = self._ops(medium, space)
         for engine_hash, own in zip(ev.block_hashes, owns, strict=True):
             self._place(engine_field(engine_hash, g), own, space, medium, res, ops)
 
@@ -329,34 +365,54 @@ class BatchApplier:
         """:meth:`_stored` of the usual store, in one loop: the prefix chain of a rank without groups
         (group None), plain blocks (no extra keys, no lookahead), no ownership."""
         hashes, tokens = ev.block_hashes, ev.token_ids
-        if len(tokens) != len(hashes) * bs:
-            raise WireError("token_count", f"{len(tokens)} tokens for {len(hashes)} blocks of {bs}")
+        n = len(hashes)
+        if len(tokens) != n * bs:
+            raise WireError("token_count", f"{len(tokens)} tokens for {n} blocks of {bs}")
+        changed, base = self.changed, self._base()
         if ev.parent_block_hash is None:
             parent = _plain_root(bs, _lora(ev))
         else:
-            entry = self._get(engine_field(ev.parent_block_hash))
+            f = str(ev.parent_block_hash)  # engine_field(parent, None)
+            entry = changed[f] if f in changed else base(f)
             if entry is None:  # group None: no other group to place it from
                 raise WireError("unknown_parent", f"parent {ev.parent_block_hash} is not known")
             parent = entry.own
-        space = prefix_space(bs)
+        space = _prefix_space(bs)
         if (bs, 0) not in self.ctx.chains:
             self.ctx.chains.add((bs, 0))
             self.new_chains = True
-        ops = self.ops.setdefault((medium, space), [])
-        changed, get = self.changed, self._get
-        for engine_hash, own in zip(hashes, vh.plain_chain(parent, tokens, bs), strict=True):
+        ops = self._ops(medium, space)
+        self.counts[(medium, space)][0] += n
+        if n == 1:  # a decode step's store: vh.plain_chain of one block
+            owns = [hash((parent, tokens if type(tokens) is tuple else tuple(tokens)))]
+        else:
+            owns = vh.plain_chain(parent, tokens, bs)
+        fresh = only(medium)
+        for engine_hash, own in zip(hashes, owns, strict=True):
             f = str(engine_hash)  # engine_field(engine_hash, None)
-            old = get(f)
-            changed[f] = Entry(own, {*old.media, medium} if old and old.own == own else {medium}, space)
-            ops.append((ADMIT, own))
+            old = changed[f] if f in changed else base(f)
+            changed[f] = Entry(own, fresh if not old or old.own != own else
+                               old.media if medium in old.media else {*old.media, medium}, space)
+            ops[str(own)] = ADMIT  # chunk_text
 
-    def _place(self, f, own: int, space, medium: str, res, ops: list | None = None) -> None:
+    def _place(self, f, own: int, space, medium: str, res, ops: dict | None = None) -> None:
         """Admit our chunk hash ``own`` under the engine field ``f`` in ``space`` for ``medium``
         (residency ``res``), keeping the media the field already had for the same hash. ops: the
         (medium, space) op list, when the caller has it."""
         old = self._get(f)
-        self.changed[f] = Entry(own, {*old.media, res} if old and old.own == own else {res}, space)
-        (self.ops.setdefault((medium, space), []) if ops is None else ops).append((ADMIT, own))
+        self.changed[f] = Entry(own, only(res) if not old or old.own != own else
+                                old.media if res in old.media else {*old.media, res}, space)
+        (self._ops(medium, space) if ops is None else ops)[str(own)] = ADMIT
+        self.counts[(medium, space)][0] += 1
+
+    def _ops(self, medium: str, space: str) -> dict[str, str]:
+        """The folded ops of (medium, space) (see ``self.ops``), made empty when new."""
+        key = (medium, space)
+        ops = self.ops.get(key)
+        if ops is None:
+            ops = self.ops[key] = {}
+            self.counts[key] = [0, 0]
+        return ops
 
     def _lookahead(self, ev: BlockStored) -> int:
         la = ev.lookahead_token_ids
@@ -435,21 +491,26 @@ class BatchApplier:
         res = residency(medium, ev.ownership)
         g = ev.group_idx
         alone = not g and not self.ctx.groups  # no other group may hold the same record
-        changed = self.changed
+        changed, base = self.changed, self._base()
+        legacy = self.ctx.legacy_space
+        last_space, space_ops, count = None, None, None
         for engine_hash in ev.block_hashes:
             f = engine_field(engine_hash, g)
-            old = self._get(f)
+            old = changed[f] if f in changed else base(f)
             if old is None or res not in old.media:
                 self.ctx.skipped["remove_unknown"] += 1
                 continue
             media = old.media - {res}
             entry = Entry(old.own, media, old.space)
             changed[f] = entry if media else None
-            space = old.space or self.ctx.legacy_space
+            space = old.space or legacy
             if not space or (media and alone and any(medium_of(r) == medium for r in media)):
                 continue
             if (alone and not media) or not self._still_held(engine_hash, g, entry, medium, space):
-                self.ops.setdefault((medium, space), []).append((EVICT, old.own))
+                if space != last_space:
+                    last_space, space_ops, count = space, self._ops(medium, space), self.counts[(medium, space)]
+                space_ops[str(old.own)] = EVICT  # type: ignore[index]  # chunk_text
+                count[1] += 1  # type: ignore[index]
 
     def _still_held(self, engine_hash: int, group_idx: int | None, entry: Entry, medium: str, space: str) -> bool:
         """Whether another residency of ``medium`` keeps the record in ``space``: the same entry
@@ -475,12 +536,18 @@ class BatchApplier:
     def _get(self, f: str) -> Entry | None:
         if f in self.changed:
             return self.changed[f]
+        return self._base()(f)
+
+    def _base(self) -> Callable[[str], Entry | None]:
+        """Where :meth:`_get` reads a field the batch has not changed: nothing after a wipe in this
+        batch, a complete mirror, else what :meth:`_prefetch` read (a dict's ``get``; call it anew
+        after each event, a wipe changes it)."""
         if self.wiped:
-            return None
+            return _NOTHING.get
         mirror = self.ctx.mirror
         if mirror is not None and mirror.complete:
-            return mirror.entries.get(f)
-        return self.fetched.get(f)
+            return mirror.entries.get
+        return self.fetched.get
 
     def _prefetch(self, events: Sequence[Event]) -> None:
         """Read the engine map fields the batch may need (one HMGET), unless the mirror is complete
@@ -532,8 +599,9 @@ class BatchApplier:
         by_space: dict[str, list] = {}
         for (medium, space), ops in self.ops.items():
             if ops:
-                by_space.setdefault(space, []).append((ctx.instance_id, ctx.rank, medium, ops))
-        self.ops = {}
+                by_space.setdefault(space, []).append((ctx.instance_id, ctx.rank, medium, ops,
+                                                       self.counts[(medium, space)]))
+        self.ops, self.counts = {}, {}
         sets = {f: e.format() for f, e in self.changed.items() if e is not None}
         dels = [f for f, e in self.changed.items() if e is None]
         persist = dict(persist)
@@ -561,13 +629,18 @@ class BatchApplier:
         self.changed = {}
 
     def _apply(self, batches: list, space: str, then: Sequence[tuple]) -> None:
+        """Write one space's (instance, rank, medium, folded ops, [admits, evicts]) batches."""
+        writes = [b[:4] for b in batches]
         try:
-            self.ctx.store.apply(batches, space=space, then=then)
+            self.ctx.store.apply(writes, space=space, then=then)
         except NotRegistered:
             ctx = self.ctx
             log.warning("%s rank %d was deregistered; registering it again", ctx.instance_id, ctx.rank)
             ctx.register()
-            self.ctx.store.apply(batches, space=space, then=then)
-        for batch in batches:
-            metrics.count_ops(batch[3], "applied")
+            self.ctx.store.apply(writes, space=space, then=then)
+        admits, evicts = sum(b[4][0] for b in batches), sum(b[4][1] for b in batches)
+        if admits:
+            metrics.INGEST_OPS.labels("admit", "applied").inc(admits)
+        if evicts:
+            metrics.INGEST_OPS.labels("evict", "applied").inc(evicts)
 
