@@ -14,6 +14,7 @@ from flask import Flask, jsonify, request
 from flask.json.provider import DefaultJSONProvider
 
 from kvlookup import config as kvconfig
+from kvlookup import native
 from kvlookup.client import Client, VllmChains
 from kvlookup.proc.redis_server import connect
 
@@ -29,6 +30,7 @@ def create_app(settings: kvconfig.Settings | Mapping[str, Any] | None = None) ->
 
     if not isinstance(settings, kvconfig.Settings):
         settings = kvconfig.load(os.environ.get("KVLOOKUP_CONFIG"), overrides=settings or {})
+    native.configure(settings.native)  # C decode + hash of /lookup, or pure Python (kvlookup.native)
     if not settings.redis_url:
         raise ValueError("redis_url is not set (KVLOOKUP_REDIS_URL, --redis-url, or run `kvlookup controller`)")
     app = Flask(__name__)

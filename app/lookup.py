@@ -33,12 +33,13 @@ import sys
 import time
 from array import array
 from collections.abc import Callable, Iterable
-from typing import Annotated
+from typing import Annotated, cast
 from urllib.parse import parse_qs
 
 import msgspec
 import redis
 
+from kvlookup import native
 from kvlookup.app import fleet_metrics
 from kvlookup.app.errors import ApiError, decode_body, send_json
 from kvlookup.client import Client, InstanceMatch, TokenId, new_event_id
@@ -89,10 +90,26 @@ def parse_request(body: bytes, max_tokens: int, content_type: str = "",
     elif kind in MSGPACK:
         req = decode_body(body, LookupRequest, "MessagePack")
     else:
-        req = decode_body(body, LookupRequest)
+        req = _plain_json(body) or decode_body(body, LookupRequest)
     if len(req.tokens) > max_tokens:
         raise ApiError(413, f"'tokens' has {len(req.tokens)} ids, more than the maximum {max_tokens}")
     return req
+
+
+def _plain_json(body: bytes) -> LookupRequest | None:
+    """The C fast path (kvlookup.native) for LMCache's plain body ``{"tokens": [ids]}``: the ids
+    as an ``array('I')`` (no int objects; the hashes read it as a buffer). None for any other body
+    (other fields, a bad id, not JSON) and without the extension: :func:`decode_body` decodes it,
+    with its errors."""
+    ext = native.ext
+    if ext is None:
+        return None
+    packed = ext.decode_tokens(body)
+    if packed is None:
+        return None
+    ids = array("I")
+    ids.frombytes(packed)
+    return LookupRequest(cast(list, ids))  # a sequence of the same ids: len, index, slice, buffer
 
 
 def _raw_uint32(body: bytes, query: dict[str, list[str]]) -> LookupRequest:
@@ -109,7 +126,8 @@ def _raw_uint32(body: bytes, query: dict[str, list[str]]) -> LookupRequest:
         raise ApiError(400, "query parameter 'world_size' must be an integer 1..255") from None
     if not 1 <= world_size <= 255:
         raise ApiError(400, "query parameter 'world_size' must be an integer 1..255")
-    return LookupRequest(ids.tolist(), query.get("lora_name", [None])[0] or None,
+    tokens = ids if native.ext is not None else ids.tolist()  # the extension hashes the buffer itself
+    return LookupRequest(cast(list, tokens), query.get("lora_name", [None])[0] or None,
                          query.get("cache_salt", [None])[0] or None, query.get("model_name", [None])[0] or None,
                          world_size)
 
@@ -209,7 +227,7 @@ class LookupRoute:
         """``POST /lookup/explain``: the same body, query and errors as /lookup; the answer is
         :meth:`kvlookup.index.explain.Explainer.explain` of the /lookup answer ``body``."""
         try:
-            out = self.explainer.explain(req.tokens, body, Namespace(req.lora_name, req.cache_salt))
+            out = self.explainer.explain(list(req.tokens), body, Namespace(req.lora_name, req.cache_salt))
             if req.model_name is not None and self.mp is not None:
                 out["mp"] = self.mp.explain(req)  # LMCache MP instances (app.coordinator.Scoper.explain)
         except redis.RedisError as exc:

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvlookup import config as kvconfig
+from kvlookup import native
 from kvlookup.config import names, options
 from kvlookup.proc.redis_urls import redacted
 from kvlookup.proc.runtime import GunicornController, ensure_redis, master_temp_dir, setup_logging
@@ -314,6 +315,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
     settings = kvconfig.load(args.config, overrides=_overrides(args, options.SIDECAR))
     setup_logging(settings.log_level)
+    native.configure(settings.native)  # the C chunk chains for vLLM blocks (kvlookup.native)
     if not (settings.pull_url or settings.reply_url or settings.vllm_endpoint or settings.vllm_url
             or settings.mp_listen):
         raise ValueError("a sidecar needs --pull-url, --reply-url, --vllm-endpoint, --vllm-url and/or --mp-listen")

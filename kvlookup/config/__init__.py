@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from kvlookup import native
 from kvlookup.config import names
 from kvlookup.config.options import COMMON, CONTROLLER, EMBEDDED, ENV_PREFIX, SIDECAR, setting
 from kvlookup.hashing.lmcache import EXTRA_KEYS_MODES, HashProfile, profile_from_lmcache_yaml
@@ -294,14 +295,24 @@ class Settings:
         None, readers=(SIDECAR, EMBEDDED),
         help="the model this sidecar's instances serve: /lookup with model_name answers them only for it "
              "(default: undeclared, answered for every model)")
+    native: str = setting(
+        "auto", readers=(CONTROLLER, SIDECAR), flag="",
+        help="the C hot path (kvlookup._native): auto, on or off",
+        doc="the C extension for the hot path (kvlookup/native.py): the decode of a plain `{\"tokens\": [ids]}` "
+            "/lookup body and the tuple-hash chunk chains (LMCache builtin, kvlookup's vLLM chain), bit-exact with "
+            "the pure-Python code. `auto`: used when built (pip builds it when a C compiler is there); `on`: a "
+            "process without it refuses to start; `off` (or `0`): pure Python. `1`/`0` mean on/off")
 
     def validate(self) -> Settings:
         """Check every setting; raise ValueError ``"<setting>: <value> is not ..."`` naming the
         first bad one (or the two that conflict). Strings (environment, flags, quoted YAML) are
         converted to the setting's type. Returns self."""
+        self.native = native.normalize_mode(self.native)  # first: YAML reads a bare off/on as a bool
         for f in dataclasses.fields(self):
             setattr(self, f.name, typed(f.name, getattr(self, f.name)))
         self._validate_ranges()
+        if self.native == "on" and not native.available():
+            raise ValueError(f"native: on, but {native.WHY_NOT} (pip builds it when a C compiler is there)")
         self._read_password_file()
         if self.sidecar_id is not None and not (0 < len(self.sidecar_id) <= 256 and self.sidecar_id.isprintable()):
             raise ValueError(f"sidecar_id: {self.sidecar_id!r} is not 1..256 printable characters")

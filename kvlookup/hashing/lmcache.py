@@ -14,7 +14,8 @@ extra_keys / algo     H(prefix, chunk)                            LMCache versio
 ``sha256``            sha256 hex of prefix str + uint32-LE tokens 0.3.0 - 0.3.2
 ====================  ==========================================  ===================
 
-The builtin variants run CPython's tuple hash in C, one call per chunk.
+The builtin variants run CPython's tuple hash in C, one call per chunk; with the C extension
+(kvlookup.native) the whole chain is one call, the same values.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from kvlookup import native
 
 #: CPython 3.12+'s constant ``hash(None)``. On 3.11 and older ``hash(None)`` is derived from an
 #: address, so the ``none`` profile substitutes this int, whose hash is the same value.
@@ -134,10 +137,15 @@ class HashProfile:
         Returns one hash per chunk of :meth:`chunk_bounds`: ints for the builtin algorithm,
         lowercase hex strings for sha256. Mirrors LMCache ``ChunkedTokenDatabase.process_tokens``.
         """
-        bounds = self.chunk_bounds(len(tokens))
         if self.algorithm == "sha256":
-            return _sha256_chain(tokens, bounds)
-        return _builtin_chain(tokens, bounds, self.none_hash, self.extra_keys)
+            return _sha256_chain(tokens, self.chunk_bounds(len(tokens)))
+        ext = native.ext
+        if ext is not None:  # the same chain in C (kvlookup._native), bit-exact with _builtin_chain
+            if self.extra_keys == "absent":
+                return ext.chain(self.none_hash, tokens, self.chunk_size, self.save_unfull_chunk)
+            extra = () if self.extra_keys == "empty" else HASH_OF_NONE
+            return ext.chain(self.none_hash, tokens, self.chunk_size, self.save_unfull_chunk, extra)
+        return _builtin_chain(tokens, self.chunk_bounds(len(tokens)), self.none_hash, self.extra_keys)
 
 
 def _builtin_chain(tokens: Sequence[int], bounds: list[tuple[int, int]], none_hash: int, mode: str) -> list[int]:

@@ -33,6 +33,8 @@ from typing import Any
 
 import msgspec
 
+from kvlookup import native
+
 ROOT_TAG = "kvlookup-vllm/1"
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -97,7 +99,11 @@ def plain_chain(parent: int, tokens: Sequence[int], block_size: int) -> list[int
     """:func:`chain` of plain blocks (no extras, no lookahead), the same values, faster: the
     blocks are cut by ``zip`` at C speed (``zip(*[iter(tokens)] * block_size)`` yields each block
     as the tuple :func:`chain_step` would build), so a step is one 2-tuple and one C hash, no
-    slice or call per block. tokens: any iterable of ints (list, ``array('I')``)."""
+    slice or call per block; with the C extension (kvlookup.native) the whole chain is one call.
+    tokens: any iterable of ints (list, ``array('I')``)."""
+    ext = native.ext
+    if ext is not None:
+        return ext.chain(parent, tokens, block_size, False)
     out: list[int] = []
     append = out.append
     h = parent
