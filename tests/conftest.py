@@ -19,6 +19,7 @@ from tests.compat.gate import (  # noqa: F401  (hooks: compatibility skips say w
     pytest_runtest_makereport,
     pytest_terminal_summary,
 )
+from tests.support import native as native_impl
 
 SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 SEED_HASH = 4690244967161877535
@@ -60,6 +61,14 @@ def pytest_collection_modifyitems(config, items):
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep
+
+
+@pytest.fixture(params=native_impl.IMPLS)
+def impl(request, monkeypatch):
+    """``python`` or ``native``: the hot path's implementation for this test (tests/support/native.py);
+    the process's own mode comes back afterwards."""
+    native_impl.use(request.param, monkeypatch)
+    return request.param
 
 
 @pytest.fixture(params=BACKENDS)
