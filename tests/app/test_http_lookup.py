@@ -1,4 +1,7 @@
-"""POST /lookup through the Flask app: response shapes and bad input (4xx JSON, never 500)."""
+"""POST /lookup through the Flask app: response shapes and bad input (4xx JSON, never 500).
+
+Every test runs under both implementations of the body decode and the hashes (``impl``:
+python, native; tests/support/native.py): the answers and the errors are the same."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import pytest
 from kvlookup.app import create_app
 from kvlookup.index.store import ADMIT
 from tests.conftest import SEED_HASH, SEED_TOKENS
+
+pytestmark = pytest.mark.usefixtures("impl")
 
 
 @pytest.fixture()
@@ -173,9 +178,9 @@ def test_binary_bodies_answer_as_json_does(http):
         answers.append((resp.status_code, _without_event_id(resp.get_json())))
     assert answers == [(200, {"lmcache_default_instance": ["LocalCPUBackend", 12]})] * 3
     req = parse_request(raw, 100, "application/octet-stream", {"lora_name": ["sql"], "cache_salt": ["s1"]})
-    assert (req.tokens, req.lora_name, req.cache_salt) == (SEED_TOKENS, "sql", "s1")
+    assert (list(req.tokens), req.lora_name, req.cache_salt) == (SEED_TOKENS, "sql", "s1")  # native: array('I')
     big = struct.pack("<2I", 2**32 - 1, 0)
-    assert parse_request(big, 100, "application/octet-stream; charset=binary").tokens == [2**32 - 1, 0]
+    assert list(parse_request(big, 100, "application/octet-stream; charset=binary").tokens) == [2**32 - 1, 0]
 
 
 @pytest.mark.parametrize(("ctype", "data", "status", "error"), [

@@ -167,6 +167,7 @@ def test_own_chain_namespaces_and_blocks():
     assert vh.split_extra_keys(None, "x") == ()
 
 
+@pytest.mark.usefixtures("impl")
 def test_plain_chain_is_chain():
     """The lookup's fast chain (vh.plain_chain) gives chain's values: pinned, and equal over
     block sizes, partial tails, roots and input types (list, array('I'), tuple)."""
