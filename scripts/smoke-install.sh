@@ -31,6 +31,14 @@ if [ "$tops" != "kvlookup" ]; then
   echo "smoke: the wheel's top-level names are '$tops', not 'kvlookup'" >&2
   exit 1
 fi
+# the C hot path (kvlookup._native, setup.py: optional): in the wheel when a compiler was there, and in
+# use by the installed package; KVLOOKUP_REQUIRE_NATIVE=1 (CI) makes a wheel without it a failure
+native=$(cd "$work" && "$work/venv/bin/python" -c 'from kvlookup import native; print("in use" if native.ext else "not in use: " + native.WHY_NOT)')
+echo "smoke: native extension $native"
+if [ "${KVLOOKUP_REQUIRE_NATIVE:-}" = 1 ] && [ "$native" != "in use" ]; then
+  echo "smoke: KVLOOKUP_REQUIRE_NATIVE=1 but the wheel's C extension is $native" >&2
+  exit 1
+fi
 
 # away from the checkout, in a project directory with packages of its own named app and sidecar:
 # only the installed package is kvlookup's, and `python -m kvlookup` (cwd on sys.path) still works

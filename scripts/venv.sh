@@ -3,7 +3,9 @@
 # python3) and install kvlookup in it, editable, with the extras named in $1 (e.g. "test").
 # An interpreter older than 3.11 stops here with one message saying how to pick another; a
 # .venv whose Python is too old or broken (a removed interpreter, no pip) is built again.
-# The install is skipped when pyproject.toml has not changed since the last one for $1.
+# The install is skipped when pyproject.toml, setup.py and the C extension's source have not
+# changed since the last one for $1 and the extension is there where a C compiler is (the
+# editable install builds kvlookup._native in place; setup.py).
 PY=${PYTHON:-python3}
 # py_ok PYTHON: it runs, and it is Python 3.11 or newer
 py_ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; }
@@ -27,7 +29,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=".venv/.kvlookup-installed-$1"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+    || [ kvlookup/_native.c -nt "$stamp" ] \
+    || { command -v "${CC:-cc}" >/dev/null && ! compgen -G "kvlookup/_native*.so" >/dev/null; }; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[$1]"
   touch "$stamp"
