@@ -1,7 +1,7 @@
 /*
  * kvlookup._native: the controller's hot path in C (plain CPython C API, no other dependency).
  *
- * decode_tokens(body) -> bytes | None
+ * decode_tokens(body) -> bytearray | None
  *     The token ids of a /lookup body that is exactly {"tokens": [<ints>]} (JSON whitespace
  *     allowed between tokens), packed as native-endian uint32 (4 bytes an id). Each id must be
  *     plain decimal digits (no sign, fraction, exponent or leading zero) below 2^32. Anything
@@ -291,19 +291,20 @@ static PyObject *native_decode_tokens(PyObject *self, PyObject *arg) {
     }
     /* every id takes a digit and a separator but the last: at most len/2 + 1 ids */
     Py_ssize_t room = body.len / 2 + 1;
-    PyObject *packed = PyBytes_FromStringAndSize(NULL, room * 4);
+    PyObject *packed = PyByteArray_FromStringAndSize(NULL, room * 4);
     if (packed == NULL) {
         PyBuffer_Release(&body);
         return NULL;
     }
     const char *start = (const char *)body.buf;
-    Py_ssize_t n = parse_body(start, start + body.len, (uint32_t *)PyBytes_AS_STRING(packed));
+    Py_ssize_t n = parse_body(start, start + body.len, (uint32_t *)PyByteArray_AS_STRING(packed));
     PyBuffer_Release(&body);
     if (n < 0) {
         Py_DECREF(packed);
         Py_RETURN_NONE;
     }
-    if (_PyBytes_Resize(&packed, n * 4) != 0) {
+    if (PyByteArray_Resize(packed, n * 4) != 0) {
+        Py_DECREF(packed);
         return NULL;
     }
     return packed;
@@ -313,7 +314,7 @@ static PyMethodDef methods[] = {
     {"chain", native_chain, METH_VARARGS,
      "chain(prefix, tokens, size, tail, extra=<absent>) -> list[int]: CPython tuple-hash chunk chain."},
     {"decode_tokens", native_decode_tokens, METH_O,
-     "decode_tokens(body) -> bytes | None: the uint32 ids of a {\"tokens\": [ints]} body, or None."},
+     "decode_tokens(body) -> bytearray | None: the uint32 ids of a {\"tokens\": [ints]} body, or None."},
     {NULL, NULL, 0, NULL},
 };
 
