@@ -15,6 +15,7 @@ settings' validation rejects it); :func:`configure` applies a validated setting.
 
 from __future__ import annotations
 
+import importlib
 import os
 from array import array
 from types import ModuleType
@@ -27,8 +28,8 @@ _ALIASES = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "n
 
 def _load() -> tuple[ModuleType | None, str]:
     """The extension if it is importable and bit-exact with this interpreter, else (None, why)."""
-    try:
-        from kvlookup import _native  # type: ignore[attr-defined]
+    try:  # by name: the package itself (kvlookup/__init__.py) imports the client, which imports this
+        _native = importlib.import_module("kvlookup._native")
     except ImportError as exc:
         return None, f"kvlookup._native is not built ({exc})"
     if not _agrees(_native):
