@@ -70,11 +70,25 @@ static Py_hash_t hash_u32(const uint32_t *ids, Py_ssize_t n) {
     return finish(acc, (u64)n);
 }
 
-/* Tuple hash of n objects; -1 with an exception set when one is unhashable. */
-static Py_hash_t hash_objects(PyObject **items, Py_ssize_t n) {
+/* Tuple hash of the n items of seq (a list or tuple) from start; -1 with an exception set when one
+ * is unhashable. An item's __hash__ may run Python code that changes a list under us: each item
+ * is held while it is hashed and the size checked before each read. */
+static Py_hash_t hash_items(PyObject *seq, Py_ssize_t start, Py_ssize_t n) {
     u64 acc = PRIME_5;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_hash_t h = PyObject_Hash(items[i]);
+        if (start + i >= PySequence_Fast_GET_SIZE(seq)) {
+            PyErr_SetString(PyExc_RuntimeError, "chain: tokens changed size while being hashed");
+            return -1;
+        }
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, start + i);
+        Py_hash_t h;
+        if (PyLong_CheckExact(item)) {
+            h = PyObject_Hash(item);  /* runs no Python code */
+        } else {
+            Py_INCREF(item);
+            h = PyObject_Hash(item);
+            Py_DECREF(item);
+        }
         if (h == -1) {
             return -1;
         }
@@ -121,7 +135,6 @@ static PyObject *native_chain(PyObject *self, PyObject *args) {
     Py_buffer view;
     const uint32_t *ids = NULL;
     PyObject *seq = NULL;
-    PyObject **items = NULL;
     Py_ssize_t n;
     if (PyObject_CheckBuffer(tokens) && PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
         if (is_u32_buffer(&view)) {
@@ -138,7 +151,6 @@ static PyObject *native_chain(PyObject *self, PyObject *args) {
         if (seq == NULL) {
             return NULL;
         }
-        items = PySequence_Fast_ITEMS(seq);
         n = PySequence_Fast_GET_SIZE(seq);
     }
     Py_ssize_t full = n / size;
@@ -150,7 +162,7 @@ static PyObject *native_chain(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < count; i++) {
         Py_ssize_t start = i * size;
         Py_ssize_t len = i < full ? size : n - start;
-        Py_hash_t chunk = ids ? hash_u32(ids + start, len) : hash_objects(items + start, len);
+        Py_hash_t chunk = ids ? hash_u32(ids + start, len) : hash_items(seq, start, len);
         if (chunk == -1) {
             Py_DECREF(out);
             goto fail;
