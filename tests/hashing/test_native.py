@@ -104,6 +104,19 @@ def test_bad_arguments_raise_as_python_does(ext):
         ext.chain(0, 5, 1, True)
 
 
+def test_a_list_changed_while_hashed_is_an_error_not_a_crash(ext):
+    tokens: list = []
+
+    class Shrinks:
+        def __hash__(self):
+            tokens.clear()
+            return 1
+
+    tokens.extend([Shrinks(), 2, 3, 4])
+    with pytest.raises(RuntimeError, match="tokens changed size while being hashed"):
+        ext.chain(0, tokens, 2, True, ())
+
+
 def test_self_check_rejects_a_disagreeing_module():
     class Wrong:
         @staticmethod
