@@ -5,6 +5,7 @@ by digest (one pipelined round trip) or from cached copies."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import redis
 
@@ -65,29 +66,34 @@ class SingleNodeRecords:
         return [all(int(results[c][j]) >= 0 for c, j in w) for w in where]
 
     def _call(self, space: str, pieces: list[tuple[str, list[str], int]], score: int) -> tuple:
-        """One APPLY_OPS command: each piece (holder id, chunk hashes, how many of them are admits)."""
+        """One APPLY_OPS command: each piece (holder id, chunk hashes (admits first), admits among them)."""
         prefix = keys.chunk_prefix(space)
         bucket, tails = keys.chunk_bucket, keys.DECIMAL_TAILS
-        chunks: dict[str, list[str]] = {}  # hash -> [op codes, chunk key, bucket key of each op]
         head = [keys.holders_key(), keys.dead_holders_key(), keys.records_key()]
+        chunks: dict[str, list[str]] = {}  # hash -> [chunk key, bucket key of each op]
+        codes: dict[str, str] = {}  # hash -> one byte an op (scripts.APPLY_OPS), in the same order
         for j, (hid, part, na) in enumerate(pieces):
             head += (keys.holder_evicted_key(hid), keys.holder_buckets_key(hid))
             buckets = keys.holder_bucket_keys(hid)
-            for k, h in enumerate(part):
-                code = _ADMIT[j] if k < na else _EVICT[j]
-                bk = buckets[b if (b := tails.get(h[-4:])) is not None else bucket(h)]
-                g = chunks.get(h)
-                if g is None:
-                    chunks[h] = [code, prefix + h, bk]
-                else:
-                    g[0] += code
-                    g.append(bk)
-        codes = []
-        for g in chunks.values():
-            codes.append(g[0])
-            head += g[1:]
+            bks = [buckets[b if (b := tails.get(h[-4:])) is not None else bucket(h)] for h in part]
+            if j == 0:
+                chunks = {h: [prefix + h, bk] for h, bk in zip(part, bks, strict=True)}
+                codes = dict.fromkeys(part[:na], _ADMIT[0])
+                codes.update(dict.fromkeys(part[na:], _EVICT[0]))
+                continue
+            get = chunks.get
+            for code, hs, bs in ((_ADMIT[j], part[:na], bks[:na]), (_EVICT[j], part[na:], bks[na:])):
+                for h, bk in zip(hs, bs, strict=True):
+                    g = get(h)
+                    if g is None:
+                        chunks[h] = [prefix + h, bk]
+                        codes[h] = code
+                    else:
+                        g.append(bk)
+                        codes[h] += code
+        head.extend(chain.from_iterable(chunks.values()))
         return ("EVALSHA", self._apply, len(head), *head, score, len(prefix), keys.EVICTED_MAX,
-                keys.EVICTED_TTL_MS, len(pieces), *[hid for hid, _p, _n in pieces], *codes)
+                keys.EVICTED_TTL_MS, len(pieces), *[hid for hid, _p, _n in pieces], *codes.values())
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         if self.cached is not None and not UNTRACKED.get():
@@ -108,14 +114,14 @@ class SingleNodeRecords:
 
 def _calls(writes: Sequence[HolderWrite]) -> list[tuple[str, list[tuple[int, list[str], int]]]]:
     """The APPLY_OPS calls of ``writes``: (space, pieces), each piece (write index, chunk hashes
-    (admits first), admits among them). A call holds one space, at most MAX_OPS_PER_CALL ops and
+    (admits first), admits among them). A call holds one group of one space, at most MAX_OPS_PER_CALL ops and
     MAX_HOLDERS_PER_CALL holders, each once; a write is cut into pieces only where a call is
     full (so a write of no ops still gets its holder checked)."""
     out: list[tuple[str, list[tuple[int, list[str], int]]]] = []
-    by_space: dict[str, list[int]] = {}
+    groups: dict[tuple[str, str], list[int]] = {}
     for i, w in enumerate(writes):
-        by_space.setdefault(w.space, []).append(i)
-    for space, idxs in by_space.items():
+        groups.setdefault((w.space, w.group), []).append(i)
+    for (space, _group), idxs in groups.items():
         cur: list[tuple[int, list[str], int]] = []
         holders: set[str] = set()
         room = MAX_OPS_PER_CALL
