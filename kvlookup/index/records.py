@@ -90,12 +90,15 @@ def vllm_chain(block_size: int, hashes: Sequence[int | str]) -> Chain:
 
 @dataclass(frozen=True)
 class HolderWrite:
-    """One holder's folded ops: chunk hashes (text) to admit and to evict, disjoint."""
+    """One holder's folded ops: chunk hashes (text) to admit and to evict, disjoint. group: writes
+    of one group (the holders of one worker: its tiers hold the same chunks) may share one
+    script call on one Redis (kvlookup.index.single); "" is a group too."""
 
     holder_id: str
     space: str
     admits: Sequence[str]
     evicts: Sequence[str]
+    group: str = ""
 
 
 @dataclass(frozen=True)

@@ -611,50 +611,96 @@ end
 return out
 """
 
-#: Apply admits and evicts of one holder (single-node backend). The caller folds a batch to
-#: each chunk's last op (sets and sorted sets only keep the final state), so the ops are
-#: admits then evicts, each a chunk key, its reverse-index bucket key and its hash text.
-#: KEYS[1] holders, KEYS[2] dead, KEYS[3] records, KEYS[4..3+n] chunk keys, KEYS[4+n..3+2n]
-#: the matching reverse-index bucket keys, KEYS[4+2n] the holder's eviction log, KEYS[5+2n] the set
-#: of its bucket numbers (keys.holder_buckets_key: each bucket an admit writes is added, its
-#: number read from the bucket key's tail)
-#: ARGV[1] holder id, ARGV[2] score (admit time, unix ms), ARGV[3] number of admits,
-#: ARGV[4..3+n] chunk hashes (reverse-index members), in KEYS order; ARGV[4+n] evictions the log
-#: keeps, ARGV[5+n] its lifetime (ms) after the last eviction.
-#: An evict that removed a record logs (hash, score) in the eviction log (kvlookup.index.explain).
-#: Returns 1, or -1 when the holder was retired (the caller resolves the current holder and
-#: applies again).
+#: Apply admits and evicts of several holders of one hash space (single-node backend), grouped
+#: by chunk: every op of one chunk set is applied together, so the holders of a chunk arriving in
+#: one call (an instance's CPU and disk tiers) cost one ``ZADD`` and one digest update, and the
+#: new digest of a set made only of them is the sum of digests already known (no read). The
+#: caller folds each holder's ops to each chunk's last op, so a holder has one op per chunk.
+#: KEYS[1] holders, KEYS[2] dead, KEYS[3] records, then for holder j = 1..h: KEYS[2 + 2j] its
+#: eviction log, KEYS[3 + 2j] the set of its bucket numbers (keys.holder_buckets_key: each bucket
+#: an admit writes is added, its number read from the bucket key's tail); then for each chunk:
+#: its chunk key, then one reverse-index bucket key per op of the chunk (of that op's holder).
+#: ARGV[1] score (admit time, unix ms), ARGV[2] length of the chunk keys' prefix (a chunk's hash,
+#: the reverse-index member, is the rest of its key), ARGV[3] evictions a log keeps, ARGV[4] its
+#: lifetime (ms) after the last eviction, ARGV[5] h, ARGV[6..5+h] holder ids, then one string a
+#: chunk: a byte per op, '0' + j - 1 an admit of holder j, 'P' + j - 1 an evict (h <= 32).
+#: An evict that removed a record logs (hash, score) in its holder's eviction log
+#: (kvlookup.index.explain). Returns one integer a holder: 1, or -1 when it was retired (none of
+#: its ops written: the caller resolves the current holder and applies its ops again).
 APPLY_OPS = _DIGEST + """
-local hid, score, na = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local hd = hdig(hid)
-if redis.call('HEXISTS', KEYS[1], hid) == 0 or redis.call('ZSCORE', KEYS[2], hid) then return -1 end
-local n = (#KEYS - 5) / 2
-local delta, logged, marked, marks = 0, {}, {}, {}
-for i = 1, n do
-  local bucket = KEYS[3 + n + i]
-  if i <= na then
-    if not marked[bucket] then
-      marked[bucket] = true
-      marks[#marks + 1] = string.match(bucket, '(%d+)$')
+local score, plen, h = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[5])
+local hids, hds, live, delta, logged, marked, marks, out = {}, {}, {}, {}, {}, {}, {}, {}
+for j = 1, h do
+  local hid = ARGV[5 + j]
+  hids[j], hds[j] = hid, hdig(hid)
+  live[j] = redis.call('HEXISTS', KEYS[1], hid) == 1 and not redis.call('ZSCORE', KEYS[2], hid)
+  out[j] = live[j] and 1 or -1
+  delta[j], logged[j], marked[j], marks[j] = 0, {}, {}, {}
+end
+local za = {}
+local p = 4 + 2 * h
+for c = 6 + h, #ARGV do
+  local code, key = ARGV[c], KEYS[p]
+  local hash = string.sub(key, plen + 1)
+  local na, nadm, nev, r, sa, se = 0, 0, 0, 0, 0, 0
+  for k = 1, #code do
+    local b = string.byte(code, k)
+    local bucket = KEYS[p + k]
+    if b < 80 then
+      local j = b - 47
+      if live[j] then
+        if not marked[j][bucket] then
+          marked[j][bucket] = true
+          local m = marks[j]
+          m[#m + 1] = string.match(bucket, '(%d+)$')
+        end
+        za[na + 1], za[na + 2] = score, hids[j]
+        na, nadm, sa = na + 2, nadm + 1, (sa + hds[j]) % DMOD
+        delta[j] = delta[j] + redis.call('SADD', bucket, hash)
+      end
+    else
+      local j = b - 79
+      if live[j] then
+        nev = nev + 1
+        if redis.call('ZREM', key, hids[j]) == 1 then
+          r, se = r + 1, (se + hds[j]) % DMOD
+          local l = logged[j]
+          l[#l + 1], l[#l + 2] = score, hash
+        end
+        delta[j] = delta[j] - redis.call('SREM', bucket, hash)
+      end
     end
-    if redis.call('ZADD', KEYS[3 + i], score, hid) == 1 then redigest(KEYS[3 + i], hd, 1) end
-    delta = delta + redis.call('SADD', bucket, ARGV[3 + i])
-  else
-    if redis.call('ZREM', KEYS[3 + i], hid) == 1 then
-      redigest(KEYS[3 + i], hd, -1)
-      logged[#logged + 1] = score
-      logged[#logged + 1] = ARGV[3 + i]
+  end
+  p = p + 1 + #code
+  local a = na > 0 and redis.call('ZADD', key, unpack(za, 1, na)) or 0
+  if a + r > 0 then  -- the holder set changed: its digest follows
+    local n = redis.call('ZCARD', key)
+    if n == a then  -- only the holders just added (no digest member)
+      if n >= 2 then redis.call('ZADD', key, -1 - sa, DIGEST) end
+    elseif n == 1 then  -- a == 0: one holder left, or the digest alone
+      redis.call('ZREM', key, DIGEST)
+    elseif n == 2 then  -- the digest and one holder, or two holders
+      if a > 0 or redis.call('ZREM', key, DIGEST) == 0 then resum(key) end
+    else
+      local d = a == nadm and redis.call('ZSCORE', key, DIGEST)
+      if d then
+        redis.call('ZADD', key, -1 - ((-1 - tonumber(d) + sa - se) % DMOD), DIGEST)
+      else
+        resum(key)
+      end
     end
-    delta = delta - redis.call('SREM', bucket, ARGV[3 + i])
   end
 end
-if #marks > 0 then redis.call('SADD', KEYS[5 + 2 * n], unpack(marks)) end
-if delta ~= 0 then redis.call('HINCRBY', KEYS[3], hid, delta) end
-if #logged > 0 then
-  local log = KEYS[4 + 2 * n]
-  for i = 1, #logged, 4000 do redis.call('ZADD', log, unpack(logged, i, math.min(i + 3999, #logged))) end
-  redis.call('ZREMRANGEBYRANK', log, 0, -1 - tonumber(ARGV[4 + n]))
-  redis.call('PEXPIRE', log, ARGV[5 + n])
+for j = 1, h do
+  if #marks[j] > 0 then redis.call('SADD', KEYS[3 + 2 * j], unpack(marks[j])) end
+  if delta[j] ~= 0 then redis.call('HINCRBY', KEYS[3], hids[j], delta[j]) end
+  local l = logged[j]
+  if #l > 0 then
+    local log = KEYS[2 + 2 * j]
+    for i = 1, #l, 4000 do redis.call('ZADD', log, unpack(l, i, math.min(i + 3999, #l))) end
+    redis.call('ZREMRANGEBYRANK', log, 0, -1 - tonumber(ARGV[3]))
+    redis.call('PEXPIRE', log, ARGV[4])
+  end
 end
-return 1
+return out
 """

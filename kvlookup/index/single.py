@@ -5,6 +5,7 @@ by digest (one pipelined round trip) or from cached copies."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import redis
 
@@ -19,6 +20,10 @@ from kvlookup.index.tracking import UNTRACKED, CachedReads
 #: Chunk operations per APPLY_OPS call: a script blocks Redis while it runs, so a huge batch
 #: (a full sync) is applied in slices of this many admits and evicts.
 MAX_OPS_PER_CALL = 5000
+#: Holders per APPLY_OPS call (an op's code is one byte: its holder's position and its kind).
+MAX_HOLDERS_PER_CALL = 32
+_ADMIT = tuple(chr(48 + j) for j in range(MAX_HOLDERS_PER_CALL))
+_EVICT = tuple(chr(80 + j) for j in range(MAX_HOLDERS_PER_CALL))
 
 
 class SingleNodeRecords:
@@ -52,26 +57,43 @@ class SingleNodeRecords:
 
     def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
         cmds: list[tuple] = []
-        calls = []
-        head = (keys.holders_key(), keys.dead_holders_key(), keys.records_key())
-        for w in writes:
-            prefix = keys.chunk_prefix(w.space)
-            buckets = keys.holder_bucket_keys(w.holder_id)
-            bucket, tails = keys.chunk_bucket, keys.DECIMAL_TAILS
-            n = 0
-            ops = [*w.admits, *w.evicts]
-            for i in range(0, max(len(ops), 1), MAX_OPS_PER_CALL):
-                part = ops[i:i + MAX_OPS_PER_CALL]
-                n_admits = max(0, min(len(w.admits) - i, len(part)))
-                cmds.append(("EVALSHA", self._apply, 5 + 2 * len(part), *head, *[prefix + h for h in part],
-                             *[buckets[b if (b := tails.get(h[-4:])) is not None else bucket(h)] for h in part],
-                             keys.holder_evicted_key(w.holder_id), keys.holder_buckets_key(w.holder_id),
-                             w.holder_id, score, n_admits, *part,
-                             keys.EVICTED_MAX, keys.EVICTED_TTL_MS))
-                n += 1
-            calls.append(n)
-        results = iter(raise_errors(self.io.execute([*cmds, *then])))
-        return [min(int(next(results)) for _ in range(n)) >= 0 for n in calls]
+        where: list[list[tuple[int, int]]] = [[] for _ in writes]  # (command, holder position) of each write
+        for space, pieces in _calls(writes):
+            for j, (i, _part, _na) in enumerate(pieces):
+                where[i].append((len(cmds), j))
+            cmds.append(self._call(space, [(writes[i].holder_id, part, na) for i, part, na in pieces], score))
+        results = raise_errors(self.io.execute([*cmds, *then]))
+        return [all(int(results[c][j]) >= 0 for c, j in w) for w in where]
+
+    def _call(self, space: str, pieces: list[tuple[str, list[str], int]], score: int) -> tuple:
+        """One APPLY_OPS command: each piece (holder id, chunk hashes (admits first), admits among them)."""
+        prefix = keys.chunk_prefix(space)
+        bucket, tails = keys.chunk_bucket, keys.DECIMAL_TAILS
+        head = [keys.holders_key(), keys.dead_holders_key(), keys.records_key()]
+        chunks: dict[str, list[str]] = {}  # hash -> [chunk key, bucket key of each op]
+        codes: dict[str, str] = {}  # hash -> one byte an op (scripts.APPLY_OPS), in the same order
+        for j, (hid, part, na) in enumerate(pieces):
+            head += (keys.holder_evicted_key(hid), keys.holder_buckets_key(hid))
+            buckets = keys.holder_bucket_keys(hid)
+            bks = [buckets[b if (b := tails.get(h[-4:])) is not None else bucket(h)] for h in part]
+            if j == 0:
+                chunks = {h: [prefix + h, bk] for h, bk in zip(part, bks, strict=True)}
+                codes = dict.fromkeys(part[:na], _ADMIT[0])
+                codes.update(dict.fromkeys(part[na:], _EVICT[0]))
+                continue
+            get = chunks.get
+            for code, hs, bs in ((_ADMIT[j], part[:na], bks[:na]), (_EVICT[j], part[na:], bks[na:])):
+                for h, bk in zip(hs, bs, strict=True):
+                    g = get(h)
+                    if g is None:
+                        chunks[h] = [prefix + h, bk]
+                        codes[h] = code
+                    else:
+                        g.append(bk)
+                        codes[h] += code
+        head.extend(chain.from_iterable(chunks.values()))
+        return ("EVALSHA", self._apply, len(head), *head, score, len(prefix), keys.EVICTED_MAX,
+                keys.EVICTED_TTL_MS, len(pieces), *[hid for hid, _p, _n in pieces], *codes.values())
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         if self.cached is not None and not UNTRACKED.get():
@@ -88,3 +110,34 @@ class SingleNodeRecords:
 
     def holders(self, chunk_keys: Sequence[str]) -> list[list[str]]:
         return [keys.holders_of(m) for m in raise_errors(self.io.execute([("ZRANGE", k, 0, -1) for k in chunk_keys]))]
+
+
+def _calls(writes: Sequence[HolderWrite]) -> list[tuple[str, list[tuple[int, list[str], int]]]]:
+    """The APPLY_OPS calls of ``writes``: (space, pieces), each piece (write index, chunk hashes
+    (admits first), admits among them). A call holds one group of one space, at most MAX_OPS_PER_CALL ops and
+    MAX_HOLDERS_PER_CALL holders, each once; a write is cut into pieces only where a call is
+    full (so a write of no ops still gets its holder checked)."""
+    out: list[tuple[str, list[tuple[int, list[str], int]]]] = []
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, w in enumerate(writes):
+        groups.setdefault((w.space, w.group), []).append(i)
+    for (space, _group), idxs in groups.items():
+        cur: list[tuple[int, list[str], int]] = []
+        holders: set[str] = set()
+        room = MAX_OPS_PER_CALL
+        for i in idxs:
+            w = writes[i]
+            ops, na, start = [*w.admits, *w.evicts], len(w.admits), 0
+            while True:
+                if len(cur) >= MAX_HOLDERS_PER_CALL or w.holder_id in holders or (room == 0 and start < len(ops)):
+                    out.append((space, cur))
+                    cur, holders, room = [], set(), MAX_OPS_PER_CALL
+                take = min(room, len(ops) - start)
+                cur.append((i, ops[start:start + take], max(0, min(na - start, take))))
+                holders.add(w.holder_id)
+                room, start = room - take, start + take
+                if start >= len(ops):
+                    break
+        if cur:
+            out.append((space, cur))
+    return out

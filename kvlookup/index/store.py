@@ -537,7 +537,7 @@ class Store:
         for _attempt in range(3):
             writes = [HolderWrite(self.holder_id(inst, wid, loc, space), space,
                                   [h for h, op in ops.items() if op == ADMIT],
-                                  [h for h, op in ops.items() if op != ADMIT])
+                                  [h for h, op in ops.items() if op != ADMIT], f"{inst}\t{wid}")
                       for inst, wid, loc, ops in todo]
             ok = self.records.apply(writes, score, then) if then else self.records.apply(writes, score)
             then = ()

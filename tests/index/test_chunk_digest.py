@@ -115,3 +115,37 @@ def test_a_shared_prefix_costs_a_digest_a_chunk(r, store, cluster):
         assert spent == {"zrange": 8, "get": 1}, spent
     else:  # one CHUNK_HEADS call (its ZRANGEs count too)
         assert spent == {"evalsha": 1, "zscore": 8, "get": 1}, spent
+
+
+DISK = "LocalDiskBackend"
+
+
+def test_a_workers_tiers_in_one_call_keep_every_set_exact(r, store):
+    """Both tiers of a worker written in one store.apply (one APPLY_OPS call on one Redis, ops
+    grouped by chunk): new sets of two, a third holder joining, re-admits among the admits,
+    evicts of both tiers at once, an evict beside an admit; each set's digest and holders exact,
+    and the records counts and eviction logs as holder by holder."""
+    _fresh(r)
+    store.register_worker("w", 0)
+    store.register_worker("x", 0)
+    h = HASHES
+    store.apply([("w", 0, CPU, [(ADMIT, int(c)) for c in h[:6]]), ("w", 0, DISK, [(ADMIT, int(c)) for c in h[:4]])],
+                now_ms=1_000)
+    cpu, disk = store.holder_id("w", 0, CPU), store.holder_id("w", 0, DISK)
+    assert [chunk_holders(r, keys.chunk_key(c)) for c in h[:6]] == [{cpu, disk}] * 4 + [{cpu}] * 2
+    store.apply([("x", 0, CPU, [(ADMIT, int(c)) for c in h[:3]])], now_ms=1_500)
+    other = store.holder_id("x", 0, CPU)
+    # re-admits (h0 by both), a new tier (h4 disk), evicts of both tiers (h1), one of one (h2 cpu), and h5 swapped
+    store.apply([("w", 0, CPU, [(ADMIT, int(h[0])), (EVICT, int(h[1])), (EVICT, int(h[2])), (EVICT, int(h[5]))]),
+                 ("w", 0, DISK, [(ADMIT, int(h[0])), (EVICT, int(h[1])), (ADMIT, int(h[4])), (ADMIT, int(h[5]))])],
+                now_ms=2_000)
+    assert [chunk_holders(r, keys.chunk_key(c)) for c in h[:6]] == [
+        {cpu, disk, other}, {other}, {disk, other}, {cpu, disk}, {cpu, disk}, {disk}]
+    store.apply([("w", 0, CPU, [(EVICT, int(h[3])), (EVICT, int(h[4]))]),
+                 ("w", 0, DISK, [(EVICT, int(h[3])), (EVICT, int(h[4]))])], now_ms=3_000)
+    assert not r.exists(keys.chunk_key(h[3])) and not r.exists(keys.chunk_key(h[4]))
+    assert r.zscore(keys.chunk_key(h[0]), cpu) == 2000.0
+    assert r.hmget(keys.records_key(), [cpu, disk, other]) == ["1", "3", "3"]
+    assert sorted(r.zrange(keys.holder_evicted_key(cpu), 0, -1, withscores=True)) == sorted(
+        [(h[1], 2000.0), (h[2], 2000.0), (h[5], 2000.0), (h[3], 3000.0), (h[4], 3000.0)])
+    assert sorted(r.zrange(keys.holder_evicted_key(disk), 0, -1)) == sorted([h[1], h[3], h[4]])
