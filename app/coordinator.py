@@ -145,7 +145,7 @@ def apply_events(d: MPDirectory, data: bytes) -> tuple[int, bytes]:
     "stale"}``; 422 naming the field for a bad body, 413 over the limits, 409 for an instance id a
     live sidecar writes for (nothing applied in each case)."""
     try:
-        req, raws = W.decode_events(data)
+        req = W.decode(data, W.CacheEventsRequest)
     except W.MPBodyError as exc:
         return _fail(422, f"invalid request: {exc}")
     entries = sum(len(b.entries) for b in req.batches)
@@ -154,7 +154,7 @@ def apply_events(d: MPDirectory, data: bytes) -> tuple[int, bytes]:
                           f"({MAX_BATCHES} batches, {MAX_ENTRIES} entries) of one request; send fewer at a time")
     start = time.time()
     try:
-        out = d.apply(req.batches, now=start, raws=raws)
+        out = d.apply(req.batches, now=start)
     except HeldBySidecar as exc:  # an instance id a live sidecar writes for (issue 20 item 10)
         return _fail(409, str(exc))
     mp_metrics.observe_events(req.batches, out, start)

@@ -26,11 +26,8 @@ from __future__ import annotations
 import binascii
 import time
 from collections.abc import Sequence
-from operator import attrgetter
 
 from kvlookup.index import keys as K
-from kvlookup.index import mp_scripts as S
-from kvlookup.index.io import raise_errors
 from kvlookup.index.mp_blend import MPBlend
 from kvlookup.index.mp_registry import DEFAULT_CHUNK_SIZE, DEFAULT_INSTANCE_TIMEOUT_S, ChunkSizeConflict, HeldBySidecar
 from kvlookup.index.mp_values import raw_b64, space_text, tokens_text
@@ -52,33 +49,26 @@ class MPDirectory(MPBlend):
     Errors: redis.RedisError passes through (the HTTP layer answers 503).
     """
 
-    def apply(self, batches: Sequence[W.CacheEventBatch], now: float | None = None,
-              raws: Sequence[bytes | None] | None = None) -> dict[str, int]:
+    def apply(self, batches: Sequence[W.CacheEventBatch], now: float | None = None) -> dict[str, int]:
         """``POST /events``: gate and apply every batch in one atomic script; {applied, duplicates, stale}.
-        HeldBySidecar (nothing applied) when a batch names an instance a live sidecar writes for.
-        ``raws``: per batch its entries' 32-byte hashes concatenated, or None
-        (:func:`kvlookup.wire.lmcache_mp.decode_events`; read from the hex when not given)."""
+        HeldBySidecar (nothing applied) when a batch names an instance a live sidecar writes for."""
         now = time.time() if now is None else now
         self.check_writer(b.instance_id for b in batches)
         args: list = [int(now * 1000), len(batches)]
         buckets: set[str] = set()
         fresh: set[str] = set()  # space texts stored by this request and not interned yet
         bound = False  # any store entry with a token binding (the blend index wants it)
-        for j, b in enumerate(batches):
+        for b in batches:
             args += [b.instance_id, b.incarnation, b.seq, b.event_type, b.tier, b.backend, int(b.shared),
                      b.dropped_events, int(b.ts * 1000), b.capacity_bytes, b.capacity_revision, len(b.entries)]
             store = b.event_type == "store"
-            tokens = store and any(map(_TOKEN_IDS, b.entries))
-            packed = self._uniform(b.entries, store, buckets, tokens, raws[j] if raws is not None else None)
+            packed = self._uniform(b.entries, store, buckets)
             args += self._general(b.entries, store, buckets, fresh) if packed is None else packed
-            bound = bound or tokens
+            bound = bound or (store and any(e.token_ids for e in b.entries))
         order = sorted(buckets)  # KEYS[11..]: the chunk bucket of every entry (keys.mp_chunks_key)
         prefix = K.mp_chunks_prefix()
-        keys = K.mp_script_keys()
-        io = self.mp_io()  # hiredis packs the ~500 arguments of a batch (redis-py's Script: ~1 us each)
-        got = io.execute([("EVALSHA", io.register(S.MP_APPLY), len(keys) + len(order), *keys,
-                           *[prefix + b for b in order], args[0], args[1], ",".join(order), *args[2:])])
-        applied, dup, stale = raise_errors(got)[0]
+        applied, dup, stale = self._apply(keys=K.mp_script_keys() + [prefix + b for b in order],
+                                          args=[args[0], args[1], ",".join(order), *args[2:]])
         self._replicated()
         if bound:
             self._index_blend(batches)
@@ -86,38 +76,35 @@ class MPDirectory(MPBlend):
             self.space_ids(sorted(fresh))  # the next batches pass their ids
         return {"applied": int(applied), "duplicates": int(dup), "stale": int(stale)}
 
-    def _uniform(self, entries: Sequence[W.CacheEventEntry], store: bool, buckets: set[str], tokens: bool,
-                 raw: bytes | None = None) -> list | None:
+    def _uniform(self, entries: Sequence[W.CacheEventEntry], store: bool, buckets: set[str]) -> list | None:
         """MP_APPLY's fixed-width form of a batch's entries, ``[width, size_bytes, refs, bindings]``,
         when every entry has a 32-byte chunk hash written as 64 hex digits, one space whose id is
         known and one size_bytes: the refs ``<bucket><chunk b64>.<space id>`` are built for the
         whole batch at once (numpy), not entry by entry; ``bindings`` is '' when no store entry has
         a token binding, else each entry's (or '') followed by byte 30. None otherwise (or without
-        numpy): the caller packs the general form. Adds the batch's buckets to ``buckets``.
-        ``tokens``: some entry has a token binding; ``raw``: the entries' hashes concatenated when
-        the wire's whole-batch check passed (one (model, salt), 64 hex digits each), else None."""
+        numpy): the caller packs the general form. Adds the batch's buckets to ``buckets``."""
         if np is None or not entries:
             return None
-        keys = list(map(_KEY, entries))
-        if raw is None:
-            if len({(k.model_name, k.cache_salt) for k in keys}) != 1:
-                return None
-            hexes = list(map(_HEX, keys))
-            if set(map(len, hexes)) != {64}:
-                return None
-            try:
-                raw = bytes.fromhex("".join(hexes))
-            except ValueError:
-                return None
-        n = len(keys)
-        if len(raw) != 32 * n or len(set(map(_RANK, keys))) != 1:  # whitespace in a hash; ranks or groups differ
+        keys = [e.key for e in entries]
+        if len({(k.model_name, k.cache_salt, k.kv_rank, k.object_group_id) for k in keys}) != 1:
             return None
         sid = self._names.get("n:s" + space_text(keys[0]))
-        if sid is None or (store and len(set(map(_SIZE, entries))) != 1):
+        if sid is None:
+            return None
+        sizes = {e.size_bytes for e in entries} if store else {0}
+        hexes = [k.chunk_hash_hex for k in keys]
+        if len(sizes) != 1 or set(map(len, hexes)) != {64}:
+            return None
+        n = len(keys)
+        try:
+            raw = bytes.fromhex("".join(hexes))
+        except ValueError:
+            return None
+        if len(raw) != 32 * n:  # whitespace somewhere: not 64 hex digits each
             return None
         bindings = "".join(f"{tokens_text(e.token_ids, e.token_offset) if e.token_ids else ''}\x1e"
-                           for e in entries) if tokens else ""
-        return [_REF_W + len(sid), entries[0].size_bytes if store else 0, _refs(raw, n, sid, buckets), bindings]
+                           for e in entries) if store and any(e.token_ids for e in entries) else ""
+        return [_REF_W + len(sid), sizes.pop(), _refs(raw, n, sid, buckets), bindings]
 
     def _general(self, entries: Sequence[W.CacheEventEntry], store: bool, buckets: set[str],
                  fresh: set[str]) -> list:
@@ -144,8 +131,6 @@ class MPDirectory(MPBlend):
         return [0, 0, "".join(parts), ""]
 
 
-_KEY, _HEX, _SIZE, _TOKEN_IDS = (attrgetter(a) for a in ("key", "chunk_hash_hex", "size_bytes", "token_ids"))
-_RANK = attrgetter("kv_rank", "object_group_id")
 #: Width of a fixed-width ref before its space id: bucket, 43 base64url characters, '.'.
 _REF_W = K.MP_BUCKET_HEX + 44
 _URLSAFE = bytes.maketrans(b"+/", b"-_")

@@ -111,32 +111,18 @@ class BlendLookupRequest(Struct, kw_only=True):
 
 def decode(body: bytes, model: type):
     """``body`` (JSON) as ``model``, checked as the coordinator checks it; MPBodyError otherwise."""
-    msg: Any = decode_raw(body, model)
-    check(msg)
-    return msg
-
-
-def decode_events(body: bytes) -> tuple[CacheEventsRequest, list[bytes | None]]:
-    """``POST /events``: :func:`decode` of ``body`` as :class:`CacheEventsRequest`, plus per batch
-    the 32-byte hashes of its entries concatenated when the whole-batch check passed (one valid
-    (model_name, cache_salt), every hash 64 hex digits), else None: ingest builds the fixed-width
-    form from them without reading the hex again. MPBodyError as :func:`decode`."""
-    req = decode_raw(body, CacheEventsRequest)
-    return req, [_check_batch(b, f"$.batches[{i}]") for i, b in enumerate(req.batches)]
-
-
-def decode_raw(body: bytes, model: type):
-    """``body`` as ``model``, msgspec's checks only (:func:`decode` adds :func:`check`)."""
     if not body.strip():
         raise MPBodyError("body is empty (expected a JSON object)")
     try:
-        return msgspec.json.decode(body, type=model)
+        msg: Any = msgspec.json.decode(body, type=model)
     except msgspec.ValidationError as exc:
         raise MPBodyError(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise MPBodyError(f"body is not valid JSON: {exc}") from None
     except RecursionError:
         raise MPBodyError("body is not valid JSON: nested too deeply") from None
+    check(msg)
+    return msg
 
 
 def check(msg) -> None:
@@ -155,15 +141,13 @@ def check(msg) -> None:
             raise MPBodyError("ip must not be blank - at `$.ip`")
 
 
-def _check_batch(batch: CacheEventBatch, where: str) -> bytes | None:
-    """Check one batch (MPBodyError naming the field); its hashes when :func:`_plain` passed it, else None."""
+def _check_batch(batch: CacheEventBatch, where: str) -> None:
     if not batch.backend and batch.event_type != "access":
         raise MPBodyError(f"backend must be non-empty for {batch.event_type} batches - at `{where}.backend`")
     if batch.event_type == "config" and batch.entries:
         raise MPBodyError(f"config batches declare capacity and carry no entries - at `{where}.entries`")
-    raw = _plain(batch.entries, where)
-    if raw is not None:
-        return raw
+    if _plain(batch.entries, where):
+        return
     checked: set[tuple[str, str]] = set()  # (model_name, cache_salt) pairs found valid
     for j, entry in enumerate(batch.entries):
         key = entry.key
@@ -175,28 +159,26 @@ def _check_batch(batch: CacheEventBatch, where: str) -> bytes | None:
                 pass
         check_key(key, f"{where}.entries[{j}].key")
         checked.add((key.model_name, key.cache_salt))
-    return None
 
 
-def _plain(entries: list[CacheEventEntry], where: str) -> bytes | None:
-    """The entries' 32-byte hashes concatenated (b"" for none) when they are valid as a whole: one
-    valid (model_name, cache_salt) and every ``chunk_hash_hex`` 64 hex digits (one ``bytes.fromhex``
-    of them all: 64n characters giving 32n bytes hold no whitespace, so each is 64 digits). None
-    leaves the verdict, and the field an error names, to the entry-by-entry check."""
+def _plain(entries: list[CacheEventEntry], where: str) -> bool:
+    """True when the entries are valid as a whole: one valid (model_name, cache_salt) and every
+    ``chunk_hash_hex`` 64 hex digits (one ``bytes.fromhex`` of them all: 64n characters giving
+    32n bytes hold no whitespace, so each is 64 digits). False leaves the verdict, and the
+    field an error names, to the entry-by-entry check."""
     if not entries:
-        return b""
+        return True
     keys = [e.key for e in entries]
     if len({(k.model_name, k.cache_salt) for k in keys}) != 1:
-        return None
+        return False
     hexes = [k.chunk_hash_hex for k in keys]
     if set(map(len, hexes)) != {64}:
-        return None
+        return False
     try:
         check_key(keys[0], where)
-        raw = bytes.fromhex("".join(hexes))
+        return len(bytes.fromhex("".join(hexes))) == 32 * len(keys)
     except (MPBodyError, ValueError):
-        return None
-    return raw if len(raw) == 32 * len(keys) else None
+        return False
 
 
 def check_key(key: EncodedObjectKey, where: str) -> None:
