@@ -156,6 +156,11 @@ class RankContext:
     ranks_state: VllmRanks | None = None
     #: the rank's engine map as this sidecar read and wrote it; None: read every batch
     mirror: Mirror | None = None
+    #: runs the batch's write (sidecar.vllm_writer.Writer.submit with the rank's on_fail, which
+    #: may leave it in flight); None: inline
+    submit: Callable[[Callable[[], None]], None] | None = None
+    #: waits for a write left in flight (before the engine map is read); raises what failed
+    settle: Callable[[], None] | None = None
 
 
 #: A mirror holding more engine map fields than this is emptied and becomes partial (a cache).
@@ -553,6 +558,8 @@ class BatchApplier:
         """Read the engine map fields the batch may need (one HMGET), unless the mirror is complete
         (then :meth:`_get` reads it as it goes)."""
         mirror = self.ctx.mirror
+        if (mirror is None or not mirror.complete) and self.ctx.settle is not None:
+            self.ctx.settle()  # the map is read below: the write in flight first
         if mirror is not None and not mirror.complete and not mirror.load_tried and events:
             mirror.load(self.ranks, self.ctx.rank)
         if mirror is not None and mirror.complete:
@@ -594,7 +601,8 @@ class BatchApplier:
 
     def flush(self, persist: dict[str, str | int]) -> None:
         """Write pending chunk ops, engine map changes and ``persist`` fields: one round trip per
-        space written (the map and rank fields ride in the last one), or one when there are no ops."""
+        space written (the map and rank fields ride in the last one), or one when there are no ops;
+        through ``ctx.submit`` when set (the write may be left in flight: sidecar.vllm_writer)."""
         ctx = self.ctx
         by_space: dict[str, list] = {}
         for (medium, space), ops in self.ops.items():
@@ -618,10 +626,17 @@ class BatchApplier:
         then = self.ranks.write_commands(ctx.rank, sets, dels, block_sizes=block_sizes, persist=persist,
                                          min_block_size=min(bs for bs, _ in ctx.chains) if block_sizes else None)
         spaces = list(by_space.items())
-        for i, (space, batches) in enumerate(spaces):
-            self._apply(batches, space, then if i == len(spaces) - 1 else ())
-        if not spaces:
-            self.ranks.send(then)
+
+        def write() -> None:
+            for i, (space, batches) in enumerate(spaces):
+                self._apply(batches, space, then if i == len(spaces) - 1 else ())
+            if not spaces:
+                self.ranks.send(then)
+
+        if ctx.submit is None:
+            write()
+        else:  # maybe left in flight; a failure forgets the mirror updated below (its on_fail)
+            ctx.submit(write)
         if ctx.mirror is not None:  # the map as written: only now may the mirror say so
             ctx.mirror.update(self.changed)
         if ctx.mirror is None or not ctx.mirror.complete:
