@@ -271,9 +271,10 @@ class Settings:
     vllm_overlap_writes: bool = setting(
         True, readers=(SIDECAR,),
         help="leave each vLLM batch's Redis write in flight while the next batch decodes (default: on)",
-        doc="leave each vLLM batch's Redis write in flight (one at a time, on a thread of its own) while the "
-            "sidecar reads and decodes the next batch; it is waited for before any engine map read, clear, "
-            "catch-up or next write, and when no message waits. A write that fails is counted "
+        doc="leave each vLLM batch's Redis write in flight (one at a time: sent, its replies read later on the "
+            "same connection) while the sidecar reads and decodes the next batch (a Redis Cluster writes at "
+            "once); its replies are read before any engine map read, clear, catch-up or next write, and when "
+            "no message waits. A write that fails is counted "
             "(`kvlookup_rejected_frames_total{source=\"vllm\",reason=\"write_failed\"}`) and logged, and its "
             "rank goes back to the seq before it, so replay writes it again (kvlookup/sidecar/vllm_writer.py). "
             "`false`: every write completes before the next batch is read (as before)")

@@ -4,7 +4,7 @@ by digest (one pipelined round trip) or from cached copies."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import redis
 
@@ -51,6 +51,12 @@ class SingleNodeRecords:
             self.kept = KeptLookups(self.cached, self.holder_cache, cache_keys)
 
     def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
+        return self.apply_send(writes, score, then)()
+
+    def apply_send(self, writes: Sequence[HolderWrite], score: int,
+                   then: Sequence[tuple] = ()) -> Callable[[], list[bool]]:
+        """:meth:`apply` in two steps: the commands are sent now, the returned function (call it
+        once) reads the replies and returns what apply returns (SingleIO.send)."""
         cmds: list[tuple] = []
         calls = []
         head = (keys.holders_key(), keys.dead_holders_key(), keys.records_key())
@@ -70,8 +76,13 @@ class SingleNodeRecords:
                              keys.EVICTED_MAX, keys.EVICTED_TTL_MS))
                 n += 1
             calls.append(n)
-        results = iter(raise_errors(self.io.execute([*cmds, *then])))
-        return [min(int(next(results)) for _ in range(n)) >= 0 for n in calls]
+        read = self.io.send([*cmds, *then])
+
+        def done() -> list[bool]:
+            results = iter(raise_errors(read()))
+            return [min(int(next(results)) for _ in range(n)) >= 0 for n in calls]
+
+        return done
 
     def lookup(self, chains: Sequence[Chain], live: Liveness) -> Matches:
         if self.cached is not None and not UNTRACKED.get():
