@@ -156,6 +156,11 @@ class RankContext:
     ranks_state: VllmRanks | None = None
     #: the rank's engine map as this sidecar read and wrote it; None: read every batch
     mirror: Mirror | None = None
+    #: runs the batch's write (sidecar.vllm_writer.Writer.submit with the rank's on_fail, which
+    #: may leave its replies unread until settled); None: written at once
+    submit: Callable[[Callable[[], Callable[[], None] | None]], None] | None = None
+    #: waits for a write left in flight (before the engine map is read); raises what failed
+    settle: Callable[[], None] | None = None
 
 
 #: A mirror holding more engine map fields than this is emptied and becomes partial (a cache).
@@ -553,6 +558,8 @@ class BatchApplier:
         """Read the engine map fields the batch may need (one HMGET), unless the mirror is complete
         (then :meth:`_get` reads it as it goes)."""
         mirror = self.ctx.mirror
+        if (mirror is None or not mirror.complete) and self.ctx.settle is not None:
+            self.ctx.settle()  # the map is read below: the write in flight first
         if mirror is not None and not mirror.complete and not mirror.load_tried and events:
             mirror.load(self.ranks, self.ctx.rank)
         if mirror is not None and mirror.complete:
@@ -594,7 +601,8 @@ class BatchApplier:
 
     def flush(self, persist: dict[str, str | int]) -> None:
         """Write pending chunk ops, engine map changes and ``persist`` fields: one round trip per
-        space written (the map and rank fields ride in the last one), or one when there are no ops."""
+        space written (the map and rank fields ride in the last one), or one when there are no ops;
+        through ``ctx.submit`` when set (the write may be left in flight: sidecar.vllm_writer)."""
         ctx = self.ctx
         by_space: dict[str, list] = {}
         for (medium, space), ops in self.ops.items():
@@ -618,29 +626,49 @@ class BatchApplier:
         then = self.ranks.write_commands(ctx.rank, sets, dels, block_sizes=block_sizes, persist=persist,
                                          min_block_size=min(bs for bs, _ in ctx.chains) if block_sizes else None)
         spaces = list(by_space.items())
-        for i, (space, batches) in enumerate(spaces):
-            self._apply(batches, space, then if i == len(spaces) - 1 else ())
-        if not spaces:
-            self.ranks.send(then)
+
+        def write() -> Callable[[], None] | None:
+            """Write every space but the last; send the last (map and rank fields with it) and
+            return what reads its replies."""
+            if not spaces:
+                self.ranks.send(then)
+                return None
+            for space, batches in spaces[:-1]:
+                self._apply(batches, space, ())()
+            space, batches = spaces[-1]
+            return self._apply(batches, space, then)
+
+        if ctx.submit is None:
+            finish = write()
+            if finish is not None:
+                finish()
+        else:  # maybe left in flight; a failure forgets the mirror updated below (its on_fail)
+            ctx.submit(write)
         if ctx.mirror is not None:  # the map as written: only now may the mirror say so
             ctx.mirror.update(self.changed)
         if ctx.mirror is None or not ctx.mirror.complete:
             self.fetched.update(self.changed)
         self.changed = {}
 
-    def _apply(self, batches: list, space: str, then: Sequence[tuple]) -> None:
-        """Write one space's (instance, rank, medium, folded ops, [admits, evicts]) batches."""
+    def _apply(self, batches: list, space: str, then: Sequence[tuple]) -> Callable[[], None]:
+        """Send one space's (instance, rank, medium, folded ops, [admits, evicts]) batches
+        (``Store.apply_send``); returns what reads the replies and counts the ops."""
         writes = [b[:4] for b in batches]
         try:
-            self.ctx.store.apply(writes, space=space, then=then)
+            read = self.ctx.store.apply_send(writes, space=space, then=then)
         except NotRegistered:
             ctx = self.ctx
             log.warning("%s rank %d was deregistered; registering it again", ctx.instance_id, ctx.rank)
             ctx.register()
-            self.ctx.store.apply(writes, space=space, then=then)
+            read = self.ctx.store.apply_send(writes, space=space, then=then)
         admits, evicts = sum(b[4][0] for b in batches), sum(b[4][1] for b in batches)
-        if admits:
-            metrics.INGEST_OPS.labels("admit", "applied").inc(admits)
-        if evicts:
-            metrics.INGEST_OPS.labels("evict", "applied").inc(evicts)
+
+        def finish() -> None:
+            read()
+            if admits:
+                metrics.INGEST_OPS.labels("admit", "applied").inc(admits)
+            if evicts:
+                metrics.INGEST_OPS.labels("evict", "applied").inc(evicts)
+
+        return finish
 

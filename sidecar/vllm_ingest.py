@@ -21,6 +21,12 @@ Catch-up (:meth:`VllmIngest.catch_up`, called by the loop at start and whenever 
 socket (re)connects) does the same without waiting for a live batch: replay from the last
 applied seq; the same digest continues the stream, anything else is a new engine (cleared and
 rebuilt from seq 0) or a buffer that no longer reaches back (cleared, ``replay_miss``).
+
+Writes (``overlap`` on: the sidecar's ``vllm_overlap_writes``) may be left in flight while the next
+batch decodes (sidecar.vllm_writer): one at a time, settled before any engine map read, wipe,
+catch-up, first contact or next write, and by the loop when no message waits (:meth:`settle`). A
+write that failed puts its rank back to the seq before its batch (``write_failed`` counted and
+logged, the engine map mirror forgotten), so the next message is a gap and replay heals it.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from kvlookup.index.vllm_groups import GroupSpec
 from kvlookup.index.vllm_ranks import VllmRanks, prefix_space, rank_fields
 from kvlookup.sidecar.admission import OwnershipGate, QuietLog
 from kvlookup.sidecar.vllm_apply import BatchApplier, Mirror, RankContext
+from kvlookup.sidecar.vllm_writer import WriteFailed, Writer
 from kvlookup.wire.errors import WireError
 from kvlookup.wire.vllm import decode_batch, parse_live
 
@@ -79,10 +86,12 @@ class VllmIngest:
     instance (issue 20 item 10: a live claimer, a live first owner, an MP registration) every
     batch is dropped and counted (``rejected[reason]``) and the ranks are forgotten, so once it
     is this sidecar's again they start over from what Redis holds (first contact).
+    overlap: leave each write in flight while the next batch decodes (module doc; the sidecar's
+    ``vllm_overlap_writes``); off (the default here), every write completes before the call returns.
     """
 
     def __init__(self, store: Store, instance_id: str, replay: ReplayFn | None = None, owner: str = "",
-                 gate: OwnershipGate | None = None):
+                 gate: OwnershipGate | None = None, overlap: bool = False):
         self.store = store
         self.gate = gate
         self.instance_id = instance_id
@@ -96,6 +105,22 @@ class VllmIngest:
         self.model: str | None = None
         self.ranks_state = VllmRanks(store, instance_id)
         self.quiet = QuietLog()
+        self.writer = Writer(overlap)
+        #: ranks whose write failed: the loop schedules a catch-up for each (replay heals them
+        #: even when no live message follows)
+        self.replay_due: set[int] = set()
+
+    def settle(self) -> None:
+        """Wait for the write in flight (if any); a failure is handled (its rank put back,
+        counted, logged) and only an unreachable Redis raises (redis ConnectionError / TimeoutError)."""
+        try:
+            self.writer.settle()
+        except WriteFailed:
+            pass
+
+    def close(self) -> None:
+        """Settle and stop the writer's thread (at shutdown)."""
+        self.writer.close()
 
     def set_model(self, model: str | None) -> None:
         """The served model's name (discovered): written to the instance hash (``model``) now when
@@ -142,11 +167,14 @@ class VllmIngest:
             return
         try:
             if single:
+                self.writer.settle()  # what follows may read, replay or clear
                 self._on_live(rank, *run[0])
             else:
                 self._apply_run(rank, self.ranks[rank], run)
         except (redis.ConnectionError, redis.TimeoutError):
             raise  # the loop waits; the lost messages show up as a gap and are replayed
+        except WriteFailed:
+            pass  # a write left in flight failed: handled (_write_failed); this run waits for replay
         except Refused as exc:  # another writer took the instance meanwhile (Store.own)
             self.ranks.clear()
             self._reject(exc.reason, str(exc))
@@ -206,12 +234,15 @@ class VllmIngest:
             outcome = "refused"
         else:
             try:
+                self.writer.settle()
                 outcome = self._catch_up(rank) if self.replay is not None else "no_answer"
             except Refused as exc:  # taken by another writer meanwhile (Store.own)
                 self._reject(exc.reason, str(exc))
                 outcome = "refused"
+            except WriteFailed:  # handled (_write_failed); the next catch-up or live message replays
+                outcome = "write_failed"
         metrics.CATCHUPS.labels(outcome).inc()
-        if outcome not in ("current", "no_answer", "refused"):
+        if outcome not in ("current", "no_answer", "refused", "write_failed"):
             log.info("%s rank %d: catch-up on connect: %s (last seq %s)", self.instance_id, rank, outcome,
                      self.ranks[rank].last)
         return outcome
@@ -335,10 +366,15 @@ class VllmIngest:
         seq, payload = run[-1]
         d = digest(payload)
         persist = rank_fields(rank, seq=seq, digest=d)
+        prev, first = (st.last, st.last_digest), run[0][0]
+        writer = self.writer
         ctx = RankContext(self.store, self.instance_id, rank, lambda: self._wipe(rank, st),
                           lambda: self._register_rank(rank), self.rejected, self.skipped,
                           chains=st.chains, groups=st.groups, legacy_space=st.legacy_space,
-                          ranks_state=self.ranks_state, mirror=st.mirror)
+                          ranks_state=self.ranks_state, mirror=st.mirror,
+                          submit=lambda write: writer.submit(
+                              write, lambda exc: self._write_failed(rank, st, prev, (first, seq), exc)),
+                          settle=writer.settle)
         events: list = []
         for s, p in run:
             try:
@@ -353,6 +389,22 @@ class VllmIngest:
         st.legacy_space = ctx.legacy_space
         st.last, st.last_digest = seq, d
 
+    def _write_failed(self, rank: int, st: RankState, prev: tuple[int | None, str | None], seqs: tuple[int, int],
+                      exc: BaseException) -> None:
+        """A write left in flight failed (Writer.settle, on this loop's thread): the rank goes back to
+        the seq before the batch, so the next message is a gap and replay writes it again."""
+        st.last, st.last_digest = prev
+        st.mirror.forget()
+        if isinstance(exc, Refused):  # another writer took the instance meanwhile (Store.own)
+            self.ranks.clear()
+            self._reject(exc.reason, str(exc))
+            return
+        self.rejected["write_failed"] += 1
+        metrics.REJECTED.labels("vllm", "write_failed").inc()
+        self.replay_due.add(rank)
+        log.warning("%s rank %d: write of seq %d..%d failed (%s: %s); back to seq %s, replay heals it",
+                    self.instance_id, rank, *seqs, type(exc).__name__, exc, prev[0])
+
     def _register_rank(self, rank: int) -> None:
         """A new epoch of the rank in the registry, owned by this sidecar (OtherWriter first,
         before any write, when another writer holds the instance)."""
@@ -365,6 +417,7 @@ class VllmIngest:
     def _wipe(self, rank: int, st: RankState) -> None:
         """New epoch for the rank (its records stop counting), empty engine map, no learned
         chains or groups."""
+        self.writer.settle()  # the write in flight first: it may write the map this clears
         st.mirror.forget()  # until the map is gone
         self._register_rank(rank)
         self.ranks_state.wipe(rank, st.groups)

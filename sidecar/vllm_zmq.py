@@ -155,6 +155,8 @@ class VllmSource:
     vllm_url: str | None = None
     ranks: tuple[RankSource, ...] = ()
     model: str | None = None
+    #: leave each write in flight while the next batch decodes (``vllm_overlap_writes``)
+    overlap_writes: bool = True
 
     def rank_sources(self) -> tuple[RankSource, ...]:
         """Every rank's endpoints: the discovered ones, or rank r of ``endpoint`` at port + r."""
@@ -166,12 +168,12 @@ class VllmSource:
 
     @classmethod
     def discovered(cls, instance_id: str | None, vllm_url: str, found: Discovered,
-                   replay_timeout_s: float = 2.0) -> VllmSource:
+                   replay_timeout_s: float = 2.0, overlap_writes: bool = True) -> VllmSource:
         """A source from :func:`discover`'s answer; instance_id defaults to the URL's host:port."""
         name = instance_id or urllib.parse.urlsplit(vllm_url).netloc
         first = found.ranks[0]
         return cls(name, first.endpoint, first.replay_endpoint, len(found.ranks), first.bind, first.topic,
-                   replay_timeout_s, vllm_url, found.ranks, found.model)
+                   replay_timeout_s, vllm_url, found.ranks, found.model, overlap_writes)
 
 
 class VllmLoop:
@@ -219,7 +221,7 @@ class VllmLoop:
         ingest = self.ingests.get(iid)
         if ingest is None:
             ingest = self.ingests[iid] = VllmIngest(self.store, iid, replay, owner=self.sidecar_id,
-                                                         gate=self.ownership)
+                                                         gate=self.ownership, overlap=source.overlap_writes)
         ingest.replay = replay
         ingest.set_model(source.model)
         self.sources[iid] = source
@@ -288,7 +290,7 @@ class VllmLoop:
                 slow = tries + 1 >= REDISCOVER_TRIES
                 self.rediscover[iid] = (now + (REDISCOVER_SLOW_S if slow else REDISCOVER_EVERY_S), tries + 1)
                 continue
-            new = VllmSource.discovered(iid, url, found, source.replay_timeout_s)
+            new = VllmSource.discovered(iid, url, found, source.replay_timeout_s, source.overlap_writes)
             if new.ranks == source.ranks and any(k[0] == iid for k in self.disconnected):
                 # the same endpoints while a rank is still away: maybe the server's old answer
                 # (its engine restarting); ask again until the ranks are back or the answer moves
@@ -311,13 +313,23 @@ class VllmLoop:
     def run(self) -> None:
         """Serve until :meth:`stop`. Redis outages pause the loop; a lost message is a seq gap."""
         run_turns(self._turn, self._stop, "vllm")
+        for ingest in self.ingests.values():
+            ingest.close()
         for replay in self.replays.values():
             replay.close()
         self.sockets.close()
 
     def _turn(self) -> None:
-        for sock in self.sockets.poll(200 if not self.catchups else 50):
+        writing = any(ingest.writer.in_flight for ingest in self.ingests.values())
+        ready = self.sockets.poll(0 if writing else 200 if not self.catchups else 50)
+        for sock in ready:
             self.sockets.handlers[sock](sock)
+        if not ready:  # nothing waits: no write is left in flight (sidecar.vllm_writer)
+            for ingest in self.ingests.values():
+                ingest.settle()
+        for iid, ingest in self.ingests.items():
+            while ingest.replay_due:  # a write failed: replay heals the rank without waiting
+                self._schedule_catch_up((iid, ingest.replay_due.pop()))
         self._catch_up()
         if self.rediscover:
             self._rediscover()

@@ -304,7 +304,8 @@ def _discovered_source(settings) -> tuple:
             time.sleep(DISCOVER_RETRY_S)
     if waited:
         log.info("vLLM server %s answered", settings.vllm_url)
-    return (VllmSource.discovered(settings.instance_id, settings.vllm_url, found, settings.vllm_replay_timeout_s),)
+    return (VllmSource.discovered(settings.instance_id, settings.vllm_url, found, settings.vllm_replay_timeout_s,
+                                 settings.vllm_overlap_writes),)
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
@@ -332,7 +333,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         assert settings.instance_id  # Settings.validate(): vllm_endpoint needs instance_id
         vllm = (VllmSource(settings.instance_id, settings.vllm_endpoint, settings.vllm_replay_endpoint,
                            settings.vllm_dp_size, settings.vllm_bind, settings.vllm_topic,
-                           settings.vllm_replay_timeout_s),)
+                           settings.vllm_replay_timeout_s, overlap_writes=settings.vllm_overlap_writes),)
     server = ensure_redis(settings)
     assert settings.redis_url is not None  # ensure_redis() set it
     if server is None:

@@ -269,6 +269,16 @@ class Settings:
     vllm_topic: str = setting("", readers=(SIDECAR,), help="topic prefix to subscribe to (default: all)")
     vllm_replay_timeout_s: float = setting(
         2.0, readers=(SIDECAR,), flag="--vllm-replay-timeout", help="seconds to wait for each replay reply (2)")
+    vllm_overlap_writes: bool = setting(
+        True, readers=(SIDECAR,),
+        help="leave each vLLM batch's Redis write in flight while the next batch decodes (default: on)",
+        doc="leave each vLLM batch's Redis write in flight (one at a time: sent, its replies read later on the "
+            "same connection) while the sidecar reads and decodes the next batch (a Redis Cluster writes at "
+            "once); its replies are read before any engine map read, clear, catch-up or next write, and when "
+            "no message waits. A write that fails is counted "
+            "(`kvlookup_rejected_frames_total{source=\"vllm\",reason=\"write_failed\"}`) and logged, and its "
+            "rank goes back to the seq before it, so replay writes it again (kvlookup/sidecar/vllm_writer.py). "
+            "`false`: every write completes before the next batch is read (as before)")
     vllm_url: str | None = setting(
         None, readers=(SIDECAR,),
         help="a vLLM 0.33+ server, http://HOST:8000: subscribe to every DP rank it lists in /kv_event_sources "

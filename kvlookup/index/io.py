@@ -4,7 +4,7 @@ to read replies (script shas, errors)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import hiredis
 import redis
@@ -36,34 +36,55 @@ class SingleIO:
     def execute(self, commands: Sequence[tuple]) -> list:
         """Results in order; a command error is returned as its ResponseError. Raises
         redis.ConnectionError / TimeoutError when the server is unreachable."""
-        out = self._once(commands)
-        lost = [i for i, res in enumerate(out) if isinstance(res, NoScriptError) and commands[i][1] in self._scripts]
-        if lost:
-            for sha in {commands[i][1] for i in lost}:
-                self.r.script_load(self._scripts[sha])
-            for i, res in zip(lost, self._once([commands[i] for i in lost]), strict=True):
-                out[i] = res
-        return out
+        return self.send(commands)()
 
-    def _once(self, commands: Sequence[tuple]) -> list:
+    def send(self, commands: Sequence[tuple]) -> Callable[[], list]:
+        """:meth:`execute` in two steps: ``commands`` are sent now, on a connection held until
+        the returned function (call it once) reads their replies; the caller works meanwhile
+        (sidecar.vllm_writer). Both steps raise as :meth:`execute` does."""
+        read = self._send(commands)
+
+        def replies() -> list:
+            out = read()
+            lost = [i for i, res in enumerate(out)
+                    if isinstance(res, NoScriptError) and commands[i][1] in self._scripts]
+            if lost:
+                for sha in {commands[i][1] for i in lost}:
+                    self.r.script_load(self._scripts[sha])
+                for i, res in zip(lost, self._send([commands[i] for i in lost])(), strict=True):
+                    out[i] = res
+            return out
+
+        return replies
+
+    def _send(self, commands: Sequence[tuple]) -> Callable[[], list]:
         if not commands:
-            return []
+            return list
         pool = self.r.connection_pool
         conn = pool.get_connection()
         try:
             conn.send_packed_command([b"".join(hiredis.pack_command(c) for c in commands)], check_health=False)
-            out: list = []
-            for _ in commands:
-                try:
-                    out.append(conn.read_response())
-                except ResponseError as exc:
-                    out.append(exc)
-            return out
         except BaseException:
-            conn.disconnect()  # replies may be left unread: never reuse this connection
-            raise
-        finally:
+            conn.disconnect()  # maybe half sent: never reuse this connection
             pool.release(conn)
+            raise
+
+        def read() -> list:
+            try:
+                out: list = []
+                for _ in commands:
+                    try:
+                        out.append(conn.read_response())
+                    except ResponseError as exc:
+                        out.append(exc)
+                return out
+            except BaseException:
+                conn.disconnect()  # replies may be left unread: never reuse this connection
+                raise
+            finally:
+                pool.release(conn)
+
+        return read
 
 
 def script_sha(script: str) -> str:

@@ -4,7 +4,7 @@ by digest (one pipelined round trip) or from cached copies."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 
 import redis
@@ -56,14 +56,25 @@ class SingleNodeRecords:
             self.kept = KeptLookups(self.cached, self.holder_cache, cache_keys)
 
     def apply(self, writes: Sequence[HolderWrite], score: int, then: Sequence[tuple] = ()) -> list[bool]:
+        return self.apply_send(writes, score, then)()
+
+    def apply_send(self, writes: Sequence[HolderWrite], score: int,
+                   then: Sequence[tuple] = ()) -> Callable[[], list[bool]]:
+        """:meth:`apply` in two steps: the commands are sent now, the returned function (call it
+        once) reads the replies and returns what apply returns (SingleIO.send)."""
         cmds: list[tuple] = []
         where: list[list[tuple[int, int]]] = [[] for _ in writes]  # (command, holder position) of each write
         for space, pieces in _calls(writes):
             for j, (i, _part, _na) in enumerate(pieces):
                 where[i].append((len(cmds), j))
             cmds.append(self._call(space, [(writes[i].holder_id, part, na) for i, part, na in pieces], score))
-        results = raise_errors(self.io.execute([*cmds, *then]))
-        return [all(int(results[c][j]) >= 0 for c, j in w) for w in where]
+        read = self.io.send([*cmds, *then])
+
+        def done() -> list[bool]:
+            results = raise_errors(read())
+            return [all(int(results[c][j]) >= 0 for c, j in w) for w in where]
+
+        return done
 
     def _call(self, space: str, pieces: list[tuple[str, list[str], int]], score: int) -> tuple:
         """One APPLY_OPS command: each piece (holder id, chunk hashes (admits first), admits among them)."""

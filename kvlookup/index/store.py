@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from redis.cluster import RedisCluster
 
@@ -522,6 +522,22 @@ class Store:
         lost_raises: raise HoldersLost (the batches already written stay written) instead of
         writing to the worker's holder the registry has now, when a failover lost a holder.
         """
+        return self.apply_send(batches, space=space, now_ms=now_ms, then=then, lost_raises=lost_raises)()
+
+    def apply_send(
+        self,
+        batches: Iterable[tuple[str, int | str, str, Sequence[tuple[str, int | str]] | dict[str, str]]],
+        *,
+        space: str = "",
+        now_ms: int | None = None,
+        then: Sequence[tuple] = (),
+        lost_raises: bool = False,
+    ) -> Callable[[], int]:
+        """:meth:`apply` in two steps: its write is sent now and the returned function (call it
+        once, before anything that must see the write) reads the replies and returns what apply
+        returns, writing again any batch whose holder was retired meanwhile, so the caller works
+        while Redis does (sidecar.vllm_writer). NotRegistered raises now (nothing sent); the
+        rest raises from the function. A backend without a two-step write (a cluster) writes now."""
         score = int(time.time() * 1000) if now_ms is None else now_ms
         merged: dict[tuple[str, str, str], dict[str, str]] = {}  # one write per holder: backends reorder
         for inst, wid, loc, ops in batches:
@@ -533,14 +549,30 @@ class Store:
                     for op, chunk_hash in ops:
                         last[chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)] = op  # chunk_text
         todo = [(*k, ops) for k, ops in merged.items()]
-        applied = 0
-        for _attempt in range(3):
-            writes = [HolderWrite(self.holder_id(inst, wid, loc, space), space,
-                                  [h for h, op in ops.items() if op == ADMIT],
-                                  [h for h, op in ops.items() if op != ADMIT], f"{inst}\t{wid}")
-                      for inst, wid, loc, ops in todo]
+        writes = self._holder_writes(todo, space)
+        send = getattr(self.records, "apply_send", None)
+        if send is not None:
+            read = send(writes, score, then)
+        else:
             ok = self.records.apply(writes, score, then) if then else self.records.apply(writes, score)
-            then = ()
+            read = lambda: ok  # noqa: E731
+        return lambda: self._applied(todo, writes, read(), score, space, lost_raises)
+
+    def _holder_writes(self, todo: list, space: str) -> list[HolderWrite]:
+        return [HolderWrite(self.holder_id(inst, wid, loc, space), space,
+                            [h for h, op in ops.items() if op == ADMIT],
+                            [h for h, op in ops.items() if op != ADMIT], f"{inst}\t{wid}")
+                for inst, wid, loc, ops in todo]
+
+    def _applied(self, todo: list, writes: list[HolderWrite], ok: list[bool], score: int, space: str,
+                 lost_raises: bool) -> int:
+        """After a write: journal it, write again (up to twice) the batches whose holder was
+        retired meanwhile; returns the folded ops applied."""
+        applied = 0
+        for attempt in range(3):
+            if attempt:
+                writes = self._holder_writes(todo, space)
+                ok = self.records.apply(writes, score)
             applied += sum(len(b[3]) for b, good in zip(todo, ok, strict=True) if good)
             if self.journal is not None:
                 self._journal(score, todo, writes, ok)

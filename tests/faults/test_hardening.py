@@ -31,13 +31,13 @@ CPU = "LocalCPUBackend"
 def test_huge_batches_run_in_bounded_slices(store, r, monkeypatch):
     monkeypatch.setattr(records_mod, "MAX_OPS_PER_CALL", 1000)
     calls = []
-    real = store.records.io.execute
+    real = store.records.io.send  # the write is sent, its replies read after (SingleIO.send)
 
     def spy(commands):
         calls.extend((len(c) - 12) // 3 for c in commands)  # EVALSHA sha n, 4 keys, 5 args, then 3 per op
         return real(commands)
 
-    monkeypatch.setattr(store.records.io, "execute", spy)
+    monkeypatch.setattr(store.records.io, "send", spy)
     store.register_worker("a", 0)
     hashes = HashProfile(chunk_size=1).chunk_hashes(list(range(4500)))
     assert store.apply([("a", 0, CPU, [(ADMIT, h) for h in hashes])]) == 4500
