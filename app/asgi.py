@@ -46,6 +46,7 @@ from kvlookup.app.body import declared_length
 from kvlookup.app.errors import ApiError, json_bytes
 from kvlookup.app.explain_pool import ExplainPool
 from kvlookup.app.lookup import EXPLAIN_PATH, LookupRoute
+from kvlookup.index import staged
 from kvlookup.index.tracking import LOCAL_ONLY, UNTRACKED, NeedsRedis
 
 Receive = Callable[[], Awaitable[dict]]
@@ -70,6 +71,10 @@ SWITCH_INTERVAL_S = 0.0005
 #: ``tracked`` (through the copies, ``CLIENT CACHING YES`` + ``ZRANGE``; 0.92x the throughput
 #: and 1.15x the CPU on fresh prompts, docs/benchmarks-notes.md "Fresh prompts, third pass").
 FIRST_MISS = os.environ.get("KVLOOKUP_FIRST_MISS", "digest")
+#: ``digest-all``: the digest read of a first miss reads every chunk's head from Redis, not only
+#: those the copies lack (kvlookup.index.staged.MISS_COPIES; docs/benchmarks-notes.md, fresh18e)
+if FIRST_MISS == "digest-all":
+    staged.MISS_COPIES = False
 #: ``on``: the event loop skips its attempt from the copies while its recent attempts mostly
 #: missed (:class:`LoopOdds`; a fresh workload), sending the lookup to a thread at once, read by
 #: digest; ``off``: it always tries (docs/benchmarks-notes.md "Fresh prompts, fourth pass").
@@ -198,7 +203,7 @@ class AsgiController:
         try:
             answer = self.route.respond(*args)
         except NeedsRedis as exc:
-            if exc.first_miss and FIRST_MISS == "digest":
+            if exc.first_miss and FIRST_MISS in ("digest", "digest-all"):
                 args[4][FIRST_MISS_KEY] = True
             answer = None
         finally:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from redis.cluster import RedisCluster
 
-from kvlookup.index import keys, scripts
+from kvlookup.index import keys, scripts, staged
 from kvlookup.index.cluster_cache import ClusterCachedReads
 from kvlookup.index.cluster_io import ClusterIO
 from kvlookup.index.copies import Digests
@@ -115,7 +115,8 @@ class ClusterRecords:
             return self.kept.lookup(chains, live, lambda execute: StagedLookup(
                 execute, self.resolve_sha, self.cache, chains, live, memo=True))
         return StagedLookup(self.io.execute, self.resolve_sha, self.cache, chains, live, memo=True,
-                            digests=self.digests).run()
+                            digests=self.digests,
+                            peek=self.cached.peek if self.cached is not None and staged.MISS_COPIES else None).run()
 
     # -- purge -------------------------------------------------------------------------------
 

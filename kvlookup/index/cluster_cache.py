@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from redis.exceptions import AskError, ClusterDownError, RedisError, TryAgainError
 
 from kvlookup.index.cluster_io import ClusterIO, slot_of
+from kvlookup.index.copies import MISS
 from kvlookup.index.tracking import LOCAL_ONLY, CachedReads, NeedsRedis, cacheable
 
 #: Keys whose slot a ClusterCachedReads remembers (all forgotten at once past it): about
@@ -155,6 +156,28 @@ class ClusterCachedReads:
             if any(cacheable(commands[i]) for i in rest):
                 self._plain += 1  # untracked: no invalidation will tell of it (since/unchanged)
             for i, res in zip(rest, self.io.execute([commands[i] for i in rest]), strict=True):
+                out[i] = res
+        return out
+
+    def peek(self, commands: Sequence[tuple]) -> list:
+        """As :meth:`kvlookup.index.tracking.CachedReads.peek`, over every master read so far
+        (a key of a master not read yet, or of a slot map that moved, is a MISS); sends nothing."""
+        out: list = [MISS] * len(commands)
+        slots = self.io.slot_map()
+        if slots is not self._map:
+            return out
+        groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+        slot = self._slot
+        for i, cmd in enumerate(commands):
+            if cacheable(cmd):
+                s = slot.get(cmd[1])
+                if s is None:
+                    s = slot[cmd[1]] = slot_of(cmd[1])
+                groups[slots[s]].append(i)
+        masters = [(reads, idx) for addr, idx in groups.items() if (reads := self._masters.get(addr)) is not None]
+        readable = _readable([sock for reads, _idx in masters for sock in reads.watched()])
+        for reads, idx in masters:
+            for i, res in zip(idx, reads.peek([commands[i] for i in idx], readable), strict=True):
                 out[i] = res
         return out
 

@@ -9,7 +9,7 @@ from itertools import chain
 
 import redis
 
-from kvlookup.index import keys, scripts
+from kvlookup.index import keys, scripts, staged
 from kvlookup.index.copies import Digests
 from kvlookup.index.io import SingleIO, purge_step, raise_errors
 from kvlookup.index.kept import KeptLookups
@@ -111,7 +111,12 @@ class SingleNodeRecords:
             return self.kept.lookup(chains, live, lambda execute: StagedLookup(
                 execute, self._resolve, self.holder_cache, chains, live, memo=True))
         return StagedLookup(self.io.execute, self._resolve, self.holder_cache, chains, live, memo=True,
-                            digests=self.digests, heads=self._heads).run()
+                            digests=self.digests, heads=self._heads, peek=self._peek()).run()
+
+    def _peek(self):
+        """The copies a lookup read by digest takes what they have from (kvlookup.index.staged
+        ``peek``): those of the cached reads, unless caching is off or MISS_COPIES is off."""
+        return self.cached.peek if self.cached is not None and staged.MISS_COPIES else None
 
     def purge_step(self, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
         return purge_step(self.io.execute, self._chunk_op, holder_id, space, bucket, budget)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvlookup.index import keys
-from kvlookup.index.copies import Digests
+from kvlookup.index.copies import MISS, Digests
 from kvlookup.index.io import raise_errors
 from kvlookup.index.keys import CHUNK_DIGEST_MEMBER
 from kvlookup.index.records import Chain, Liveness, Match, Matches, walk_registry_keys
@@ -28,6 +28,12 @@ STAGE_GROWTH = 8
 RENEW_AHEAD_MS = 2000
 #: Walk answers a HolderCache keeps (all are dropped when it is full, or when an answer changes).
 MEMO_MAX = 4096
+
+#: Whether a lookup read by digest on a backend with cached reads (a fresh prompt's first miss,
+#: tracking.UNTRACKED) takes the chunks the copies have from them and reads only the rest
+#: (StagedLookup ``peek``); False: it reads every chunk's head from Redis, as before
+#: (app.asgi sets it from ``KVLOOKUP_FIRST_MISS=digest-all``; docs/benchmarks-notes.md, fresh18e).
+MISS_COPIES = True
 
 #: ``execute(commands) -> results``: plain commands (name, key, ...) and EVALSHA, in one round trip.
 Execute = Callable[[Sequence[tuple]], list]
@@ -134,8 +140,13 @@ class StagedLookup:
     Python; the memo makes the cost of a held prefix independent of how many hold it."""
 
     def __init__(self, execute: Execute, resolve_sha: str, cache: HolderCache, chains: Sequence[Chain],
-                 live: Liveness, memo: bool = False, digests: Digests | None = None, heads: str | None = None):
+                 live: Liveness, memo: bool = False, digests: Digests | None = None, heads: str | None = None,
+                 peek: Execute | None = None):
         self.execute, self.resolve_sha, self.cache = execute, resolve_sha, cache
+        #: ``peek(commands)``: kept copies or MISS, sending nothing (tracking.CachedReads.peek): a
+        #: lookup read by digest takes from it the chunks (and registry version) it has and
+        #: reads only the rest, so a fresh prompt's held prefix is not read again from Redis
+        self.peek = peek
         self.memo = memo
         self.digests = digests
         self.heads = heads  # sha of scripts.CHUNK_HEADS: one command reads every chunk's head
@@ -161,23 +172,8 @@ class StagedLookup:
             if not reads and not new_hids:
                 break
             read_keys = [k for _ci, span in reads for k in span]
-            if self.heads is not None and read_keys:
-                cmds: list[tuple] = [("EVALSHA", self.heads, len(read_keys), *read_keys)]
-            elif self.digests is not None:
-                cmds = [("ZRANGE", k, 0, 1, "WITHSCORES") for k in read_keys]
-            else:
-                cmds = [("ZRANGE", k, 0, -1) for k in read_keys]
-            if new_hids:
-                cmds.append(("EVALSHA", self.resolve_sha, 6, *walk_registry_keys(), keys.registry_version_key(),
-                             *self.live.argv(), *new_hids))
-            elif first:
-                cmds.append(("GET", keys.registry_version_key()))
-            res = self.execute(cmds)
+            res = self._round(read_keys, new_hids, first and not new_hids)
             rounds += 1
-            if self.heads is not None and read_keys:
-                res[0:1] = raise_errors(res[0:1])[0]
-            if self.digests is not None:
-                self._by_digest(read_keys, res)
             if new_hids:
                 cache.put(res[-1][0], new_hids, res[-1][1:])
                 for hid in new_hids:
@@ -200,6 +196,45 @@ class StagedLookup:
         out = Matches.of(found, next((c for c in causes if c != "no_holder"), causes[0] if causes else ""))
         if memo is not None and rounds == 1:
             self._remember(out, *memo)
+        return out
+
+    def _round(self, read_keys: list[str], new_hids: list[str], version: bool) -> list:
+        """One round trip (none when :attr:`peek` has it all): the member lists of ``read_keys``,
+        then RESOLVE's answer of ``new_hids`` or, with ``version``, the registry version."""
+        known = None
+        got_version = None
+        if self.peek is not None:
+            known = self.peek([("ZRANGE", k, 0, -1) for k in read_keys]
+                              + ([("GET", keys.registry_version_key())] if version else []))
+            if version:
+                got_version = known.pop()
+                if got_version is MISS:
+                    got_version = None
+            sent = [k for k, v in zip(read_keys, known, strict=True) if v is MISS]
+        else:
+            sent = read_keys
+        if self.heads is not None and sent:
+            cmds: list[tuple] = [("EVALSHA", self.heads, len(sent), *sent)]
+        elif self.digests is not None:
+            cmds = [("ZRANGE", k, 0, 1, "WITHSCORES") for k in sent]
+        else:
+            cmds = [("ZRANGE", k, 0, -1) for k in sent]
+        if new_hids:
+            cmds.append(("EVALSHA", self.resolve_sha, 6, *walk_registry_keys(), keys.registry_version_key(),
+                         *self.live.argv(), *new_hids))
+        elif version and got_version is None:
+            cmds.append(("GET", keys.registry_version_key()))
+        res = self.execute(cmds) if cmds else []
+        if self.heads is not None and sent:
+            res[0:1] = raise_errors(res[0:1])[0]
+        if self.digests is not None:
+            self._by_digest(sent, res)
+        if known is None:
+            return res
+        lists = iter(res)
+        out = [next(lists) if v is MISS else v for v in known]
+        if new_hids or version:
+            out.append(next(lists) if got_version is None else got_version)
         return out
 
     def _by_digest(self, read: list[str], res: list) -> None:
