@@ -34,7 +34,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from kvlookup.bench.fresh import tree_cpu_s
+from kvlookup.bench.fresh import design_env, tree_cpu_s
 from kvlookup.bench.loadgen import percentile
 from kvlookup.bench.procs import Procs
 from kvlookup.proc.redis_server import free_port
@@ -122,7 +122,10 @@ def wait_answered(kv_port: int, dyn_port: int, prompts: dict[int, list[int]], ou
 
 
 def run(lengths=(64, 4096, 8192, 32768), n: int = 200, dynamo_python: str | None = None,
-        workloads=("hot", "fresh"), rounds: int = 2) -> dict:
+        workloads=("hot", "fresh"), rounds: int = 2, designs: tuple[str, ...] = ()) -> dict:
+    """The rows above; designs: extra kvlookup controllers on the same Redis (target
+    ``kvlookup_<design>_packed``, asked with the packed body), each as
+    :func:`kvlookup.bench.fresh.design_env` says, alternating with the others."""
     py = dynamo_python or os.environ.get("KVLOOKUP_DYNAMO_PYTHON")
     if not py or not Path(py).exists():
         raise FileNotFoundError("set KVLOOKUP_DYNAMO_PYTHON to a venv python with ai-dynamo-runtime==1.6.1")
@@ -144,6 +147,8 @@ def run(lengths=(64, 4096, 8192, 32768), n: int = 200, dynamo_python: str | None
                                      "--instance-id", "engine-1", "--vllm-endpoint", f"tcp://127.0.0.1:{pub_port}",
                                      "--log-level", "WARNING"])
         kv = procs.start_controller(redis_url)
+        extra = {f"kvlookup_{d}_packed": procs.start_controller(redis_url, name=f"kvlookup-{d}", env=design_env(d))
+                 for d in designs}
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -173,9 +178,15 @@ def run(lengths=(64, 4096, 8192, 32768), n: int = 200, dynamo_python: str | None
                 ports = {"kvlookup_json": kv_port, "kvlookup_packed": kv_port, "dynamo": dyn_port}
                 kv_tree = [procs.pid("kvlookup-controller"), procs.pid("sidecar-vllm"), redis_pid]
                 trees = {"kvlookup_json": kv_tree, "kvlookup_packed": kv_tree, "dynamo": [procs.pid("dynamo-indexer")]}
+                encoders = dict(ENCODERS)
+                for d in designs:
+                    name = f"kvlookup_{d}_packed"
+                    ports[name] = int(extra[name].rsplit(":", 1)[1])
+                    trees[name] = [procs.pid(f"kvlookup-{d}"), procs.pid("sidecar-vllm"), redis_pid]
+                    encoders[name] = ENCODERS["kvlookup_packed"]
                 for rnd in range(rounds):
-                    for name in (list(ENCODERS) if rnd % 2 == 0 else list(ENCODERS)[::-1]):
-                        path, encode, ctype = ENCODERS[name]
+                    for name in (list(encoders) if rnd % 2 == 0 else list(encoders)[::-1]):
+                        path, encode, ctype = encoders[name]
                         def body(_i: int, e=encode, t=tokens, w=workload) -> bytes:
                             return e(prompt_of(t, w, rng))
                         cpu0 = tree_cpu_s(trees[name])
@@ -183,7 +194,7 @@ def run(lengths=(64, 4096, 8192, 32768), n: int = 200, dynamo_python: str | None
                         got["cpu_ms_per_request"] = round((tree_cpu_s(trees[name]) - cpu0) / (n + 5) * 1000, 3)
                         if name not in row or got["p50_ms"] < row[name]["p50_ms"]:
                             row[name] = got
-                for name in ("kvlookup_json", "kvlookup_packed"):
+                for name in ("kvlookup_json", "kvlookup_packed", *(f"kvlookup_{d}_packed" for d in designs)):
                     row[f"p50_ratio_{name}_over_dynamo"] = round(row[name]["p50_ms"] / row["dynamo"]["p50_ms"], 2)
                 out["rows"].append(row)
                 print(json.dumps(row), file=sys.stderr)
@@ -195,4 +206,6 @@ def run(lengths=(64, 4096, 8192, 32768), n: int = 200, dynamo_python: str | None
 
 if __name__ == "__main__":
     print(json.dumps(run(n=int(os.environ.get("KVLOOKUP_DYNAMO_N", "200")),
-                         rounds=int(os.environ.get("KVLOOKUP_DYNAMO_ROUNDS", "2"))), indent=1))
+                         rounds=int(os.environ.get("KVLOOKUP_DYNAMO_ROUNDS", "2")),
+                         designs=tuple(d for d in os.environ.get("KVLOOKUP_DYNAMO_DESIGNS", "").split(",") if d)),
+                     indent=1))
