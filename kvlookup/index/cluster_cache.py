@@ -159,25 +159,24 @@ class ClusterCachedReads:
                 out[i] = res
         return out
 
-    def peek(self, commands: Sequence[tuple]) -> list:
+    def peek(self, reads: list[tuple[str, str]]) -> list:
         """As :meth:`kvlookup.index.tracking.CachedReads.peek`, over every master read so far
         (a key of a master not read yet, or of a slot map that moved, is a MISS); sends nothing."""
-        out: list = [MISS] * len(commands)
+        out: list = [MISS] * len(reads)
         slots = self.io.slot_map()
         if slots is not self._map:
             return out
         groups: dict[tuple[str, int], list[int]] = defaultdict(list)
         slot = self._slot
-        for i, cmd in enumerate(commands):
-            if cacheable(cmd):
-                s = slot.get(cmd[1])
-                if s is None:
-                    s = slot[cmd[1]] = slot_of(cmd[1])
-                groups[slots[s]].append(i)
-        masters = [(reads, idx) for addr, idx in groups.items() if (reads := self._masters.get(addr)) is not None]
-        readable = _readable([sock for reads, _idx in masters for sock in reads.watched()])
-        for reads, idx in masters:
-            for i, res in zip(idx, reads.peek([commands[i] for i in idx], readable), strict=True):
+        for i, (_name, key) in enumerate(reads):
+            s = slot.get(key)
+            if s is None:
+                s = slot[key] = slot_of(key)
+            groups[slots[s]].append(i)
+        masters = [(m, idx) for addr, idx in groups.items() if (m := self._masters.get(addr)) is not None]
+        readable = _readable([sock for m, _idx in masters for sock in m.watched()])
+        for m, idx in masters:
+            for i, res in zip(idx, m.peek([reads[i] for i in idx], readable), strict=True):
                 out[i] = res
         return out
 

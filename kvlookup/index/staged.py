@@ -141,9 +141,9 @@ class StagedLookup:
 
     def __init__(self, execute: Execute, resolve_sha: str, cache: HolderCache, chains: Sequence[Chain],
                  live: Liveness, memo: bool = False, digests: Digests | None = None, heads: str | None = None,
-                 peek: Execute | None = None):
+                 peek: Callable[[list[tuple[str, str]]], list] | None = None):
         self.execute, self.resolve_sha, self.cache = execute, resolve_sha, cache
-        #: ``peek(commands)``: kept copies or MISS, sending nothing (tracking.CachedReads.peek): a
+        #: ``peek([(name, key)])``: kept copies or MISS, sending nothing (tracking.CachedReads.peek): a
         #: lookup read by digest takes from it the chunks (and registry version) it has and
         #: reads only the rest, so a fresh prompt's held prefix is not read again from Redis
         self.peek = peek
@@ -204,7 +204,7 @@ class StagedLookup:
         known = None
         got_version = None
         if self.peek is not None:
-            known = self.peek([("ZRANGE", k, 0, -1) for k in read_keys]
+            known = self.peek([("ZRANGE", k) for k in read_keys]
                               + ([("GET", keys.registry_version_key())] if version else []))
             if version:
                 got_version = known.pop()

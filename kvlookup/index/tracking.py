@@ -379,19 +379,20 @@ class CachedReads:
                 out[i] = res
         return out
 
-    def peek(self, commands: Sequence[tuple], readable: set | None = None) -> list:
-        """The copy of each of ``commands`` (``(name, key, ...)``), or :data:`kvlookup.index.copies.MISS`
-        where none is kept (every one while caching is off, and every command that is not
-        :func:`cacheable`). Sends nothing and tracks nothing: a lookup read by digest (a fresh
-        prompt's first miss, :data:`UNTRACKED`) takes the chunks it can from here and reads only
-        the rest. Every invalidation that arrived is taken first, as :meth:`execute` does.
-        Under :data:`LOCAL_ONLY` a busy lock gives every MISS. readable: as :meth:`execute`."""
+    def peek(self, reads: list[tuple[str, str]], readable: set | None = None) -> list:
+        """The copy of each of ``reads`` (``(command name, key)`` of :func:`cacheable` reads:
+        ``("ZRANGE", chunk key)``, ``("GET", key)``), or :data:`kvlookup.index.copies.MISS` where
+        none is kept (every one while caching is off). Sends nothing and tracks nothing: a lookup
+        read by digest (a fresh prompt's first miss, :data:`UNTRACKED`) takes the chunks it can
+        from here and reads only the rest. Every invalidation that arrived is taken first, as
+        :meth:`execute` does. Under :data:`LOCAL_ONLY` a busy lock gives every MISS. readable:
+        as :meth:`execute`."""
         if not self._lock.acquire(blocking=not LOCAL_ONLY.get()):
-            return [_MISS] * len(commands)
+            return [_MISS] * len(reads)
         try:
             if not self._drain(readable):
-                return [_MISS] * len(commands)
-            out = self._copies.get_many([(c[0], c[1]) if cacheable(c) else NOT_KEPT for c in commands])
+                return [_MISS] * len(reads)
+            out = self._copies.get_many(reads)
             self.stats["hits"] += sum(1 for v in out if v is not _MISS)
             return out
         finally:
