@@ -393,7 +393,7 @@ class CachedReads:
             if not self._drain(readable):
                 return [_MISS] * len(reads)
             out = self._copies.get_many(reads)
-            self.stats["hits"] += sum(1 for v in out if v is not _MISS)
+            self.stats["hits"] += len(out) - out.count(_MISS)  # (count: identity first, in C)
             return out
         finally:
             self._lock.release()
