@@ -120,6 +120,10 @@ def make_records(client, cache_reads: bool | str = False, cache_keys: int = 200_
 OUTAGE_RECONNECT_MS = 5_000
 
 
+#: Store.apply's batches: (instance_id, worker_id, location, ops), ops a list [(ADMIT|EVICT,
+#: chunk_hash), ...] or an already folded {chunk hash text: ADMIT|EVICT}.
+Batches = Iterable[tuple[str, int | str, str, Sequence[tuple[str, int | str]] | dict[str, str]]]
+
 class Store:
     """Redis-backed registry and chunk index.
 
@@ -504,7 +508,7 @@ class Store:
 
     def apply(
         self,
-        batches: Iterable[tuple[str, int | str, str, Sequence[tuple[str, int | str]] | dict[str, str]]],
+        batches: Batches,
         *,
         space: str = "",
         now_ms: int | None = None,
@@ -526,7 +530,7 @@ class Store:
 
     def apply_send(
         self,
-        batches: Iterable[tuple[str, int | str, str, Sequence[tuple[str, int | str]] | dict[str, str]]],
+        batches: Batches,
         *,
         space: str = "",
         now_ms: int | None = None,
