@@ -151,8 +151,10 @@ class AsgiController:
         if (mp or self.route.serves(path)) and not host_allowed(_text(_header(scope, b"host")), self.bind_host):
             return await send_json(send, 421, {"error": "Host is not this controller's (bound to loopback)"})
         if mp:
-            status, raw = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self.mp.respond,
-                                                                           path, data)
+            memo: dict = {}  # decoded and hashed once, in the loop or the thread
+            here = self.mp.respond_here(path, data, memo) if self.mp.local_now(path) else None
+            status, raw = here if here is not None else await asyncio.get_running_loop().run_in_executor(
+                self.wsgi.executor, self.mp.respond, path, data, memo)
             return await send_bytes(send, status, raw)
         if not self.route.serves(path):
             return await self.wsgi(cast(asgi_typing.HTTPScope, _with_length(scope, len(data))),

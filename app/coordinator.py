@@ -35,6 +35,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from kvlookup.app import mp_metrics
 from kvlookup.app.errors import json_bytes
 from kvlookup.index.mp import ChunkSizeConflict, HeldBySidecar, MPDirectory
+from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
 from kvlookup.wire import lmcache_mp as W
 from kvlookup.wire.mp_tokens import decode_tokens_form
 
@@ -167,13 +168,19 @@ def lookup():
     return Response(body, status=status, mimetype="application/json")
 
 
-def directory_lookup(d: MPDirectory, data: bytes) -> tuple[int, bytes]:
+def directory_lookup(d: MPDirectory, data: bytes, memo: dict | None = None) -> tuple[int, bytes]:
     """``POST /directory/lookup`` from the raw body to (status, JSON answer): the keys form, or
     the tokens form (``model_name`` required; 400 over :data:`MAX_LOOKUP_TOKENS` ids or a bad
-    salt); 422 ``{"error", "detail"}`` naming the field for a bad body."""
-    form = decode_tokens_form(data)  # the plain tokens form, ids packed for the hash (no int objects)
+    salt); 422 ``{"error", "detail"}`` naming the field for a bad body. memo: kept between two
+    tries of one request (app.asgi: the event loop's, then a thread's), so it is decoded and
+    hashed once."""
+    form = memo.get("form") if memo is not None else None
+    if form is None:
+        form = decode_tokens_form(data)  # the plain tokens form, ids packed for the hash (no int objects)
+        if memo is not None:
+            memo["form"] = form
     if form is not None:
-        return _tokens_lookup(d, form.packed, form.n_ids, form.model_name, form.world_size, form.cache_salt)
+        return _tokens_lookup(d, form.packed, form.n_ids, form.model_name, form.world_size, form.cache_salt, memo)
     try:
         req = W.decode(data, W.DirectoryLookupRequest)
     except W.MPBodyError as exc:
@@ -184,17 +191,17 @@ def directory_lookup(d: MPDirectory, data: bytes) -> tuple[int, bytes]:
         return 200, json_bytes({"chunks": len(req.keys), "results": d.lookup_keys(req.keys)})
     if req.model_name is None:
         return _fail(422, "invalid request: 'model_name' is required with 'token_ids'")
-    return _tokens_lookup(d, req.token_ids, len(req.token_ids), req.model_name, req.world_size, req.cache_salt)
+    return _tokens_lookup(d, req.token_ids, len(req.token_ids), req.model_name, req.world_size, req.cache_salt, memo)
 
 
 def _tokens_lookup(d: MPDirectory, ids: list[int] | memoryview, count: int, model_name: str, world_size: int,
-                   cache_salt: str) -> tuple[int, bytes]:
+                   cache_salt: str, memo: dict | None = None) -> tuple[int, bytes]:
     """The tokens form's answer; 400 over :data:`MAX_LOOKUP_TOKENS` ids, for a bad salt or an id MP cannot hash."""
     if count > MAX_LOOKUP_TOKENS:
         return _fail(400, f"'token_ids' has {count} ids, more than {MAX_LOOKUP_TOKENS}")
     try:
         W.check_salt(cache_salt, "$.cache_salt")
-        return 200, d.lookup_tokens_json(ids, model_name, world_size, cache_salt)
+        return 200, d.lookup_tokens_json(ids, model_name, world_size, cache_salt, memo)
     except (W.MPBodyError, ValueError) as exc:
         return _fail(400, str(exc))
 
@@ -219,13 +226,35 @@ class FastPaths:
     def serves(method: str, path: str) -> bool:
         return method == "POST" and path in FAST_PATHS
 
-    def respond(self, path: str, data: bytes) -> tuple[int, bytes]:
-        """(status, JSON body); 503 when Redis is down, as the Flask routes answer."""
+    def local_now(self, path: str) -> bool:
+        """Is ``path`` worth trying in the event loop now (:meth:`respond_here`): a directory
+        lookup while the bucket copies are answered locally (kvlookup.index.mp_copies)?"""
+        return path == "/directory/lookup" and self.d.reads_locally()
+
+    def respond_here(self, path: str, data: bytes, memo: dict) -> tuple[int, bytes] | None:
+        """The answer with nothing read from Redis (kvlookup.index.tracking's LOCAL_ONLY: every
+        bucket copied, every name known), for app.asgi's event loop; None when Redis must be asked
+        (then :meth:`respond` in a thread, with the same ``memo``: decoded and hashed once)."""
+        token = LOCAL_ONLY.set(True)
+        try:
+            return self.respond(path, data, memo)
+        except NeedsRedis:
+            return None
+        finally:
+            LOCAL_ONLY.reset(token)
+
+    def respond(self, path: str, data: bytes, memo: dict | None = None) -> tuple[int, bytes]:
+        """(status, JSON body); 503 when Redis is down, as the Flask routes answer. memo: as
+        :func:`directory_lookup`'s."""
         self.reaper.start_once()
         try:
+            if path == "/directory/lookup":
+                return directory_lookup(self.d, data, memo)
             return FAST_PATHS[path](self.d, data)
         except redis.RedisError as exc:
             return _fail(503, f"index unavailable: {exc}")
+        except NeedsRedis:
+            raise
         except Exception as exc:  # as the Flask app's handler (kvlookup.app.errors) answers
             log.exception("unhandled error")
             return 500, json_bytes({"error": f"internal error: {type(exc).__name__}"})
@@ -319,8 +348,11 @@ def init_app(app, redis_client, settings) -> MPDirectory:
     """Attach the MP directory to ``app`` (``extensions["kvlookup"]["mp"]``), register the
     blueprint and the reaper (every third of the timeout, at most 10 s; started by the first
     request to an MP path, so a controller no MP server talks to runs no thread)."""
+    cache = settings.cache_reads()
     d = MPDirectory(redis_client, chunk_size=settings.mp_chunk_size,
-                    instance_timeout_s=settings.mp_instance_timeout_s, replica_acks=settings.mp_replica_acks)
+                    instance_timeout_s=settings.mp_instance_timeout_s, replica_acks=settings.mp_replica_acks,
+                    copy_fields=settings.mp_copy_fields if cache else 0, copy_keys=settings.lookup_cache_keys,
+                    copy_fence=cache == "fenced")
     app.extensions["kvlookup"]["mp"] = d
     app.register_blueprint(bp)
     registries = app.extensions["kvlookup"].get("metrics_registries") or []

@@ -298,6 +298,15 @@ class Settings:
     mp_instance_timeout_s: float = setting(
         30.0, readers=(CONTROLLER, SIDECAR), flag="--mp-instance-timeout",
         help="seconds of heartbeat silence after which an MP instance departs (30, the coordinator's default)")
+    mp_copy_fields: int = setting(
+        200_000, readers=(CONTROLLER, SIDECAR),
+        help="(lookup_cache on/fenced) the most MP chunk-bucket fields each worker process keeps copied "
+             "(0: none)",
+        doc="(`lookup_cache` on/fenced) the most fields of LMCache MP chunk buckets each worker process keeps "
+            "in whole-bucket copies, coherent with Redis as the chunk sets are (kvlookup/index/mp_copies.py): "
+            "a `POST /directory/lookup` whose buckets are all copied needs no round trip. ~150-200 B a field "
+            "(the default, ~40 MiB, holds a ~200k-key directory); a bucket larger than this is read, never "
+            "kept; 0: no copies (every lookup reads Redis)")
     mp_replica_acks: int = setting(
         0, readers=(CONTROLLER, SIDECAR),
         help="replicas of the {mp} master every MP write waits for (WAIT) before it is acknowledged (0: none)")
@@ -477,7 +486,8 @@ RANGES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("max_tokens", "max_body_bytes", "redis_max_connections", "lookup_cache_keys",
       "max_frame_bytes", "max_message_bytes", "max_queued_ops", "vllm_dp_size", "mp_chunk_size"), lambda v: v >= 1,
      "a positive integer"),
-    (("control_retries", "mp_replica_acks", "max_workers_per_instance"), lambda v: v >= 0, "an integer >= 0"),
+    (("control_retries", "mp_replica_acks", "max_workers_per_instance", "mp_copy_fields"), lambda v: v >= 0,
+     "an integer >= 0"),
     (("body_timeout_s", "control_timeout_s", "vllm_replay_timeout_s", "mp_instance_timeout_s"), lambda v: v > 0,
      "a positive number of seconds"),
     (("instance_ttl_s", "worker_ttl_s", "disconnect_grace_s"), lambda v: v >= 0, "a number of seconds >= 0"),

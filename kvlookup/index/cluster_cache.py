@@ -29,12 +29,12 @@ from __future__ import annotations
 import select
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from redis.exceptions import AskError, ClusterDownError, RedisError, TryAgainError
 
 from kvlookup.index.cluster_io import ClusterIO, slot_of
-from kvlookup.index.copies import MISS
+from kvlookup.index.copies import MISS, Copies
 from kvlookup.index.tracking import LOCAL_ONLY, CachedReads, NeedsRedis, cacheable
 
 #: Keys whose slot a ClusterCachedReads remembers (all forgotten at once past it): about
@@ -49,12 +49,15 @@ class ClusterCachedReads:
     """A caching executor of commands for a cluster (see the module docstring).
 
     io: the cluster's ClusterIO (slot map, redirections, the commands not cached). max_keys and
-    fence: as CachedReads, per master. Thread-safe.
+    fence: as CachedReads, per master; copies: makes each master's copies (None: CachedReads'
+    own; kvlookup.index.mp_copies bounds them by fields). Thread-safe.
     """
 
-    def __init__(self, io: ClusterIO, max_keys: int = 200_000, fence: bool = False):
+    def __init__(self, io: ClusterIO, max_keys: int = 200_000, fence: bool = False,
+                 copies: Callable[[], Copies] | None = None):
         self.io = io
         self.max_keys, self.fence = max_keys, fence
+        self._make_copies = copies
         self._masters: dict[tuple[str, int], CachedReads] = {}
         self._shared: dict[tuple, tuple] = {}
         self._slot: dict[str, int] = {}  # key -> its slot (a pure function of the key)
@@ -201,8 +204,9 @@ class ClusterCachedReads:
                         node = self.io.client_of(addr)
                     except RedisError:
                         return None
+                    made = self._make_copies() if self._make_copies is not None else None
                     reads = self._masters[addr] = CachedReads(node, max_keys=self.max_keys, fence=self.fence,
-                                                              shared=self._shared)
+                                                              shared=self._shared, copies=made)
         return reads
 
 

@@ -4,6 +4,7 @@ sequence, ``GET /directory/keys`` (walks the key pages ``keys.mp_page_key``) and
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import msgspec
@@ -11,11 +12,11 @@ from redis.cluster import RedisCluster
 
 from kvlookup.hashing import mp as mphash
 from kvlookup.index import keys as K
-from kvlookup.index import mp_records
+from kvlookup.index import mp_copies, mp_records
 from kvlookup.index import mp_scripts as S
 from kvlookup.index.cluster_io import ClusterIO
 from kvlookup.index.io import SingleIO, raise_errors
-from kvlookup.index.mp_records import MPRecords
+from kvlookup.index.mp_records import MPRecords, needs_redis
 from kvlookup.index.mp_values import (
     canon,
     chunk_b64,
@@ -28,7 +29,10 @@ from kvlookup.index.mp_values import (
     space_text,
 )
 from kvlookup.index.records import CommandIO
+from kvlookup.index.tracking import as_fields
 from kvlookup.wire import lmcache_mp as W
+
+_MAKE = threading.Lock()  # bucket_reads made once per directory
 
 
 class MPQueries(MPRecords):
@@ -57,15 +61,21 @@ class MPQueries(MPRecords):
         return out
 
     def lookup_tokens_json(self, token_ids: Sequence[int] | memoryview, model_name: str, world_size: int = 1,
-                           cache_salt: str = "") -> bytes:
+                           cache_salt: str = "", memo: dict | None = None) -> bytes:
         """``POST /directory/lookup`` in the tokens form, answered as JSON bytes: exactly
         ``{"chunks": n, "results": lookup_keys(keys_for_tokens(...))}`` but with no object per
         key (the per-key JSON is assembled from fragments: ~3x cheaper at 32k tokens). Falls back
         to that general path when the model also stores keys in other object groups. ValueError
         for token ids MP cannot hash. ``token_ids``: the ids, or a memoryview of them packed as
-        big-endian uint32 (kvlookup.wire.mp_tokens)."""
-        hashes = (mphash.chunk_hashes_packed(token_ids, self.chunk_size()) if isinstance(token_ids, memoryview)
-                  else mphash.chunk_hashes(token_ids, self.chunk_size()))
+        big-endian uint32 (kvlookup.wire.mp_tokens). memo: a dict kept between two tries of the same
+        request (the event loop's, then a thread's: app.asgi), so the ids are hashed once."""
+        hashes = memo.get("hashes") if memo is not None else None
+        if hashes is None:
+            cs = self.chunk_size()
+            hashes = (mphash.chunk_hashes_packed(token_ids, cs) if isinstance(token_ids, memoryview)
+                      else mphash.chunk_hashes(token_ids, cs))
+            if memo is not None:
+                memo["hashes"] = hashes
         ranks = [mphash.kv_rank(world_size, r) for r in range(world_size)]
         if any(m == model_name and s == cache_salt and g != "0" and int(kr) in ranks
                for m, s, kr, g in (t.split("\t") for t in self.all_spaces(fresh=False).values())):
@@ -109,7 +119,12 @@ class MPQueries(MPRecords):
         """Per chunk (its digest in ``hashes``, its hex in ``hexes``): its records in the spaces ``sids``
         then its token binding, flat (``len(sids) + 1`` values a chunk), '' where missing.
         One round trip (scripts.MP_READ_CHUNKS, one call per READ_SLICE chunks, pipelined;
-        hiredis packs the arguments: ~0.2 ms less than redis-py's Script at 128 chunks)."""
+        hiredis packs the arguments: ~0.2 ms less than redis-py's Script at 128 chunks); with bucket
+        copies (:meth:`bucket_reads`) from them, and one round trip only for the buckets not copied."""
+        reads = self.bucket_reads()
+        if reads is not None:
+            return self._copied_fields(reads, hashes, hexes, sids)
+        needs_redis()
         io = self.mp_io()
         sha = io.register(S.MP_READ_CHUNKS)
         calls, step = [], mp_records.READ_SLICE
@@ -118,6 +133,41 @@ class MPQueries(MPRecords):
             calls.append(("EVALSHA", sha, len(part), *(K.mp_chunks_key(K.mp_bucket(hexes[j])) for j in part),
                           len(sids), *sids, *(raw_b64(hashes[j]) for j in part)))
         return [v for got in raise_errors(io.execute(calls)) for v in got]
+
+    def _copied_fields(self, reads, hashes: Sequence[bytes], hexes: Sequence[str], sids: Sequence[str]) -> list[str]:
+        """:meth:`lookup_fields` from whole-bucket copies: a record or binding a complete copy lacks
+        is not stored. Under LOCAL_ONLY, NeedsRedis when a bucket is not copied (nothing sent)."""
+        prefix = K.mp_chunks_prefix()
+        bh = K.MP_BUCKET_HEX
+        names = [prefix + h[:bh] for h in hexes]  # keys.mp_chunks_key(keys.mp_bucket(h)): 64 hex digits each
+        order = list(dict.fromkeys(names))
+        got = raise_errors(reads.execute([("HGETALL", k) for k in order]))
+        by = {k: as_fields(v) for k, v in zip(order, got, strict=True)}
+        out: list[str] = []
+        suffixes = ["." + sid for sid in sids]
+        for h, name in zip(hashes, names, strict=True):
+            fields, b = by[name], raw_b64(h)
+            out += [fields.get(b + s, "") for s in suffixes]
+            out.append(fields.get(b, ""))
+        return out
+
+    def bucket_reads(self):
+        """The cached reads of the chunk buckets (kvlookup.index.mp_copies), made on first use;
+        None without copies (``copy_fields`` 0)."""
+        reads = getattr(self, "_bucket_reads", None)
+        if reads is None and self.copy_fields:
+            with _MAKE:
+                reads = getattr(self, "_bucket_reads", None)
+                if reads is None:
+                    reads = self._bucket_reads = mp_copies.bucket_reads(
+                        self.r, self.mp_io(), self.copy_fields, self.copy_keys, self.copy_fence)
+        return reads
+
+    def reads_locally(self) -> bool:
+        """Can a lookup be answered from the copies now, with no round trip (unfenced, the
+        invalidation connection up)? The event loop tries only then (app.asgi)."""
+        reads = self.bucket_reads()
+        return reads is not None and reads.local_now()
 
     def mp_io(self) -> CommandIO:
         """The pipelined command IO of this directory's client (SingleIO, ClusterIO: hiredis packs

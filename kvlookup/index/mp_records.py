@@ -11,9 +11,17 @@ from collections.abc import Iterable, Sequence
 from kvlookup.index import keys as K
 from kvlookup.index.mp_registry import UNBOUND_RECHECK_S, MPRegistry
 from kvlookup.index.mp_values import Record, parse_record, parse_tokens
+from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
 
 #: Buckets read per script call: one call stays well under a millisecond of Redis time.
 READ_SLICE = 1024
+
+
+def needs_redis() -> None:
+    """NeedsRedis under kvlookup.index.tracking's LOCAL_ONLY (app.asgi's event loop must not wait
+    on Redis: the request is answered again in a thread)."""
+    if LOCAL_ONLY.get():
+        raise NeedsRedis("an MP read needs Redis")
 
 
 class MPRecords(MPRegistry):
@@ -22,6 +30,7 @@ class MPRecords(MPRegistry):
     def _reverse(self, kind: str, ids: Iterable[str]) -> dict[str, str]:
         want = {i for i in ids if f"r:{kind}{i}" not in self._names}
         if want:
+            needs_redis()
             order = sorted(want)
             for i, text in zip(order, self.r.hmget(K.mp_names_key(), [f"r:{kind}{i}" for i in order]), strict=True):
                 if text is not None:
@@ -32,6 +41,7 @@ class MPRecords(MPRegistry):
         """Interned ids of space texts (None where never stored)."""
         missing = [t for t in texts if f"n:s{t}" not in self._names]
         if missing:
+            needs_redis()
             for t, sid in zip(missing, self.r.hmget(K.mp_names_key(), [f"n:s{t}" for t in missing]), strict=True):
                 if sid is not None:
                     self._names[f"n:s{t}"] = sid
@@ -43,6 +53,7 @@ class MPRecords(MPRegistry):
         at, known = self._spaces
         if not fresh and time.monotonic() - at < UNBOUND_RECHECK_S:
             return known
+        needs_redis()
         ids = (self.r.hget(K.mp_names_key(), "sps") or "").split(",")
         spaces = {i: t for i, t in self._reverse("s", [i for i in ids if i]).items()}
         self._spaces = (time.monotonic(), spaces)
@@ -71,6 +82,7 @@ class MPRecords(MPRegistry):
         READ_SLICE refs (scripts.MP_READ_FIELDS), not one command per bucket."""
         if not refs:
             return []
+        needs_redis()
         n = len(refs[0][1])
         out: list[str | None] = []
         for i in range(0, len(refs), READ_SLICE):

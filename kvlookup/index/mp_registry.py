@@ -14,6 +14,7 @@ from kvlookup.hashing import mp as mphash
 from kvlookup.index import keys as K
 from kvlookup.index import mp_scripts as S
 from kvlookup.index import scripts as R
+from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
 from kvlookup.wire import lmcache_mp as W
 
 #: How long an unbound chunk size, and the list of spaces, are trusted before Redis is asked again (s).
@@ -39,8 +40,12 @@ class MPRegistry:
 
     def __init__(self, redis, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  instance_timeout_s: float = DEFAULT_INSTANCE_TIMEOUT_S, replica_acks: int = 0,
-                 replica_timeout_ms: int = 500):
+                 replica_timeout_ms: int = 500, copy_fields: int = 0, copy_keys: int = 200_000,
+                 copy_fence: bool = False):
         self.r = redis
+        #: process-local copies of the chunk buckets (kvlookup.index.mp_copies): at most this many
+        #: fields (0: none, every lookup reads Redis); copy_keys / copy_fence as lookup_cache_keys / fenced
+        self.copy_fields, self.copy_keys, self.copy_fence = copy_fields, copy_keys, copy_fence
         #: before a write is acknowledged, wait (WAIT) until this many replicas of the {mp} master
         #: have it (0: don't wait): a master killed right after an answer then loses nothing
         self.replica_acks = replica_acks
@@ -85,6 +90,8 @@ class MPRegistry:
         now = time.monotonic()
         if now - self._unbound_at < UNBOUND_RECHECK_S:
             return self.configured_chunk_size
+        if LOCAL_ONLY.get():  # app.asgi's event loop never waits on Redis
+            raise NeedsRedis("the chunk size is due to be read")
         bound = self.r.hget(K.mp_config_key(), "chunk_size")
         if bound:
             self._bound = int(bound)

@@ -45,8 +45,9 @@ from kvlookup.index.io import SingleIO
 log = logging.getLogger(__name__)
 
 INVALIDATE = "__redis__:invalidate"
-#: Commands whose replies are kept: ``(name, key)``.
-CACHED = ("ZRANGE", "GET")
+#: Commands whose replies are kept: ``(name, key)`` (``HGETALL``: an LMCache MP chunk bucket,
+#: kept as a dict by kvlookup.index.mp_copies).
+CACHED = ("ZRANGE", "GET", "HGETALL")
 #: Chunk keys remembered as lacked once (NeedsRedis.first_miss), at most: ~7 MiB of key names;
 #: all are forgotten when it is full (a hot prompt's chunk is then read by digest once more).
 MISSED_MAX = 50_000
@@ -94,7 +95,7 @@ class CachedReads:
     """
 
     def __init__(self, client: redis.Redis, max_keys: int = 200_000, fence: bool = False,
-                 shared: dict | None = None):
+                 shared: dict | None = None, copies: Copies | None = None):
         self.max_keys = max_keys
         self.fence = fence
         # RESP2: invalidations arrive as pub/sub messages on the listener (RESP3 pushes them in-band)
@@ -103,7 +104,7 @@ class CachedReads:
             kwargs.pop(resp3_only, None)
         self._kwargs = kwargs
         self._lock = threading.Lock()
-        self._copies = Copies(max_keys, shared)
+        self._copies = Copies(max_keys, shared) if copies is None else copies
         self._missed: dict[str, None] = {}  # chunk keys a LOCAL_ONLY read lacked (first_miss)
         self._listener: redis.Connection | None = None
         self._gen = 0  # invalidation messages taken so far
@@ -373,7 +374,7 @@ class CachedReads:
             for i, j in zip(missing, where, strict=True):
                 res, cmd = got[j], commands[i]
                 if cacheable(cmd) and not isinstance(res, Exception):
-                    res = self._copies.share(res)
+                    res = as_fields(res) if cmd[0] == "HGETALL" else self._copies.share(res)
                     if keep and self._fresh(cmd[1], gen) and (res or cmd[0] != "ZRANGE"):  # no misses
                         self._copies.put((cmd[0], cmd[1]), res)
                 out[i] = res
@@ -445,9 +446,21 @@ _VERSION_KEY = keys.registry_version_key()
 NOT_KEPT = ("", "")
 
 
+_MP_CHUNKS = keys.mp_chunks_prefix()
+
+
 def cacheable(cmd: tuple) -> bool:
-    """Is ``cmd`` a read whose reply is kept (a chunk set's ``ZRANGE``, the registry version's ``GET``)?"""
-    return cmd[0] == "ZRANGE" or (cmd[0] == "GET" and cmd[1] == _VERSION_KEY)
+    """Is ``cmd`` a read whose reply is kept (a chunk set's ``ZRANGE``, the registry version's
+    ``GET``, an LMCache MP chunk bucket's ``HGETALL``)?"""
+    return cmd[0] == "ZRANGE" or (cmd[0] == "GET" and cmd[1] == _VERSION_KEY) \
+        or (cmd[0] == "HGETALL" and cmd[1].startswith(_MP_CHUNKS))
+
+
+def as_fields(reply) -> dict:
+    """An ``HGETALL`` reply (RESP2: a flat list of field, value; already a dict: unchanged) as a dict."""
+    if isinstance(reply, dict):
+        return reply
+    return dict(zip(reply[0::2], reply[1::2], strict=True))
 
 
 def bound_tracking_table(conn, max_keys: int) -> None:
