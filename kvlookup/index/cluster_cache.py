@@ -35,7 +35,7 @@ from redis.exceptions import AskError, ClusterDownError, RedisError, TryAgainErr
 
 from kvlookup.index.cluster_io import ClusterIO, slot_of
 from kvlookup.index.copies import MISS, Copies
-from kvlookup.index.tracking import LOCAL_ONLY, CachedReads, NeedsRedis, cacheable
+from kvlookup.index.tracking import LOCAL_ONLY, CachedReads, NeedsRedis, as_fields, cacheable
 
 #: Keys whose slot a ClusterCachedReads remembers (all forgotten at once past it): about
 #: 150 B a key (the dict entry and the key string it keeps alive), so ~30 MiB per worker at most.
@@ -161,6 +161,56 @@ class ClusterCachedReads:
             for i, res in zip(rest, self.io.execute([commands[i] for i in rest]), strict=True):
                 out[i] = res
         return out
+
+    def whole_hashes(self, names: Sequence[str], script: str) -> list:
+        """As :meth:`kvlookup.index.tracking.CachedReads.whole_hashes`, each master asked for its
+        own names; a master gone or redirecting has its names read untracked through ClusterIO
+        (the script, one call a slot). Under LOCAL_ONLY, NeedsRedis when a name is not kept."""
+        local = LOCAL_ONLY.get()
+        slots = self.io.slot_map()
+        if slots is not self._map:
+            self._drop_gone(slots)
+        groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+        slot = self._slot
+        for i, key in enumerate(names):
+            s = slot.get(key)
+            if s is None:
+                s = slot[key] = slot_of(key)
+            groups[slots[s]].append(i)
+        out: list = [None] * len(names)
+        rest: list[int] = []
+        masters = [(self._master(addr) if addr[0] else None, idx) for addr, idx in groups.items()]
+        readable = _readable([sock for reads, _idx in masters if reads is not None for sock in reads.watched()])
+        for reads, idx in masters:
+            try:
+                if reads is None:
+                    raise NeedsRedis() if local else RedisError("no master")
+                got = reads.whole_hashes([names[i] for i in idx], script, readable)
+            except (RedisError, OSError):  # gone or redirected: ClusterIO follows, refreshes
+                if local:
+                    raise NeedsRedis() from None
+                rest += idx
+                continue
+            for i, res in zip(idx, got, strict=True):
+                out[i] = res
+        if rest:
+            self._plain += 1
+            self._untracked(names, rest, script, out)
+        return out
+
+    def _untracked(self, names: Sequence[str], idx: list[int], script: str, out: list) -> None:
+        """``script`` over ``names[idx]`` through ClusterIO, one call per slot, into ``out``."""
+        by_slot: dict[int, list[int]] = defaultdict(list)
+        for i in idx:
+            by_slot[slot_of(names[i])].append(i)
+        sha = self.io.register(script)
+        calls = list(by_slot.values())
+        got = self.io.execute([("EVALSHA", sha, len(part), *(names[i] for i in part)) for part in calls])
+        for part, res in zip(calls, got, strict=True):
+            if isinstance(res, Exception):
+                raise res
+            for i, reply in zip(part, res, strict=True):
+                out[i] = as_fields(reply)
 
     def peek(self, reads: list[tuple[str, str]]) -> list:
         """As :meth:`kvlookup.index.tracking.CachedReads.peek`, over every master read so far

@@ -22,6 +22,7 @@ from kvlookup.index.mp_values import (
     chunk_b64,
     chunk_hex,
     key_dict,
+    many_b64,
     parse_record,
     parse_tokens,
     placement_dict,
@@ -29,7 +30,6 @@ from kvlookup.index.mp_values import (
     space_text,
 )
 from kvlookup.index.records import CommandIO
-from kvlookup.index.tracking import as_fields
 from kvlookup.wire import lmcache_mp as W
 
 _MAKE = threading.Lock()  # bucket_reads made once per directory
@@ -136,17 +136,23 @@ class MPQueries(MPRecords):
 
     def _copied_fields(self, reads, hashes: Sequence[bytes], hexes: Sequence[str], sids: Sequence[str]) -> list[str]:
         """:meth:`lookup_fields` from whole-bucket copies: a record or binding a complete copy lacks
-        is not stored. Under LOCAL_ONLY, NeedsRedis when a bucket is not copied (nothing sent)."""
-        prefix = K.mp_chunks_prefix()
-        bh = K.MP_BUCKET_HEX
+        is not stored. The buckets not copied are read whole in one call (scripts.MP_READ_BUCKETS)
+        and kept. Under LOCAL_ONLY, NeedsRedis when a bucket is not copied (nothing sent)."""
+        prefix, bh = K.mp_chunks_prefix(), K.MP_BUCKET_HEX
         names = [prefix + h[:bh] for h in hexes]  # keys.mp_chunks_key(keys.mp_bucket(h)): 64 hex digits each
         order = list(dict.fromkeys(names))
-        got = raise_errors(reads.execute([("HGETALL", k) for k in order]))
-        by = {k: as_fields(v) for k, v in zip(order, got, strict=True)}
+        by = dict(zip(order, reads.whole_hashes(order, S.MP_READ_BUCKETS), strict=True))
+        b64s = many_b64(hashes)
         out: list[str] = []
+        if len(sids) == 1:
+            s = "." + sids[0]
+            for name, b in zip(names, b64s, strict=True):
+                fields = by[name]
+                out += (fields.get(b + s, ""), fields.get(b, ""))
+            return out
         suffixes = ["." + sid for sid in sids]
-        for h, name in zip(hashes, names, strict=True):
-            fields, b = by[name], raw_b64(h)
+        for name, b in zip(names, b64s, strict=True):
+            fields = by[name]
             out += [fields.get(b + s, "") for s in suffixes]
             out.append(fields.get(b, ""))
         return out

@@ -536,6 +536,15 @@ end
 return out
 """
 
+#: Whole chunk buckets for their process-local copies (kvlookup.index.mp_copies): KEYS the buckets;
+#: returns per bucket its HGETALL (a flat field, value list), in order. Sent on a tracked
+#: connection after CLIENT CACHING YES, so Redis tracks every bucket it reads.
+MP_READ_BUCKETS = """#!lua flags=no-writes
+local out = {}
+for i = 1, #KEYS do out[i] = redis.call('HGETALL', KEYS[i]) end
+return out
+"""
+
 #: What a prefix lookup (POST /lookup with model_name) reads, in one call: the live instances, the
 #: declared capacities (shared pools) and the records of the prompt's chunks in m spaces, chunk by
 #: chunk until the first chunk no space holds (the match cannot reach past it). KEYS[1] heartbeats,

@@ -380,6 +380,46 @@ class CachedReads:
                 out[i] = res
         return out
 
+    def whole_hashes(self, names: Sequence[str], script: str, readable: set | None = None) -> list:
+        """``HGETALL`` of each hash ``names`` (cacheable ones: kvlookup.index.mp_copies' buckets), as
+        dicts: from copies where kept, the rest in one tracked call of ``script`` (Lua returning
+        ``HGETALL`` of each of its KEYS, in order: one reply to parse, not one a hash) and kept.
+        Under LOCAL_ONLY, NeedsRedis when one is not kept (nothing sent). Errors raised (a command
+        error as its ResponseError, a lost server as redis.ConnectionError). readable: as
+        :meth:`execute`."""
+        local = LOCAL_ONLY.get()
+        if not self._lock.acquire(blocking=not local):
+            raise NeedsRedis()
+        try:
+            caching = self._drain(readable)
+            gen = self._gen
+            out = self._copies.get_many([("HGETALL", k) for k in names]) if caching or local else [_MISS] * len(names)
+            missing = [i for i, copy in enumerate(out) if copy is _MISS]
+            if local and (missing or not caching):
+                raise NeedsRedis()
+            self.stats["hits"] += len(names) - len(missing)
+            self.stats["misses"] += len(missing)
+        finally:
+            self._lock.release()
+        if not missing:
+            return out
+        want = [names[i] for i in missing]
+        # EVAL, not EVALSHA: a NOSCRIPT answer would be sent again without CLIENT CACHING YES
+        # (SingleIO), reading untracked; Redis caches the script by its sha either way
+        call = ("EVAL", script, len(want), *want)
+        got = self._send([("CLIENT", "CACHING", "YES"), call]) if caching else None
+        if got is None:  # caching is off, or the tracked connection failed: read plainly
+            self._plain_reads += 1
+            return self._fill(out, missing, [as_fields(v) for v in _raised(self.plain.execute([call]))[0]])
+        replies = _raised(got)[1]
+        with self._lock:
+            keep = self._take_arrived()
+            for i, name, reply in zip(missing, want, replies, strict=True):
+                out[i] = fields = as_fields(reply)
+                if keep and self._fresh(name, gen):
+                    self._copies.put(("HGETALL", name), fields)
+        return out
+
     def peek(self, reads: list[tuple[str, str]], readable: set | None = None) -> list:
         """The copy of each of ``reads`` (``(command name, key)`` of :func:`cacheable` reads:
         ``("ZRANGE", chunk key)``, ``("GET", key)``), or :data:`kvlookup.index.copies.MISS` where
@@ -431,6 +471,13 @@ class CachedReads:
         for i, res in zip(missing, got, strict=True):
             out[i] = res
         return out
+
+
+def _raised(results: list) -> list:
+    for res in results:
+        if isinstance(res, Exception):
+            raise res
+    return results
 
 
 def _run_id(conn) -> str:

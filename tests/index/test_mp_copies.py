@@ -12,8 +12,8 @@ import pytest
 
 from kvlookup.hashing import mp as mphash
 from kvlookup.index import keys as K
-from kvlookup.index.mp import MPDirectory
 from kvlookup.index.copies import MISS
+from kvlookup.index.mp import MPDirectory
 from kvlookup.index.mp_copies import FieldCopies
 from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
 from kvlookup.wire import lmcache_mp as W
