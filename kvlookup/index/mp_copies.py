@@ -1,11 +1,14 @@
 """Process-local complete copies of the LMCache MP chunk buckets (``keys.mp_chunks_key``), kept
 coherent by Redis CLIENT TRACKING, as the classic path's chunk sets are (kvlookup.index.tracking,
-kvlookup.index.cluster_cache): a bucket is read whole (``HGETALL``, on a tracked connection) and
-kept as a dict ``field -> value``; any write to it (a store, delete, access, a fence or a
-departure reaching one of its records) makes Redis send its name to this process's invalidation
-connection and the copy goes. A complete copy answers a field that is there and one that is not,
-so a ``POST /directory/lookup`` whose buckets are all copied needs no round trip (and runs in
-app.asgi's event loop); the buckets not copied are read in one round trip and kept.
+kvlookup.index.cluster_cache): a bucket is read whole (``HGETALL`` of each in one Lua call, on a
+tracked connection) and kept as a dict ``field -> value``; any write to it (a store, delete,
+access, a fence or a departure reaching one of its records) makes Redis send its name to this
+process's invalidation connection and the copy goes. A complete copy answers a field that is
+there and one that is not, so a ``POST /directory/lookup`` whose buckets are all copied needs no
+round trip (and runs in app.asgi's event loop). A lookup that lacks some buckets reads just its
+chunks of those as before (one script call) and hands the buckets to a :class:`Copier`, which
+copies them in the background, off the request's path: a whole bucket is ~25x the fields a
+lookup needs of it, and reading 128 whole buckets costs more than the lookup itself.
 
 Bound: at most ``max_fields`` fields over all copies of a process (setting ``mp_copy_fields``;
 a bucket with more is read but not kept), least recently used first out (the segmented LRU of
@@ -14,10 +17,16 @@ kvlookup.index.copies: a bucket read once waits in probation).
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
 from kvlookup.index.cluster_cache import ClusterCachedReads
 from kvlookup.index.cluster_io import ClusterIO
 from kvlookup.index.copies import Copies
 from kvlookup.index.tracking import CachedReads
+
+log = logging.getLogger(__name__)
 
 #: Fields kept over all bucket copies of one process by default: ~150-200 B of Python objects a
 #: field, so ~40 MiB; 200k fields hold every record of a ~200k-key directory.
@@ -70,3 +79,59 @@ def bucket_reads(client, io, max_fields: int, max_keys: int = 200_000,
         return ClusterCachedReads(io, max_keys=max_keys, fence=fence,
                                   copies=lambda: FieldCopies(max_keys, max_fields))
     return CachedReads(client, max_keys=max_keys, fence=fence, copies=FieldCopies(max_keys, max_fields))
+
+
+#: Buckets a Copier reads in one call, and the most it holds waiting (more are dropped: a
+#: lookup that misses them again asks again).
+COPY_BATCH = 256
+COPY_PENDING = 8192
+#: The share of one core a Copier may keep busy: after a call that took t seconds it rests
+#: t * (1 / COPY_DUTY - 1). Under ingest churn every store batch invalidates ~10% of the
+#: buckets; copying them again at any cost would take the lookups' CPU on a small box.
+COPY_DUTY = 0.25
+
+
+class Copier:
+    """Copies the buckets lookups lacked, in a daemon thread of its own (started on first use):
+    ``reads.whole_hashes(names, script)`` for what :meth:`want` was given, at most
+    :data:`COPY_DUTY` of a core. Errors are logged (debug) and the names dropped."""
+
+    def __init__(self, reads, script: str):
+        self.reads, self.script = reads, script
+        self._want: dict[str, None] = {}
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._busy = False
+
+    def want(self, names: list[str]) -> None:
+        """Copy ``names`` soon (never waits)."""
+        with self._cv:
+            if len(self._want) < COPY_PENDING:
+                self._want.update(dict.fromkeys(names))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mp-bucket-copier", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def idle(self) -> bool:
+        """Nothing waits to be copied and no copy is under way."""
+        with self._cv:
+            return not self._want and not self._busy
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._want:
+                    self._cv.wait()
+                names = list(self._want)[:COPY_BATCH]
+                for n in names:
+                    del self._want[n]
+                self._busy = True
+            start = time.perf_counter()
+            try:
+                self.reads.whole_hashes(names, self.script)
+            except Exception as exc:  # the next lookup that lacks them asks again
+                log.debug("MP bucket copies: %s", exc)
+            with self._cv:
+                self._busy = False
+            time.sleep((time.perf_counter() - start) * (1 / COPY_DUTY - 1))

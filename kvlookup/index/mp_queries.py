@@ -15,6 +15,7 @@ from kvlookup.index import keys as K
 from kvlookup.index import mp_copies, mp_records
 from kvlookup.index import mp_scripts as S
 from kvlookup.index.cluster_io import ClusterIO
+from kvlookup.index.copies import MISS
 from kvlookup.index.io import SingleIO, raise_errors
 from kvlookup.index.mp_records import MPRecords, needs_redis
 from kvlookup.index.mp_values import (
@@ -125,6 +126,10 @@ class MPQueries(MPRecords):
         if reads is not None:
             return self._copied_fields(reads, hashes, hexes, sids)
         needs_redis()
+        return self._chunk_fields(hashes, hexes, sids)
+
+    def _chunk_fields(self, hashes: Sequence[bytes], hexes: Sequence[str], sids: Sequence[str]) -> list[str]:
+        """:meth:`lookup_fields` from Redis (scripts.MP_READ_CHUNKS)."""
         io = self.mp_io()
         sha = io.register(S.MP_READ_CHUNKS)
         calls, step = [], mp_records.READ_SLICE
@@ -135,27 +140,39 @@ class MPQueries(MPRecords):
         return [v for got in raise_errors(io.execute(calls)) for v in got]
 
     def _copied_fields(self, reads, hashes: Sequence[bytes], hexes: Sequence[str], sids: Sequence[str]) -> list[str]:
-        """:meth:`lookup_fields` from whole-bucket copies: a record or binding a complete copy lacks
-        is not stored. The buckets not copied are read whole in one call (scripts.MP_READ_BUCKETS)
-        and kept. Under LOCAL_ONLY, NeedsRedis when a bucket is not copied (nothing sent)."""
+        """:meth:`lookup_fields` from whole-bucket copies (kvlookup.index.mp_copies): a record or
+        binding a complete copy lacks is not stored. The chunks of buckets not copied are read as
+        without copies (one script call) and their buckets handed to the copier. Under
+        LOCAL_ONLY, NeedsRedis when a bucket is not copied (nothing sent)."""
         prefix, bh = K.mp_chunks_prefix(), K.MP_BUCKET_HEX
         names = [prefix + h[:bh] for h in hexes]  # keys.mp_chunks_key(keys.mp_bucket(h)): 64 hex digits each
         order = list(dict.fromkeys(names))
-        by = dict(zip(order, reads.whole_hashes(order, S.MP_READ_BUCKETS), strict=True))
+        by = dict(zip(order, reads.peek([("HGETALL", k) for k in order]), strict=True))
+        lacked = [k for k, v in by.items() if v is MISS]
+        read: dict[int, list[str]] = {}  # chunk -> its fields read from Redis (its bucket not copied)
+        if lacked:
+            needs_redis()
+            self.copier().want(lacked)
+            gone = set(lacked)
+            idx = [i for i, name in enumerate(names) if name in gone]
+            flat = self._chunk_fields([hashes[i] for i in idx], [hexes[i] for i in idx], sids)
+            m = len(sids) + 1
+            read = {i: flat[j * m:(j + 1) * m] for j, i in enumerate(idx)}
         b64s = many_b64(hashes)
-        out: list[str] = []
-        if len(sids) == 1:
-            s = "." + sids[0]
-            for name, b in zip(names, b64s, strict=True):
-                fields = by[name]
-                out += (fields.get(b + s, ""), fields.get(b, ""))
-            return out
         suffixes = ["." + sid for sid in sids]
-        for name, b in zip(names, b64s, strict=True):
+        out: list[str] = []
+        for i, (name, b) in enumerate(zip(names, b64s, strict=True)):
             fields = by[name]
+            if fields is MISS:
+                out += read[i]
+                continue
             out += [fields.get(b + s, "") for s in suffixes]
             out.append(fields.get(b, ""))
         return out
+
+    def copier(self) -> mp_copies.Copier:
+        """The background copier of this directory's buckets (made with :meth:`bucket_reads`)."""
+        return self._copier
 
     def bucket_reads(self):
         """The cached reads of the chunk buckets (kvlookup.index.mp_copies), made on first use;
@@ -165,8 +182,10 @@ class MPQueries(MPRecords):
             with _MAKE:
                 reads = getattr(self, "_bucket_reads", None)
                 if reads is None:
-                    reads = self._bucket_reads = mp_copies.bucket_reads(
-                        self.r, self.mp_io(), self.copy_fields, self.copy_keys, self.copy_fence)
+                    reads = mp_copies.bucket_reads(self.r, self.mp_io(), self.copy_fields, self.copy_keys,
+                                                   self.copy_fence)
+                    self._copier = mp_copies.Copier(reads, S.MP_READ_BUCKETS)
+                    self._bucket_reads = reads
         return reads
 
     def reads_locally(self) -> bool:
