@@ -220,6 +220,14 @@ def run(placements: int = 100_000, lengths: tuple[int, ...] = (256, 4096, 32768)
         reg = msgspec.json.encode({"instance_id": "bench-holder", "ip": "127.0.0.1", "http_port": 1})
         for url in (kv, coord):
             assert _post(url, "/instances", reg)[0] == 200
+        beat = threading.Event()
+
+        def heartbeats() -> None:  # the holder must not time out (30 s): a departure drops its L1 placements
+            while not beat.wait(5):
+                for url in (kv, coord):
+                    requests.put(url + "/instances/bench-holder/heartbeat", timeout=10)
+
+        threading.Thread(target=heartbeats, daemon=True).start()
         churn = {name: Churn(url, f"bench-churn-{name}", inc, churn_batches_per_s, churn_entries, 11 + j)
                  for j, (name, url) in enumerate(targets)}
         rows = []
@@ -254,6 +262,7 @@ def run(placements: int = 100_000, lengths: tuple[int, ...] = (256, 4096, 32768)
                 rows.append(row)
                 progress.note("    " + ", ".join(f"{name} p50 {got[name]['p50_ms']} p99 {got[name]['p99_ms']}"
                                                  for name, _ in targets))
+        beat.set()
         out["rows"] = rows
         out["loadavg_end"] = [round(x, 1) for x in os.getloadavg()]
         out["utc_end"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())

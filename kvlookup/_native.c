@@ -7,6 +7,16 @@
  *     plain decimal digits (no sign, fraction, exponent or leading zero) below 2^32. Anything
  *     else returns None: the caller then runs its own decoder, which gives the errors.
  *
+ * decode_mp_ids(body) -> (bytearray, start, end, members) | None
+ *     The token_ids of a JSON object body (LMCache MP's tokens-form /directory/lookup): its
+ *     top-level member "token_ids" must be an array of ids as decode_tokens takes them (at least
+ *     one); they come packed as big-endian uint32 (what the MP chunk hash reads), with the
+ *     offsets [start, end) of the array in the body and the count of top-level members (the
+ *     caller decodes the rest of the body itself, with the array cut out, and checks that no
+ *     member repeats). Other members' values are skipped (strings with their escapes, nested
+ *     arrays and objects by depth). None for anything else (not an object, a key with an escape,
+ *     no or a repeated token_ids, an id decode_tokens would refuse, bytes after the object).
+ *
  * chain(prefix, tokens, size, tail, extra=<absent>) -> list[int]
  *     The chain h_i = hash((h_{i-1}, tuple(chunk_i))) or, with extra, hash((h_{i-1},
  *     tuple(chunk_i), extra)), h_-1 = prefix, over chunks of `size` tokens (the trailing partial
@@ -322,9 +332,136 @@ static PyObject *native_decode_tokens(PyObject *self, PyObject *arg) {
     return packed;
 }
 
+/* ---- decode_mp_ids ---- */
+
+/* Past the JSON string starting at p (at its '"'); NULL when it does not end. */
+static const char *skip_string(const char *p, const char *end) {
+    p++;
+    while (p < end) {
+        const char *q = memchr(p, '"', (size_t)(end - p));
+        if (q == NULL) return NULL;
+        const char *b = q;  /* an odd run of backslashes before it escapes it */
+        while (b > p && b[-1] == '\\') b--;
+        if (((q - b) & 1) == 0) return q + 1;
+        p = q + 1;
+    }
+    return NULL;
+}
+
+/* Past one JSON value at p (not validated: the caller's decoder checks the rest); NULL when unbalanced. */
+static const char *skip_value(const char *p, const char *end) {
+    int depth = 0;
+    while (p < end) {
+        char c = *p;
+        if (c == '"') {
+            if ((p = skip_string(p, end)) == NULL) return NULL;
+            if (depth == 0) return p;
+            continue;
+        }
+        if (c == '[' || c == '{') {
+            depth++;
+        } else if (c == ']' || c == '}') {
+            if (depth == 0) return p;  /* the end of the enclosing object: the value ended before */
+            depth--;
+            if (depth == 0) return p + 1;
+        } else if (c == ',' && depth == 0) {
+            return p;
+        }
+        p++;
+    }
+    return depth == 0 ? p : NULL;
+}
+
+/* The ids of the array at p ('['), big-endian, into out; the count (>= 1) and *after, or -1. */
+static Py_ssize_t parse_ids_be(const char *p, const char *end, uint32_t *out, const char **after) {
+    if ((p = expect(p, end, "[", 1)) == NULL) return -1;
+    p = skip_ws(p, end);
+    Py_ssize_t n = 0;
+    for (;;) {
+        const char *digits = p;
+        u64 v;
+        p = scan_id(p, end, &v);
+        Py_ssize_t len = p - digits;
+        if (len == 0 || len > 10 || (*digits == '0' && len > 1) || v > 0xFFFFFFFFULL) return -1;
+        out[n++] = __builtin_bswap32((uint32_t)v);
+        if (p < end && *p == ',') {
+            p++;
+        } else {
+            p = skip_ws(p, end);
+            if (p < end && *p == ']') {
+                *after = p + 1;
+                return n;
+            }
+            if (p >= end || *p != ',') return -1;
+            p++;
+        }
+        if (p < end && *p == ' ') p++;
+        p = skip_ws(p, end);
+    }
+}
+
+static PyObject *native_decode_mp_ids(PyObject *self, PyObject *arg) {
+    Py_buffer body;
+    if (PyObject_GetBuffer(arg, &body, PyBUF_SIMPLE) != 0) {
+        return NULL;
+    }
+    PyObject *packed = PyByteArray_FromStringAndSize(NULL, (body.len / 2 + 1) * 4);
+    if (packed == NULL) {
+        PyBuffer_Release(&body);
+        return NULL;
+    }
+    const char *start = (const char *)body.buf, *end = start + body.len, *p = start;
+    const char *a0 = NULL, *a1 = NULL;
+    Py_ssize_t n = -1, members = 0;
+    p = skip_ws(p, end);
+    if ((p = expect(p, end, "{", 1)) == NULL) goto none;
+    p = skip_ws(p, end);
+    if (p < end && *p == '}') goto none;  /* {}: no token_ids */
+    for (;;) {
+        if (p >= end || *p != '"') goto none;
+        const char *k = p + 1, *kend = skip_string(p, end);
+        if (kend == NULL || memchr(k, '\\', (size_t)(kend - 1 - k)) != NULL) goto none;
+        members++;
+        int ids = (kend - 1 - k) == 9 && memcmp(k, "token_ids", 9) == 0;
+        p = skip_ws(kend, end);
+        if ((p = expect(p, end, ":", 1)) == NULL) goto none;
+        p = skip_ws(p, end);
+        if (ids) {
+            if (a0 != NULL) goto none;  /* a repeated token_ids */
+            a0 = p;
+            n = parse_ids_be(p, end, (uint32_t *)PyByteArray_AS_STRING(packed), &a1);
+            if (n < 0) goto none;
+            p = a1;
+        } else if ((p = skip_value(p, end)) == NULL) {
+            goto none;
+        }
+        p = skip_ws(p, end);
+        if (p < end && *p == ',') {
+            p = skip_ws(p + 1, end);
+            continue;
+        }
+        if (p < end && *p == '}') break;
+        goto none;
+    }
+    p = skip_ws(p + 1, end);
+    if (p != end || a0 == NULL) goto none;
+    PyBuffer_Release(&body);
+    if (PyByteArray_Resize(packed, n * 4) != 0) {
+        Py_DECREF(packed);
+        return NULL;
+    }
+    return Py_BuildValue("(Nnnn)", packed, (Py_ssize_t)(a0 - start), (Py_ssize_t)(a1 - start), members);
+none:
+    PyBuffer_Release(&body);
+    Py_DECREF(packed);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"chain", native_chain, METH_VARARGS,
      "chain(prefix, tokens, size, tail, extra=<absent>) -> list[int]: CPython tuple-hash chunk chain."},
+    {"decode_mp_ids", native_decode_mp_ids, METH_O,
+     "decode_mp_ids(body) -> (bytearray, start, end, members) | None: big-endian uint32 token_ids of a JSON object."},
     {"decode_tokens", native_decode_tokens, METH_O,
      "decode_tokens(body) -> bytearray | None: the uint32 ids of a {\"tokens\": [ints]} body, or None."},
     {NULL, NULL, 0, NULL},

@@ -21,6 +21,10 @@ import sys
 import threading
 from typing import Any, NamedTuple
 
+import msgspec
+
+from kvlookup import native
+
 try:  # optional: without them every body takes msgspec's path
     import numpy
     import simdjson
@@ -48,7 +52,11 @@ _local = threading.local()  # one parser a thread: a parser is reused only once 
 
 def decode_tokens_form(body: bytes) -> TokensForm | None:
     """The tokens form of ``body`` (JSON) when it has the plain shape (module docstring); None
-    otherwise (decode it with ``lmcache_mp.decode``). Never raises for bad input."""
+    otherwise (decode it with ``lmcache_mp.decode``). Never raises for bad input. With the C
+    extension (kvlookup.native) the ids are read by it at any size (:func:`_native_form`)."""
+    ext = native.ext
+    if ext is not None and sys.byteorder == "little":
+        return _native_form(ext, body)
     if simdjson is None or len(body) < MIN_BYTES or sys.byteorder != "little" \
             or body.find(b"[", body.find(b"[") + 1) != -1 or body.startswith(b"\xef\xbb\xbf"):
         # at most one '[' (find uses memchr: ~30x cheaper than count on a 200 KB body): token_ids
@@ -67,6 +75,26 @@ def decode_tokens_form(body: bytes) -> TokensForm | None:
     if not wide.size or int(wide.max()) >= 1 << 32:  # empty, or an id MP cannot hash: msgspec's path says so
         return None
     return TokensForm(wide.astype(">u4").data.cast("B"), int(wide.size), model, ws, salt)
+
+
+def _native_form(ext: Any, body: bytes) -> TokensForm | None:
+    """:func:`decode_tokens_form` by the C extension's ``decode_mp_ids`` (the ids, big-endian, and
+    where their array lies) and msgspec for the rest of the body (the array cut out): ~10x less
+    CPU than pysimdjson + numpy at 32k ids, and no set-up cost for small bodies."""
+    got = ext.decode_mp_ids(body)
+    if got is None:
+        return None
+    packed, start, end, members = got
+    try:
+        rest = msgspec.json.decode(body[:start] + b"0" + body[end:])
+    except msgspec.DecodeError:
+        return None
+    if type(rest) is not dict or len(rest) != members or not _FIELDS.issuperset(rest):  # a repeated or other member
+        return None
+    model, salt, ws = rest.get("model_name"), rest.get("cache_salt", ""), rest.get("world_size", 1)
+    if type(model) is not str or type(salt) is not str or type(ws) is not int or ws < 1:
+        return None
+    return TokensForm(memoryview(packed), len(packed) // 4, model, ws, salt)
 
 
 def _ids(body: bytes) -> tuple[str, int, str, Any] | None:

@@ -10,6 +10,7 @@ import random
 import msgspec
 import pytest
 
+from kvlookup import native
 from kvlookup.app.coordinator import directory_lookup
 from kvlookup.hashing import mp as mphash
 from kvlookup.index.mp import MPDirectory
@@ -43,13 +44,23 @@ ODD = [body(token_ids=[1, [2]]), body(token_ids=[[1, 2]]), body(token_ids=[1, -2
        msgspec.json.encode({"token_ids": list(range(300)), "model_name": "m"}).replace(b"m", b"\xff")]
 
 
-@pytest.fixture(autouse=True)
-def every_size(monkeypatch):
-    """The packed decode for small bodies too (it leaves those under MIN_BYTES to msgspec)."""
+@pytest.fixture(autouse=True, params=["simdjson", "native"])
+def every_size(request, monkeypatch):
+    """The packed decode for small bodies too (pysimdjson's leaves those under MIN_BYTES to
+    msgspec), by pysimdjson + numpy (the C extension off) or by the C extension."""
     monkeypatch.setattr(mp_tokens, "MIN_BYTES", 0)
+    if request.param == "native":
+        if not native.available():
+            pytest.skip("the C extension is not built")
+        monkeypatch.setattr(native, "ext", native._MODULE)
+    else:
+        monkeypatch.setattr(native, "ext", None)
+    return request.param
 
 
-def test_small_bodies_are_left_to_msgspec(monkeypatch):
+def test_small_bodies_are_left_to_msgspec(monkeypatch, every_size):
+    if every_size == "native":
+        pytest.skip("the C extension decodes every size")
     monkeypatch.setattr(mp_tokens, "MIN_BYTES", 32 * 1024)
     assert mp_tokens.decode_tokens_form(body()) is None
     assert mp_tokens.decode_tokens_form(body(token_ids=RANDOM * 4)) is not None  # ~43 KB
@@ -65,8 +76,38 @@ def test_plain_bodies_decode_to_msgspecs_request_packed():
         assert mphash.chunk_hashes_packed(got.packed, 256) == mphash.chunk_hashes(want.token_ids, 256)
 
 
-def test_odd_bodies_are_left_to_msgspec():
-    assert [raw for raw in ODD if mp_tokens.decode_tokens_form(raw) is not None] == []
+def test_odd_bodies_are_left_to_msgspec(every_size):
+    """None, except where the C extension reads a body msgspec reads the same (a '[' in a string)."""
+    got = [raw for raw in ODD if mp_tokens.decode_tokens_form(raw) is not None]
+    assert got == ([] if every_size == "simdjson" else [body(model_name="a[b")])
+    for raw in got:
+        form, want = mp_tokens.decode_tokens_form(raw), W.decode(raw, W.DirectoryLookupRequest)
+        assert (mphash.unpack_ids(form.packed), form.model_name) == (want.token_ids, want.model_name)
+
+
+#: more bodies for the C extension's scanner: strings with escapes and brackets, nested values
+#: skipped, members in any order; and ones it must refuse
+NATIVE_PLAIN = [b'{"model_name": "a\\\\", "token_ids": [3]}', b'{"model_name": "q\\"],{", "token_ids": [3, 4]}',
+                b'{"cache_salt": "", "world_size": 3, "token_ids": [0], "model_name": "m"}',
+                b'{"token_ids":[4294967295,0,1],"model_name":"m"}']
+NATIVE_ODD = [b'{"token_ids": [1], "model_name": "m", "keys": [{"a": [1, {"b": "]"}]}]}',
+              b'{"token_ids": [1], "model_name": "m", "x": {"token_ids": [2]}}',
+              b'{"t\\u006fken_ids": [1], "model_name": "m"}', b'{"token_ids": [1], "model_name": "m"} x',
+              b'{"token_ids": [1], "model_name": "m",}', b'{"token_ids": [01], "model_name": "m"}',
+              b'{"token_ids": [1 2], "model_name": "m"}', b'{"model_name": "m"}',
+              b'{"token_ids": [1], "model_name": "m',
+              b'{"token_ids": [1], "model_name": m}', b'{"token_ids": [4294967296], "model_name": "m"}']
+
+
+def test_native_scanner(every_size):
+    if every_size != "native":
+        pytest.skip("the C extension's own cases")
+    for raw in NATIVE_PLAIN:
+        form, want = mp_tokens.decode_tokens_form(raw), W.decode(raw, W.DirectoryLookupRequest)
+        assert form is not None, raw
+        assert (mphash.unpack_ids(form.packed), form.model_name, form.world_size, form.cache_salt) == \
+               (want.token_ids, want.model_name, want.world_size, want.cache_salt)
+    assert [raw for raw in NATIVE_ODD if mp_tokens.decode_tokens_form(raw) is not None] == []
 
 
 def test_packed_hash_is_the_worked_example():
@@ -91,6 +132,7 @@ def test_route_answers_the_same_bytes_either_way(r, monkeypatch):
     bodies = [body(token_ids=toks), body(token_ids=toks + [1, 2], world_size=2), body(token_ids=toks, cache_salt="x"),
               body(token_ids=toks, cache_salt="a/b"), body(token_ids=RANDOM), *PLAIN, *ODD]
     fast = [directory_lookup(d, raw) for raw in bodies]
+    monkeypatch.setattr(native, "ext", None)
     monkeypatch.setattr(mp_tokens, "simdjson", None)
     assert mp_tokens.decode_tokens_form(body()) is None
     assert [directory_lookup(d, raw) for raw in bodies] == fast
