@@ -159,8 +159,14 @@ class MPQueries(MPRecords):
             m = len(sids) + 1
             read = {i: flat[j * m:(j + 1) * m] for j, i in enumerate(idx)}
         b64s = many_b64(hashes)
-        suffixes = ["." + sid for sid in sids]
         out: list[str] = []
+        if len(sids) == 1 and not read:  # the common case: one rank, every bucket copied
+            s = "." + sids[0]
+            for name, b in zip(names, b64s, strict=True):
+                get = by[name].get
+                out += (get(b + s, ""), get(b, ""))
+            return out
+        suffixes = ["." + sid for sid in sids]
         for i, (name, b) in enumerate(zip(names, b64s, strict=True)):
             fields = by[name]
             if fields is MISS:

@@ -249,3 +249,37 @@ def test_the_loop_attempt_is_skipped_while_fresh_prompts_miss_and_tried_again_wh
     finally:
         skip.stop()
         always.stop()
+
+
+def test_mp_directory_lookup_from_bucket_copies_in_the_loop(r, redis_args):
+    """lookup_cache on (unfenced): /directory/lookup answered from the worker's bucket copies
+    (kvlookup.index.mp_copies, in the event loop once every bucket is copied) is the answer of a
+    directory without copies, and follows stores and deletes made elsewhere."""
+    from kvlookup.hashing import mp as mphash
+    from kvlookup.index.mp import MPDirectory
+    from tests.index.test_mp_copies import MODEL, PROMPT, batch, entry, post
+    from tests.support.helpers import wait_for
+
+    writer, plain = MPDirectory(r), MPDirectory(r)
+    hashes = mphash.chunk_hashes_hex(PROMPT)
+    post(writer, batch(1, entries=[entry(h) for h in hashes[:20]]))
+    proc = ControllerProc(*redis_args, "--workers", "1", "--instance-ttl", "0", env={"KVLOOKUP_LOOKUP_CACHE": "on"})
+    try:
+        proc.wait_ready()
+        look = json.dumps({"token_ids": PROMPT, "model_name": MODEL}).encode()
+
+        def ask():
+            return _json(_raw(proc.port, _chunked("/directory/lookup", look)))[1]
+
+        def want():
+            return json.loads(plain.lookup_tokens_json(PROMPT, MODEL))
+
+        for _ in range(5):  # read, copied in the background, then from the copies
+            assert ask() == want()
+        post(writer, batch(2, tier="l2", backend="fs", entries=[entry(h, size=5) for h in hashes[10:30]]))
+        assert wait_for(ask, want()) == want()
+        post(writer, batch(3, etype="delete", entries=[entry(h, size=0) for h in hashes[:5]]))
+        assert wait_for(ask, want()) == want()
+        assert [len(x["placements"]) for x in ask()["results"]][:12] == [0] * 5 + [1] * 5 + [2] * 2
+    finally:
+        proc.stop()
