@@ -47,6 +47,7 @@ from kvlookup.app.errors import ApiError, json_bytes
 from kvlookup.app.explain_pool import ExplainPool
 from kvlookup.app.lookup import EXPLAIN_PATH, LookupRoute
 from kvlookup.index import staged
+from kvlookup.index.mp_copies import NO_COPY
 from kvlookup.index.tracking import LOCAL_ONLY, UNTRACKED, NeedsRedis
 
 Receive = Callable[[], Awaitable[dict]]
@@ -136,6 +137,9 @@ class AsgiController:
         sys.setswitchinterval(SWITCH_INTERVAL_S)  # a CPU-bound explain hands the GIL over sooner
         self._heavy_now = 0  # heavy requests running or waiting (the event loop's thread only)
         self.odds = LoopOdds() if LOOP_SKIP == "on" else None
+        #: the same for /directory/lookup from the MP bucket copies (kvlookup.index.mp_copies): under
+        #: ingest churn few lookups find every bucket copied, and copying them again is wasted
+        self.mp_odds = LoopOdds()
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -152,7 +156,13 @@ class AsgiController:
             return await send_json(send, 421, {"error": "Host is not this controller's (bound to loopback)"})
         if mp:
             memo: dict = {}  # decoded and hashed once, in the loop or the thread
-            here = self.mp.respond_here(path, data, memo) if self.mp.local_now(path) else None
+            here = None
+            if self.mp.local_now(path):
+                if self.mp_odds.try_loop():
+                    here = self.mp.respond_here(path, data, memo)
+                    self.mp_odds.note(here is not None)
+                else:  # most recent tries missed (ingest churn): no try, and no copying for this one
+                    memo[NO_COPY] = True
             status, raw = here if here is not None else await asyncio.get_running_loop().run_in_executor(
                 self.wsgi.executor, self.mp.respond, path, data, memo)
             return await send_bytes(send, status, raw)

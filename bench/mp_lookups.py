@@ -191,7 +191,10 @@ def _point(targets: list[tuple[str, str]], bodies: Path, seconds: float, rounds:
 def run(placements: int = 100_000, lengths: tuple[int, ...] = (256, 4096, 32768), prompts: int = 32,
         seconds: float = 2.0, rounds: int = 3, base_path: str | None = None,
         churn_batches_per_s: float = 10.0, churn_entries: int = 200,
-        workloads: tuple[str, ...] = ("hot", "distinct", "churn"), gunicorn: str = "uvicorn:2") -> dict:
+        workloads: tuple[str, ...] = ("hot", "distinct", "churn"), gunicorn: str = "uvicorn:2",
+        variants: tuple[tuple[str, dict], ...] = ()) -> dict:
+    """The table above; ``variants``: more controllers of this tree, (name, environment) each
+    (e.g. ``("nocopy", {"KVLOOKUP_MP_COPY_FIELDS": "0"})``)."""
     py = _lmcache_python(None)
     if py is None:
         raise RuntimeError("needs KVLOOKUP_LMCACHE_PYTHON (a venv with LMCache)")
@@ -200,6 +203,8 @@ def run(placements: int = 100_000, lengths: tuple[int, ...] = (256, 4096, 32768)
         redis_url = procs.start_redis()
         kv = procs.start_controller(redis_url, gunicorn)
         targets = [("kvlookup", kv)]
+        for name, env in variants:
+            targets.append((name, procs.start_controller(redis_url, gunicorn, name=f"kvlookup-{name}", env=env)))
         if base_path:
             targets.append(("base", start_other(procs, base_path, redis_url, gunicorn, "kvlookup-base")))
         port = free_port()
@@ -292,10 +297,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workloads", default="hot,distinct,churn")
     ap.add_argument("--churn-per-s", type=float, default=10.0)
     ap.add_argument("--churn-entries", type=int, default=200)
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME:VAR=VALUE[,VAR=VALUE]: another controller of this tree with that environment")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     a = ap.parse_args(argv)
     res = run(a.placements, tuple(int(x) for x in a.lengths.split(",")), a.prompts, a.seconds, a.rounds, a.base,
-              a.churn_per_s, a.churn_entries, tuple(a.workloads.split(",")))
+              a.churn_per_s, a.churn_entries, tuple(a.workloads.split(",")),
+              variants=tuple((v.split(":", 1)[0], dict(kv.split("=", 1) for kv in v.split(":", 1)[1].split(",")))
+                             for v in a.variant))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     print(table(res))

@@ -29,6 +29,11 @@ from kvlookup.index.tracking import CachedReads
 
 log = logging.getLogger(__name__)
 
+#: Set (True) in a directory lookup's memo (app.asgi) to read from the copies without handing
+#: what they lack to the copier: the event loop's recent tries mostly missed (ingest churn
+#: invalidates buckets faster than lookups find them all copied), so copying is not worth it.
+NO_COPY = "mp_no_copy"
+
 #: Fields kept over all bucket copies of one process by default: ~150-200 B of Python objects a
 #: field, so ~40 MiB; 200k fields hold every record of a ~200k-key directory.
 DEFAULT_FIELDS = 200_000

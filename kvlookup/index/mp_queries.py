@@ -85,7 +85,7 @@ class MPQueries(MPRecords):
             return msgspec.json.encode({"chunks": chunks, "results": self.lookup_keys(keys)}) + b"\n"
         sids = [sid or "0" for sid in self.space_ids([f"{model_name}\t{cache_salt}\t{kr}\t0" for kr in ranks])]
         hexes = [h.hex() for h in hashes]
-        flat = self.lookup_fields(hashes, hexes, sids)  # space 0 never exists
+        flat = self.lookup_fields(hashes, hexes, sids, copy=not (memo and memo.get(mp_copies.NO_COPY)))
         n = len(ranks)
         frags = self._placement_json({v.partition("|")[2] for r in range(n) for v in flat[r::n + 1] if v})
         # per rank the text between a chunk's hash and its placements: the rest of its key
@@ -116,15 +116,17 @@ class MPQueries(MPRecords):
         toks = msgspec.json.encode(parse_tokens(binding)[0]).decode() if binding else "[]"
         return f'{frags[rest] if tail else ""}],"token_ids":{toks},"access_count":{acc or 0}}}'
 
-    def lookup_fields(self, hashes: Sequence[bytes], hexes: Sequence[str], sids: Sequence[str]) -> list[str]:
+    def lookup_fields(self, hashes: Sequence[bytes], hexes: Sequence[str], sids: Sequence[str],
+                      copy: bool = True) -> list[str]:
         """Per chunk (its digest in ``hashes``, its hex in ``hexes``): its records in the spaces ``sids``
         then its token binding, flat (``len(sids) + 1`` values a chunk), '' where missing.
         One round trip (scripts.MP_READ_CHUNKS, one call per READ_SLICE chunks, pipelined;
         hiredis packs the arguments: ~0.2 ms less than redis-py's Script at 128 chunks); with bucket
-        copies (:meth:`bucket_reads`) from them, and one round trip only for the buckets not copied."""
+        copies (:meth:`bucket_reads`) from them, and one round trip only for the buckets not copied
+        (handed to the copier unless ``copy`` is False). ``sids``: space 0 never exists."""
         reads = self.bucket_reads()
         if reads is not None:
-            return self._copied_fields(reads, hashes, hexes, sids)
+            return self._copied_fields(reads, hashes, hexes, sids, copy)
         needs_redis()
         return self._chunk_fields(hashes, hexes, sids)
 
@@ -139,7 +141,8 @@ class MPQueries(MPRecords):
                           len(sids), *sids, *(raw_b64(hashes[j]) for j in part)))
         return [v for got in raise_errors(io.execute(calls)) for v in got]
 
-    def _copied_fields(self, reads, hashes: Sequence[bytes], hexes: Sequence[str], sids: Sequence[str]) -> list[str]:
+    def _copied_fields(self, reads, hashes: Sequence[bytes], hexes: Sequence[str], sids: Sequence[str],
+                       copy: bool = True) -> list[str]:
         """:meth:`lookup_fields` from whole-bucket copies (kvlookup.index.mp_copies): a record or
         binding a complete copy lacks is not stored. The chunks of buckets not copied are read as
         without copies (one script call) and their buckets handed to the copier. Under
@@ -152,7 +155,8 @@ class MPQueries(MPRecords):
         read: dict[int, list[str]] = {}  # chunk -> its fields read from Redis (its bucket not copied)
         if lacked:
             needs_redis()
-            self.copier().want(lacked)
+            if copy:
+                self.copier().want(lacked)
             gone = set(lacked)
             idx = [i for i, name in enumerate(names) if name in gone]
             flat = self._chunk_fields([hashes[i] for i in idx], [hexes[i] for i in idx], sids)
