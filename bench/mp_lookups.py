@@ -7,6 +7,9 @@ a cache (kvlookup keeps copies of its chunk buckets: kvlookup.index.mp_copies):
 - ``churn``: ``distinct`` while store batches of new random chunks are posted to the target being
   measured (``churn_batches_per_s`` batches of ``churn_entries`` L1 entries a second, paced).
 
+``--interleave``: one client asks the targets request by request in turn instead (what separates
+small effects on a shared box; the client's time is in every target's numbers alike).
+
 Targets: ``kvlookup`` (this tree's controller), optionally ``base`` (another tree's controller on
 the same Redis: ``base_path`` on PYTHONPATH, e.g. ``git archive main`` extracted), and
 ``coordinator``. Each point: a 1 s warm-up each, then ``rounds`` rounds of ``seconds`` at
@@ -162,6 +165,46 @@ def _store(url: str, prompts: list[list[int]], inc: int, seq0: int) -> int:
     return seq
 
 
+def _interleaved(targets: list[tuple[str, str]], bodies: list[bytes], seconds: float, churn: dict | None) -> dict:
+    """One client, one keep-alive connection a target, the targets asked request by request in
+    turn (the order rotating), for ``seconds`` in all: on a shared box a burst of other load hits
+    every target alike (wrk's rounds, target after target, cannot separate effects this small).
+    With ``churn``, one feed into kvlookup's Redis and one into the coordinator at once. p50 / p99 ms per target (the
+    client's own time included, the same for every target: http.client)."""
+    conns = {name: http.client.HTTPConnection(urlsplit(url).hostname, urlsplit(url).port, timeout=60)
+             for name, url in targets}
+    times: dict[str, list[float]] = {name: [] for name, _ in targets}
+    names = [name for name, _ in targets]
+    # every kvlookup target shares one Redis: one churn feed into it (through "kvlookup"), one into the coordinator
+    running = [churn[n].__enter__() for n in ("kvlookup", "coordinator")] if churn else []
+    try:
+        end = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < end:
+            body = bodies[i % len(bodies)]
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                conn = conns[name]
+                t = time.perf_counter()
+                conn.request("POST", "/directory/lookup", body=body, headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                resp.read()
+                times[name].append(time.perf_counter() - t)
+                assert resp.status == 200, resp.status
+            i += 1
+    finally:
+        for c in running:
+            c.__exit__()
+        for conn in conns.values():
+            conn.close()
+    out = {}
+    for name, got in times.items():
+        got.sort()
+        out[name] = {"n": len(got), "p50_ms": round(statistics.median(got) * 1000, 3),
+                     "p99_ms": round(got[min(len(got) - 1, int(len(got) * 0.99))] * 1000, 3)}
+    return out
+
+
 def _point(targets: list[tuple[str, str]], bodies: Path, seconds: float, rounds: int, tmp: Path,
            churn: dict | None, shift: int) -> dict:
     """One (length, workload): a warm-up each, then ``rounds`` rounds in turn (order rotating)."""
@@ -192,7 +235,7 @@ def run(placements: int = 100_000, lengths: tuple[int, ...] = (256, 4096, 32768)
         seconds: float = 2.0, rounds: int = 3, base_path: str | None = None,
         churn_batches_per_s: float = 10.0, churn_entries: int = 200,
         workloads: tuple[str, ...] = ("hot", "distinct", "churn"), gunicorn: str = "uvicorn:2",
-        variants: tuple[tuple[str, dict], ...] = ()) -> dict:
+        variants: tuple[tuple[str, dict], ...] = (), interleave: bool = False) -> dict:
     """The table above; ``variants``: more controllers of this tree, (name, environment) each
     (e.g. ``("nocopy", {"KVLOOKUP_MP_COPY_FIELDS": "0"})``)."""
     py = _lmcache_python(None)
@@ -214,7 +257,7 @@ def run(placements: int = 100_000, lengths: tuple[int, ...] = (256, 4096, 32768)
         wait_http(coord + "/healthz", "mp-coordinator", procs, timeout=90)
         targets.append(("coordinator", coord))
         out: dict = {"placements": placements, "prompts": prompts, "lmcache": _version(py), "gunicorn": gunicorn,
-                     "seconds": seconds, "rounds": rounds, "base_path": base_path,
+                     "seconds": seconds, "rounds": rounds, "base_path": base_path, "interleave": interleave,
                      "churn": {"batches_per_s": churn_batches_per_s, "entries": churn_entries},
                      "loadavg_start": [round(x, 1) for x in os.getloadavg()],
                      "utc_start": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
@@ -257,8 +300,12 @@ def run(placements: int = 100_000, lengths: tuple[int, ...] = (256, 4096, 32768)
             files["distinct"].write_bytes(b"\n".join(encoded) + b"\n")
             for wi, wl in enumerate(workloads):
                 progress.note(f"  mp_lookups: {n} tokens, {wl}")
-                got = _point(targets, files["hot" if wl == "hot" else "distinct"], seconds, rounds, procs.tmp,
-                             churn if wl == "churn" else None, li + wi)
+                if interleave:
+                    got = _interleaved(targets, encoded[:1] if wl == "hot" else encoded, seconds * rounds,
+                                       churn if wl == "churn" else None)
+                else:
+                    got = _point(targets, files["hot" if wl == "hot" else "distinct"], seconds, rounds, procs.tmp,
+                                 churn if wl == "churn" else None, li + wi)
                 row = {"tokens": n, "workload": wl, **got}
                 for name, _ in targets:
                     if name != "coordinator":
@@ -299,12 +346,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--churn-entries", type=int, default=200)
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME:VAR=VALUE[,VAR=VALUE]: another controller of this tree with that environment")
+    ap.add_argument("--interleave", action="store_true",
+                    help="one client asking the targets request by request in turn (not wrk's rounds)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     a = ap.parse_args(argv)
     res = run(a.placements, tuple(int(x) for x in a.lengths.split(",")), a.prompts, a.seconds, a.rounds, a.base,
               a.churn_per_s, a.churn_entries, tuple(a.workloads.split(",")),
               variants=tuple((v.split(":", 1)[0], dict(kv.split("=", 1) for kv in v.split(":", 1)[1].split(",")))
-                             for v in a.variant))
+                             for v in a.variant), interleave=a.interleave)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     print(table(res))
