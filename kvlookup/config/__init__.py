@@ -299,7 +299,7 @@ class Settings:
         30.0, readers=(CONTROLLER, SIDECAR), flag="--mp-instance-timeout",
         help="seconds of heartbeat silence after which an MP instance departs (30, the coordinator's default)")
     mp_copy_fields: int = setting(
-        200_000, readers=(CONTROLLER, SIDECAR),
+        200_000, readers=(CONTROLLER,),
         help="(lookup_cache on/fenced) the most MP chunk-bucket fields each worker process keeps copied "
              "(0: none)",
         doc="(`lookup_cache` on/fenced) the most fields of LMCache MP chunk buckets each worker process keeps "

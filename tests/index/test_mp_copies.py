@@ -193,3 +193,13 @@ def test_bucket_bound_keeps_answers_right(r):
     reads = small.bucket_reads()
     for copies in [m._copies for m in getattr(reads, "_masters", {}).values()] or [reads._copies]:
         assert copies.fields <= 8
+
+
+def test_the_setting_is_checked():
+    from kvlookup.config import load
+
+    assert load(None, overrides={}, env={}).mp_copy_fields == 200_000
+    assert load(None, overrides={"mp_copy_fields": 0}, env={}).mp_copy_fields == 0
+    for bad in (-1, "many"):
+        with pytest.raises(ValueError, match="mp_copy_fields"):
+            load(None, overrides={"mp_copy_fields": bad}, env={})
