@@ -19,6 +19,7 @@ kvlookup.index.copies: a bucket read once waits in probation).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -96,7 +97,7 @@ COPY_PENDING = 8192
 #: The share of one core a Copier may keep busy: after a call that took t seconds it rests
 #: t * (1 / COPY_DUTY - 1). Under ingest churn every store batch invalidates ~10% of the
 #: buckets; copying them again at any cost would take the lookups' CPU on a small box.
-COPY_DUTY = 0.2
+COPY_DUTY = float(os.environ.get("KVLOOKUP_MP_COPY_DUTY", "0.2"))  # (the environment: a bench's design knob)
 
 
 class Copier:
