@@ -80,6 +80,9 @@ if FIRST_MISS == "digest-all":
 #: missed (:class:`LoopOdds`; a fresh workload), sending the lookup to a thread at once, read by
 #: digest; ``off``: it always tries (docs/benchmarks-notes.md "Fresh prompts, fourth pass").
 LOOP_SKIP = os.environ.get("KVLOOKUP_LOOP_SKIP", "on")
+#: ``off``: /directory/lookup never tries the event loop (from the MP bucket copies), always a thread
+#: (a bench's design knob: docs/benchmarks-notes.md "MP /directory/lookup from whole-bucket copies")
+MP_LOOP = os.environ.get("KVLOOKUP_MP_LOOP", "on")
 #: Where the event-loop attempt leaves, in the request's ``keep``, that the thread reads by digest.
 FIRST_MISS_KEY = "kvlookup.first_miss"
 #: Where :meth:`AsgiController._respond_here` leaves whether it tried the loop (LOOP_ATTEMPTS).
@@ -157,7 +160,7 @@ class AsgiController:
         if mp:
             memo: dict = {}  # decoded and hashed once, in the loop or the thread
             here = None
-            if self.mp.local_now(path):
+            if MP_LOOP == "on" and self.mp.local_now(path):
                 if self.mp_odds.try_loop():
                     here = self.mp.respond_here(path, data, memo)
                     self.mp_odds.note(here is not None)
