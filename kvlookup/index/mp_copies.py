@@ -97,23 +97,17 @@ COPY_PENDING = 8192
 #: The share of one core a Copier may keep busy: after a call that took t seconds it rests
 #: t * (1 / COPY_DUTY - 1). Under ingest churn every store batch invalidates ~10% of the
 #: buckets; copying them again at any cost would take the lookups' CPU on a small box.
-#: A bucket copied less than this long ago (s) is not copied again yet: under ingest churn a
-#: copy is invalidated within seconds, and copying it again at once (and parsing the invalidation
-#: stream its tracking brings) cost more than it saved (docs/benchmarks-notes.md, mpdir20).
-RECOPY_S = float(os.environ.get("KVLOOKUP_MP_RECOPY_S", "5"))
 COPY_DUTY = float(os.environ.get("KVLOOKUP_MP_COPY_DUTY", "0.2"))  # (the environment: a bench's design knob)
 
 
 class Copier:
     """Copies the buckets lookups lacked, in a daemon thread of its own (started on first use):
     ``reads.whole_hashes(names, script)`` for what :meth:`want` was given, at most
-    :data:`COPY_DUTY` of a core, a bucket at most once per :data:`RECOPY_S`. Errors are logged
-    (debug) and the names dropped."""
+    :data:`COPY_DUTY` of a core. Errors are logged (debug) and the names dropped."""
 
     def __init__(self, reads, script: str):
         self.reads, self.script = reads, script
         self._want: dict[str, None] = {}
-        self._last: dict[str, float] = {}  # bucket -> when it was last copied (monotonic s)
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._busy = False
@@ -141,14 +135,6 @@ class Copier:
                 names = list(self._want)[:COPY_BATCH]
                 for n in names:
                     del self._want[n]
-                now = time.monotonic()
-                last = self._last
-                if len(last) > 4 * COPY_PENDING:
-                    last.clear()
-                names = [n for n in names if now - last.get(n, -RECOPY_S) >= RECOPY_S]
-                last.update(dict.fromkeys(names, now))
-                if not names:
-                    continue
                 self._busy = True
             start = time.perf_counter()
             try:

@@ -49,14 +49,6 @@ def chunk_tokens(i: int) -> list[int]:
     return PROMPT[i * 256:(i + 1) * 256]
 
 
-@pytest.fixture(autouse=True)
-def recopy_at_once(monkeypatch):
-    """A bucket is copied again as soon as a lookup lacks it (the default waits RECOPY_S)."""
-    from kvlookup.index import mp_copies
-
-    monkeypatch.setattr(mp_copies, "RECOPY_S", 0.0)
-
-
 @pytest.fixture()
 def dirs(r):
     """(writer, plain reader, fenced copies, unfenced copies): separate directories on one client."""
@@ -211,22 +203,3 @@ def test_the_setting_is_checked():
     for bad in (-1, "many"):
         with pytest.raises(ValueError, match="mp_copy_fields"):
             load(None, overrides={"mp_copy_fields": bad}, env={})
-
-
-def test_a_bucket_is_copied_again_only_after_recopy_s(monkeypatch):
-    from kvlookup.index import mp_copies
-
-    asked: list[list[str]] = []
-
-    class Reads:
-        def whole_hashes(self, names, script):
-            asked.append(list(names))
-            return [{} for _ in names]
-
-    monkeypatch.setattr(mp_copies, "RECOPY_S", 60.0)
-    copier = mp_copies.Copier(Reads(), "script")
-    copier.want(["a", "b"])
-    assert wait_for(lambda: asked, [["a", "b"]]) == [["a", "b"]]
-    assert wait_for(copier.idle, True)
-    copier.want(["a", "c"])  # "a" was copied just now: only "c"
-    assert wait_for(lambda: asked, [["a", "b"], ["c"]]) == [["a", "b"], ["c"]]
