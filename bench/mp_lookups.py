@@ -5,7 +5,9 @@ a cache (kvlookup keeps copies of its chunk buckets: kvlookup.index.mp_copies):
 - ``hot``: one stored prompt replayed (as ``kvlookup bench mp`` measures);
 - ``distinct``: ``prompts`` stored prompts, each request the next one (wrk cycles through them);
 - ``churn``: ``distinct`` while store batches of new random chunks are posted to the target being
-  measured (``churn_batches_per_s`` batches of ``churn_entries`` L1 entries a second, paced).
+  measured (``churn_batches_per_s`` batches of ``churn_entries`` L1 entries a second, paced);
+- ``access`` (not in the default list): ``distinct`` while ``access`` batches of random chunks of
+  the stored prompts are posted at the same pace (what an MP server's hits send).
 
 ``--interleave``: one client asks the targets request by request in turn instead (what separates
 small effects on a shared box; the client's time is in every target's numbers alike).
@@ -88,8 +90,19 @@ class Churn:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    #: set to the stored prompts' chunk hashes: post ``access`` batches of them instead (the
+    #: records the lookups read are rewritten, as an MP server's hits do)
+    access: list[str] | None = None
+
     def _body(self) -> bytes:
         self.seq += 1
+        if self.access:
+            keys = [{"key": {"chunk_hash_hex": self.rnd.choice(self.access), "model_name": MODEL,
+                             "kv_rank": 16777472, "object_group_id": 0, "cache_salt": ""}, "size_bytes": 0}
+                    for _ in range(self.entries)]
+            return msgspec.json.encode({"batches": [{
+                "instance_id": self.emitter + "-access", "incarnation": self.inc, "seq": self.seq,
+                "event_type": "access", "tier": "l1", "backend": "", "entries": keys}]})
         entries = [{"key": {"chunk_hash_hex": self.rnd.randbytes(32).hex(), "model_name": MODEL,
                             "kv_rank": 16777472, "object_group_id": 0, "cache_salt": ""}, "size_bytes": 4194304}
                    for _ in range(self.entries)]
@@ -298,14 +311,19 @@ def run(placements: int = 100_000, lengths: tuple[int, ...] = (256, 4096, 32768)
             files = {"hot": procs.tmp / f"hot-{n}.txt", "distinct": procs.tmp / f"distinct-{n}.txt"}
             files["hot"].write_bytes(encoded[0] + b"\n")
             files["distinct"].write_bytes(b"\n".join(encoded) + b"\n")
+            for c in churn.values():
+                c.access = None
             for wi, wl in enumerate(workloads):
+                if wl == "access":  # churn by accesses to the prompts looked up
+                    for c in churn.values():
+                        c.access = [h for p in ps for h in mphash.chunk_hashes_hex(p)]
                 progress.note(f"  mp_lookups: {n} tokens, {wl}")
                 if interleave:
                     got = _interleaved(targets, encoded[:1] if wl == "hot" else encoded, seconds * rounds,
-                                       churn if wl == "churn" else None)
+                                       churn if wl in ("churn", "access") else None)
                 else:
                     got = _point(targets, files["hot" if wl == "hot" else "distinct"], seconds, rounds, procs.tmp,
-                                 churn if wl == "churn" else None, li + wi)
+                                 churn if wl in ("churn", "access") else None, li + wi)
                 row = {"tokens": n, "workload": wl, **got}
                 for name, _ in targets:
                     if name != "coordinator":
