@@ -47,6 +47,7 @@ from kvlookup.app.errors import ApiError, json_bytes
 from kvlookup.app.explain_pool import ExplainPool
 from kvlookup.app.lookup import EXPLAIN_PATH, LookupRoute
 from kvlookup.index import staged
+from kvlookup.index.loop_reads import LoopRedis, run_in_loop
 from kvlookup.index.tracking import LOCAL_ONLY, UNTRACKED, NeedsRedis
 
 Receive = Callable[[], Awaitable[dict]]
@@ -79,10 +80,18 @@ if FIRST_MISS == "digest-all":
 #: missed (:class:`LoopOdds`; a fresh workload), sending the lookup to a thread at once, read by
 #: digest; ``off``: it always tries (docs/benchmarks-notes.md "Fresh prompts, fourth pass").
 LOOP_SKIP = os.environ.get("KVLOOKUP_LOOP_SKIP", "on")
+#: ``on``: a lookup read by digest (a first miss, or one :class:`LoopOdds` skipped) is read in the event
+#: loop on the worker's own asyncio connection, the lookup suspended in a greenlet meanwhile
+#: (kvlookup.index.loop_reads; no thread hop, the loop serves others while it waits); ``off``: in a
+#: pool thread, as before. Where the store has no such connection (Cluster, Sentinel, TLS) or the
+#: read fails, the pool thread answers (docs/benchmarks-notes.md "Fresh prompts, sixth pass").
+MISS_LOOP = os.environ.get("KVLOOKUP_MISS_LOOP", "on")
 #: Where the event-loop attempt leaves, in the request's ``keep``, that the thread reads by digest.
 FIRST_MISS_KEY = "kvlookup.first_miss"
 #: Where :meth:`AsgiController._respond_here` leaves whether it tried the loop (LOOP_ATTEMPTS).
 LOOP_KEY = "kvlookup.loop_attempt"
+#: Where :meth:`AsgiController._respond_in_loop` leaves how its read went (LOOP_READS).
+LOOP_READ_KEY = "kvlookup.loop_read"
 
 
 class LoopOdds:
@@ -136,6 +145,7 @@ class AsgiController:
         sys.setswitchinterval(SWITCH_INTERVAL_S)  # a CPU-bound explain hands the GIL over sooner
         self._heavy_now = 0  # heavy requests running or waiting (the event loop's thread only)
         self.odds = LoopOdds() if LOOP_SKIP == "on" else None
+        self._conn: LoopRedis | bool | None = None  # _loop_conn: None not made yet, False none here
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -165,14 +175,20 @@ class AsgiController:
         answer = None if heavy else self._respond_here(path, args)
         if heavy:
             answer = await self._heavy(args, path == EXPLAIN_PATH)
-        elif answer is None:  # the request decoded in the loop (in ``keep``) is not decoded again
-            answer = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self._respond_there, args,
-                                                                      keep.pop(FIRST_MISS_KEY, False))
+        else:  # the request decoded in the loop (in ``keep``) is not decoded again
+            untracked = keep.pop(FIRST_MISS_KEY, False)
+            if answer is None and untracked and (conn := self._loop_conn()) is not None:
+                answer = await self._respond_in_loop(args, conn)
+            if answer is None:
+                answer = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self._respond_there,
+                                                                          args, untracked)
         status, body, headers = answer
         await send_json(send, status, body, headers)
         self.route.count(keep)  # counted, and the decoded request freed, after the answer is out
         if (attempt := keep.get(LOOP_KEY)) is not None:
             _attempts(attempt).inc()
+        if (read := keep.get(LOOP_READ_KEY)) is not None:
+            _loop_reads(read).inc()
         keep.clear()
 
     async def _heavy(self, args: tuple, explain: bool) -> tuple:
@@ -211,6 +227,26 @@ class AsgiController:
         if odds is not None:
             odds.note(answer is not None)
             args[4][LOOP_KEY] = "tried"
+        return answer
+
+    def _loop_conn(self) -> LoopRedis | None:
+        """This worker's connection for reads by digest from the loop (made on first use, after the
+        fork); None when MISS_LOOP is off or the store has none."""
+        conn = self._conn
+        if conn is None:
+            made = self.route.client.store.loop_redis() if MISS_LOOP == "on" else None
+            conn = self._conn = made if made is not None else False
+        return conn if isinstance(conn, LoopRedis) else None
+
+    async def _respond_in_loop(self, args: tuple, conn: LoopRedis) -> tuple | None:
+        """The answer read by digest in the loop (kvlookup.index.loop_reads); None when something
+        there needs a thread after all (a read failed, the clock is due a measurement, ...)."""
+        try:
+            answer = cast(tuple, await run_in_loop(functools.partial(_untracked_here, self.route, args), conn))
+        except NeedsRedis:
+            args[4][LOOP_READ_KEY] = "thread"
+            return None
+        args[4][LOOP_READ_KEY] = "answered"
         return answer
 
     def _respond_there(self, args: tuple, untracked: bool) -> tuple:
@@ -263,6 +299,20 @@ async def send_bytes(send: Send, status: int, data: bytes | None,
     head += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers or ()]
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": data or b""})
+
+
+def _untracked_here(route: LookupRoute, args: tuple) -> tuple:
+    """``route.respond(*args)`` read by digest, never waiting on Redis (in run_in_loop's greenlet,
+    whose context vars are its own)."""
+    LOCAL_ONLY.set(True)
+    UNTRACKED.set(True)
+    return route.respond(*args)
+
+
+@functools.cache
+def _loop_reads(outcome: str):
+    """``LOOP_READS.labels(outcome)``, kept (answered | thread)."""
+    return fleet_metrics.LOOP_READS.labels(outcome)
 
 
 @functools.cache
