@@ -145,6 +145,8 @@ class AsgiController:
         sys.setswitchinterval(SWITCH_INTERVAL_S)  # a CPU-bound explain hands the GIL over sooner
         self._heavy_now = 0  # heavy requests running or waiting (the event loop's thread only)
         self.odds = LoopOdds() if LOOP_SKIP == "on" else None
+        #: the same for large lookups, tried in the heavy pool (HEAVY_THREADS is 1: its thread only)
+        self.heavy_odds = LoopOdds() if LOOP_SKIP == "on" else None
         self._conn: LoopRedis | bool | None = None  # _loop_conn: None not made yet, False none here
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -201,9 +203,33 @@ class AsgiController:
         try:
             if explain and self.explains is not None:
                 return await loop.run_in_executor(self.heavy, self.explains.respond, args, self.route.respond)
-            return await loop.run_in_executor(self.heavy, self.route.respond, *args)
+            return await loop.run_in_executor(self.heavy, self._respond_heavy, args)
         finally:
             self._heavy_now -= 1
+
+    def _respond_heavy(self, args: tuple) -> tuple:
+        """A large lookup in a heavy thread, read as the loop reads a small one: from the copies
+        when they have it all (a kept answer), else a first miss by digest, taking from the copies
+        what they hold (kvlookup.index.staged ``peek``: a 32k-token prompt with a new last block
+        reads one chunk); the odds of the heavy threads' own tries (:attr:`heavy_odds`) skip the
+        try while it keeps missing."""
+        if args[0] == EXPLAIN_PATH or not self.route.client.store.reads_locally():
+            return self.route.respond(*args)
+        odds = self.heavy_odds
+        untracked = True
+        if odds is None or odds.try_loop():
+            token = LOCAL_ONLY.set(True)
+            try:
+                answer = self.route.respond(*args)
+            except NeedsRedis as exc:
+                answer, untracked = None, exc.first_miss and FIRST_MISS in ("digest", "digest-all")
+            finally:
+                LOCAL_ONLY.reset(token)
+            if odds is not None:
+                odds.note(answer is not None)
+            if answer is not None:
+                return answer
+        return self._respond_there(args, untracked)
 
     def _respond_here(self, path: str, args: tuple) -> tuple | None:
         """The answer from the event loop when it needs nothing from Redis (the chunk sets and

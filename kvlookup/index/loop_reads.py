@@ -34,75 +34,94 @@ from kvlookup.index.tracking import NeedsRedis
 LOOP_EXECUTE: contextvars.ContextVar[Callable[[Sequence[tuple]], list] | None] = contextvars.ContextVar(
     "kvlookup_loop_execute", default=None)
 
+#: The name each worker's connection has in ``CLIENT LIST``.
+CLIENT_NAME = "kvlookup-loop-reads"
 #: Replies must be back within this long (s) when the client sets no socket_timeout.
 DEFAULT_TIMEOUT_S = 5.0
 
 
-class LoopRedis(asyncio.Protocol):
-    """One pipelined asyncio connection to a Redis server (use from its event loop only).
+class LoopRedis:
+    """A pipelined asyncio connection to a Redis server (use from one event loop at a time).
 
-    where: ``("tcp", host, port)`` or ``("unix", path)``; hello: commands sent first (AUTH, SELECT);
-    timeout_s: the longest wait for a call's replies (then the connection is closed: replies would
-    no longer line up). :meth:`execute` connects on first use and again after a loss."""
+    where: ``("tcp", host, port)`` or ``("unix", path)``; hello: commands sent first on every
+    connection (AUTH, SELECT, CLIENT SETNAME); timeout_s: the longest wait for a call's replies
+    (then that connection is closed: replies would no longer line up). :meth:`execute`
+    connects on first use, and again after a loss or in another loop."""
 
     def __init__(self, where: tuple, hello: Sequence[tuple] = (), timeout_s: float = DEFAULT_TIMEOUT_S):
         self.where, self.hello, self.timeout_s = where, list(hello), timeout_s
-        self._transport: asyncio.Transport | None = None
+        self._pipe: _Pipe | None = None
         self._connecting: asyncio.Future | None = None
-        self._reader = hiredis.Reader(encoding="utf-8", replyError=ResponseError)
-        #: calls in flight, oldest first: [future, replies wanted, replies so far]
-        self._pending: collections.deque[list] = collections.deque()
 
     async def execute(self, commands: Sequence[tuple]) -> list:
         """The replies of ``commands`` (one write); command errors as ResponseError values.
         Raises redis.ConnectionError (connection refused or lost), redis.TimeoutError."""
-        if self._transport is None:
-            await self._connect()
-        transport = self._transport
-        assert transport is not None
-        fut = asyncio.get_running_loop().create_future()
-        self._pending.append([fut, len(commands), []])
-        transport.write(b"".join([hiredis.pack_command(c) for c in commands]))
+        pipe = self._pipe
+        if pipe is None or pipe.closed or pipe.loop is not asyncio.get_running_loop():
+            pipe = await self._connect()
+        fut = pipe.send(commands)
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await fut
         except TimeoutError:
-            self._drop(redis.TimeoutError("no reply from Redis in time"))
+            pipe.drop(redis.TimeoutError("no reply from Redis in time"))
             raise redis.TimeoutError("no reply from Redis in time") from None
 
-    async def _connect(self) -> None:
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(self._open())
+    async def _connect(self) -> _Pipe:
+        loop = asyncio.get_running_loop()
+        if self._connecting is None or self._connecting.get_loop() is not loop:
+            self._connecting = loop.create_task(self._open(loop))
+        connecting = self._connecting
         try:
-            await asyncio.shield(self._connecting)
+            return await asyncio.shield(connecting)
         finally:
-            if self._connecting is not None and self._connecting.done():
+            if connecting.done() and self._connecting is connecting:
                 self._connecting = None
 
-    async def _open(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _open(self, loop: asyncio.AbstractEventLoop) -> _Pipe:
+        pipe = _Pipe(loop)
         try:
             async with asyncio.timeout(self.timeout_s):
                 if self.where[0] == "unix":
-                    await loop.create_unix_connection(lambda: self, self.where[1])
+                    await loop.create_unix_connection(lambda: pipe, self.where[1])
                 else:
-                    await loop.create_connection(lambda: self, self.where[1], self.where[2])
+                    await loop.create_connection(lambda: pipe, self.where[1], self.where[2])
                 if self.hello:
-                    for reply in await self.execute(self.hello):
+                    for reply in await pipe.send(self.hello):
                         if isinstance(reply, Exception):
                             raise redis.ConnectionError(f"Redis refused the connection's setup: {reply}")
-        except (OSError, TimeoutError) as exc:
-            self._drop(redis.ConnectionError(str(exc)))
+        except (OSError, TimeoutError, redis.ConnectionError) as exc:
+            pipe.drop(redis.ConnectionError(str(exc)))
             raise redis.ConnectionError(f"cannot connect to Redis: {exc}") from None
-        except redis.ConnectionError as exc:
-            self._drop(exc)
-            raise
+        old, self._pipe = self._pipe, pipe
+        if old is not None and not old.closed:
+            old.drop(redis.ConnectionError("replaced"))
+        return pipe
 
-    # -- asyncio.Protocol -------------------------------------------------------------------
+
+class _Pipe(asyncio.Protocol):
+    """One connection of a :class:`LoopRedis`: calls in flight, replies parsed by hiredis."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.closed = False
+        self._transport: asyncio.Transport | None = None
+        self._reader = hiredis.Reader(encoding="utf-8", replyError=ResponseError)
+        #: calls in flight, oldest first: [future, replies wanted, replies so far]
+        self._pending: collections.deque[list] = collections.deque()
+
+    def send(self, commands: Sequence[tuple]) -> asyncio.Future:
+        """Write ``commands`` now; the future gets their replies."""
+        fut = self.loop.create_future()
+        if self.closed or self._transport is None:
+            fut.set_exception(redis.ConnectionError("connection to Redis lost"))
+            return fut
+        self._pending.append([fut, len(commands), []])
+        self._transport.write(b"".join([hiredis.pack_command(c) for c in commands]))
+        return fut
 
     def connection_made(self, transport) -> None:
         self._transport = transport
-        self._reader = hiredis.Reader(encoding="utf-8", replyError=ResponseError)
 
     def data_received(self, data: bytes) -> None:
         reader, pending = self._reader, self._pending
@@ -116,13 +135,16 @@ class LoopRedis(asyncio.Protocol):
                     if not call[0].done():
                         call[0].set_result(call[2])
         except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked for
-            self._drop(redis.ConnectionError(f"bad reply from Redis: {exc!r}"))
+            self.drop(redis.ConnectionError(f"bad reply from Redis: {exc!r}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
         self._transport = None
         self._fail(redis.ConnectionError(f"connection to Redis lost: {exc}"))
 
-    def _drop(self, exc: Exception) -> None:
+    def drop(self, exc: Exception) -> None:
+        """Close it now, failing every call in flight with ``exc``."""
+        self.closed = True
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.abort()
@@ -151,11 +173,12 @@ def loop_redis_for(client: redis.Redis) -> LoopRedis | None:
         where = ("tcp", kw.get("host", "localhost"), int(kw.get("port", 6379)))
     else:  # TLS, or a connection class of the caller's
         return None
-    hello: list[tuple] = []
+    hello: list[tuple] = [("CLIENT", "SETNAME", CLIENT_NAME)]
     if kw.get("password") is not None:
         hello.append(("AUTH", *([kw["username"]] if kw.get("username") else []), kw["password"]))
     if int(kw.get("db") or 0):
         hello.append(("SELECT", int(kw["db"])))
+    hello.append(hello.pop(0))  # named once authenticated
     return LoopRedis(where, hello, kw.get("socket_timeout") or DEFAULT_TIMEOUT_S)
 
 
