@@ -11,6 +11,8 @@ extend, and resolve the holders the cache does not know (one RESOLVE on the regi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import compress, repeat
+from operator import is_
 
 from kvlookup.index import keys
 from kvlookup.index.copies import MISS, Digests
@@ -216,10 +218,9 @@ class StagedLookup:
                 reads[i][1].extend(span)
                 per[i].extend(got)
         for got in per:
-            for j, v in enumerate(got):
-                if v is not MISS and not v:  # known empty: the rest of the chain is never walked
-                    got[j + 1:] = [()] * (len(got) - j - 1)
-                    break
+            if () in got:  # known empty (copies are tuples; MISS equals nothing): the rest is never walked
+                j = got.index(())
+                got[j + 1:] = [()] * (len(got) - j - 1)
         return [v for got in per for v in got] + ver
 
     def _peek_spans(self, spans: list[list[str]], version: bool) -> list[list]:
@@ -246,7 +247,8 @@ class StagedLookup:
                 got_version = known.pop()
                 if got_version is MISS:
                     got_version = None
-            sent = [k for k, v in zip(read_keys, known, strict=True) if v is MISS]
+            lacked = list(compress(range(len(read_keys)), map(is_, known, repeat(MISS))))  # (in C)
+            sent = [read_keys[i] for i in lacked]
         else:
             sent = read_keys
         if self.heads is not None and sent:
@@ -267,10 +269,11 @@ class StagedLookup:
             self._by_digest(sent, res)
         if known is None:
             return res
-        lists = iter(res)
-        out = [next(lists) if v is MISS else v for v in known]
+        out = known[:len(read_keys)]
+        for i, members in zip(lacked, res, strict=False):
+            out[i] = members
         if new_hids or version:
-            out.append(next(lists) if got_version is None else got_version)
+            out.append(res[len(lacked)] if got_version is None else got_version)
         return out
 
     def _by_digest(self, read: list[str], res: list) -> None:

@@ -394,7 +394,7 @@ class CachedReads:
         try:
             if not self._drain(readable):
                 return [_MISS] * len(reads)
-            out = self._copies.get_many(reads)
+            out = self._copies.peek_many(reads)
             self.stats["hits"] += len(out) - out.count(_MISS)  # (count: identity first, in C)
             return out
         finally:
