@@ -12,7 +12,7 @@ error), a broken or slow connection raise :class:`kvlookup.index.tracking.NeedsR
 and the caller asks again in a thread on the ordinary path, which loads scripts and reports errors
 as it always did. :func:`loop_redis_for` says whether a client's connection can be opened here (one
 plain Redis over TCP or a Unix socket, RESP2); a Sentinel master, TLS or a credential provider keep
-the thread path (docs/architecture.md).
+the thread path (docs/architecture.md "A lookup").
 """
 
 from __future__ import annotations
