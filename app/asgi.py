@@ -83,9 +83,14 @@ LOOP_SKIP = os.environ.get("KVLOOKUP_LOOP_SKIP", "on")
 #: ``on``: a lookup read by digest (a first miss, or one :class:`LoopOdds` skipped) is read in the event
 #: loop on the worker's own asyncio connection, the lookup suspended in a greenlet meanwhile
 #: (kvlookup.index.loop_reads; no thread hop, the loop serves others while it waits); ``off``: in a
-#: pool thread, as before. Where the store has no such connection (Cluster, Sentinel, TLS) or the
-#: read fails, the pool thread answers (docs/benchmarks-notes.md "Fresh prompts, sixth pass").
-MISS_LOOP = os.environ.get("KVLOOKUP_MISS_LOOP", "on")
+#: pool thread, as before; ``auto`` (the default): on while the worker is not busy (LOOP_READ_BUSY).
+#: Where the store has no such connection (Cluster, Sentinel, TLS) or the read fails, the pool
+#: thread answers (docs/benchmarks-notes.md "Fresh prompts, sixth pass").
+MISS_LOOP = os.environ.get("KVLOOKUP_MISS_LOOP", "auto")
+#: ``auto``: read in the loop only while this worker has at most this many lookups in flight (this
+#: one included); busier, in a pool thread (over HTTP at c >= 4 the loop read gave 0.4-0.9x the
+#: thread read's req/s on this 2-core box: docs/benchmarks-notes.md "Fresh prompts, sixth pass").
+LOOP_READ_BUSY = 1
 #: Where the event-loop attempt leaves, in the request's ``keep``, that the thread reads by digest.
 FIRST_MISS_KEY = "kvlookup.first_miss"
 #: Where :meth:`AsgiController._respond_here` leaves whether it tried the loop (LOOP_ATTEMPTS).
@@ -148,6 +153,7 @@ class AsgiController:
         #: the same for large lookups, tried in the heavy pool (HEAVY_THREADS is 1: its thread only)
         self.heavy_odds = LoopOdds() if LOOP_SKIP == "on" else None
         self._conn: LoopRedis | bool | None = None  # _loop_conn: None not made yet, False none here
+        self._lookups = 0  # lookups and explains in flight (the event loop's thread only)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -174,17 +180,11 @@ class AsgiController:
         args = (path, scope["method"], scope["query_string"].decode("latin-1"), data, keep,
                 ctype.decode("latin-1") if ctype else "")
         heavy = path == EXPLAIN_PATH or len(data) > BIG_BODY_BYTES
-        answer = None if heavy else self._respond_here(path, args)
-        if heavy:
-            answer = await self._heavy(args, path == EXPLAIN_PATH)
-        else:  # the request decoded in the loop (in ``keep``) is not decoded again
-            untracked = keep.pop(FIRST_MISS_KEY, False)
-            if answer is None and untracked and (conn := self._loop_conn()) is not None:
-                answer = await self._respond_in_loop(args, conn)
-            if answer is None:
-                answer = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self._respond_there,
-                                                                          args, untracked)
-        status, body, headers = answer
+        self._lookups += 1
+        try:
+            status, body, headers = await self._answer(path, args, keep, heavy)
+        finally:
+            self._lookups -= 1
         await send_json(send, status, body, headers)
         self.route.count(keep)  # counted, and the decoded request freed, after the answer is out
         if (attempt := keep.get(LOOP_KEY)) is not None:
@@ -192,6 +192,22 @@ class AsgiController:
         if (read := keep.get(LOOP_READ_KEY)) is not None:
             _loop_reads(read).inc()
         keep.clear()
+
+    async def _answer(self, path: str, args: tuple, keep: dict, heavy: bool) -> tuple:
+        """The answer of a lookup or explain: in the loop, from its copies or (a first miss) its
+        own read; else in a pool thread or the heavy pool."""
+        answer = None if heavy else self._respond_here(path, args)
+        if heavy:
+            answer = await self._heavy(args, path == EXPLAIN_PATH)
+        else:  # the request decoded in the loop (in ``keep``) is not decoded again
+            untracked = keep.pop(FIRST_MISS_KEY, False)
+            if answer is None and untracked and (conn := self._loop_conn()) is not None \
+                    and (MISS_LOOP == "on" or self._lookups <= LOOP_READ_BUSY):
+                answer = await self._respond_in_loop(args, conn)
+            if answer is None:
+                answer = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self._respond_there,
+                                                                          args, untracked)
+        return answer
 
     async def _heavy(self, args: tuple, explain: bool) -> tuple:
         """Answer in the heavy pool (an explain: in the explain process when there is one);
@@ -260,7 +276,7 @@ class AsgiController:
         fork); None when MISS_LOOP is off or the store has none."""
         conn = self._conn
         if conn is None:
-            made = self.route.client.store.loop_redis() if MISS_LOOP == "on" else None
+            made = self.route.client.store.loop_redis() if MISS_LOOP != "off" else None
             conn = self._conn = made if made is not None else False
         return conn if isinstance(conn, LoopRedis) else None
 
