@@ -83,13 +83,14 @@ LOOP_SKIP = os.environ.get("KVLOOKUP_LOOP_SKIP", "on")
 #: ``on``: a lookup read by digest (a first miss, or one :class:`LoopOdds` skipped) is read in the event
 #: loop on the worker's own asyncio connection, the lookup suspended in a greenlet meanwhile
 #: (kvlookup.index.loop_reads; no thread hop, the loop serves others while it waits); ``off``: in a
-#: pool thread, as before; ``auto`` (the default): on while the worker is not busy (LOOP_READ_BUSY).
-#: Where the store has no such connection (Cluster, Sentinel, TLS) or the read fails, the pool
-#: thread answers (docs/benchmarks-notes.md "Fresh prompts, sixth pass").
-MISS_LOOP = os.environ.get("KVLOOKUP_MISS_LOOP", "auto")
+#: pool thread (the default); ``auto``: on while the worker is not busy (LOOP_READ_BUSY). Where the
+#: store has no such connection (Cluster, Sentinel, TLS) or the read fails, the pool thread answers.
+#: Not the default: over HTTP on the 2-core box, alternating with the thread read in one run, ``on``
+#: gave 0.53-0.63x and ``auto`` 0.90x its req/s (medians of 32 cells), for 3-10% less CPU a lookup
+#: (docs/benchmarks-notes.md "Fresh prompts, sixth pass").
+MISS_LOOP = os.environ.get("KVLOOKUP_MISS_LOOP", "off")
 #: ``auto``: read in the loop only while this worker has at most this many lookups in flight (this
-#: one included); busier, in a pool thread (over HTTP at c >= 4 the loop read gave 0.4-0.9x the
-#: thread read's req/s on this 2-core box: docs/benchmarks-notes.md "Fresh prompts, sixth pass").
+#: one included); busier, in a pool thread.
 LOOP_READ_BUSY = 1
 #: Where the event-loop attempt leaves, in the request's ``keep``, that the thread reads by digest.
 FIRST_MISS_KEY = "kvlookup.first_miss"

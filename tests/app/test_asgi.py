@@ -274,9 +274,9 @@ def _held_fleet(r) -> tuple[list[int], dict]:
 
 @pytest.mark.single_node
 def test_first_misses_read_from_the_event_loop_answer_as_from_a_thread(r, redis_args):
-    """app.asgi.MISS_LOOP through real one-worker controllers (unfenced copies): fresh prompts
+    """app.asgi.MISS_LOOP=on through real one-worker controllers (unfenced copies): fresh prompts
     (a held prefix, a new last chunk) are read from the event loop on its own connection and
-    answered exactly as a controller reading them in a thread (KVLOOKUP_MISS_LOOP=off) answers."""
+    answered exactly as a controller reading them in a thread (off, the default) answers."""
     prompt, want = _held_fleet(r)
     rng = random.Random(20)
     bodies = [prompt[:768] + [rng.randrange(128_000) for _ in range(256)] for _ in range(60)]
