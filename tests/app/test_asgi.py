@@ -343,3 +343,44 @@ def test_a_loop_read_waiting_on_a_hung_redis_never_holds_the_event_loop(tmp_path
         os.kill(server.proc.pid, signal.SIGCONT)
         ctrl.stop()
         server.stop()
+
+
+@pytest.mark.single_node
+def test_large_fresh_bodies_in_the_heavy_pool_answer_as_fenced_reads(r, redis_args):
+    """A packed body over 64 KB (app.asgi.BIG_BODY_BYTES: the heavy pool) with a new last chunk,
+    on an unfenced controller (tried from the copies there, a first miss read by digest with the
+    held prefix from the copies), answers exactly what a fenced controller (every read from Redis)
+    answers, and a hot one likewise."""
+    from array import array
+
+    from kvlookup.hashing.lmcache import HashProfile
+    from kvlookup.index.store import ADMIT, Store
+
+    prompt = list(range(50_000, 50_000 + 68 * 256))  # 68 chunks, 69,632 bytes packed
+    hashes = HashProfile().chunk_hashes(prompt)
+    store = Store(r, instance_ttl_s=0)
+    for i, held in enumerate((68, 40)):
+        store.register_worker(f"big{i}", 0, "127.0.0.1", 8101 + i)
+        store.apply([(f"big{i}", 0, "LocalCPUBackend", [(ADMIT, h) for h in hashes[:held]])])
+    rng = random.Random(22)
+    bodies = [prompt] * 3 + [prompt[:-256] + [rng.randrange(128_000) for _ in range(256)] for _ in range(12)]
+    args = (*redis_args, "--workers", "1", "--instance-ttl", "0")
+    unfenced = ControllerProc(*args, "--lookup-cache", "on")
+    fenced = ControllerProc(*args, "--lookup-cache", "fenced")
+
+    def packed_layout(ctrl, tokens):
+        resp = ctrl.session.post(ctrl.http + "/lookup", data=array("I", tokens).tobytes(), timeout=30,
+                                 headers={"Content-Type": "application/octet-stream"})
+        assert resp.status_code == 200
+        return {k: v for k, v in resp.json().items() if k != "event_id"}
+
+    try:
+        for ctrl in (unfenced, fenced):
+            ctrl.wait_ready()
+        got = [packed_layout(unfenced, t) for t in bodies]
+        assert got == [packed_layout(fenced, t) for t in bodies]
+        hot = {"big0": ["LocalCPUBackend", 68 * 256], "big1": ["LocalCPUBackend", 40 * 256]}
+        assert got == [hot] * 3 + [{**hot, "big0": ["LocalCPUBackend", 67 * 256]}] * 12
+    finally:
+        unfenced.stop()
+        fenced.stop()
