@@ -134,7 +134,7 @@ def design_env(design: str) -> dict:
         if not base:
             raise ValueError("design 'base' needs KVLOOKUP_BENCH_BASE: a PYTHONPATH whose kvlookup wins over the "
                              "install (e.g. a sitecustomize dropping the editable finder, then `git archive main`)")
-        return {"PYTHONPATH": base}
+        return {"PYTHONPATH": base, "PYTHONSAFEPATH": "1"}  # no cwd first on sys.path (it is this tree)
     if design not in envs:
         raise ValueError(f"unknown design {design!r}: one of {', '.join(envs)}")
     return envs[design]
