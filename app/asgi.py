@@ -16,9 +16,10 @@ cached reads does no I/O, so it runs in the loop; one that must ask Redis (``loo
 off`` on one Redis or a Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup.index.tracking's
 ``LOCAL_ONLY`` / ``NeedsRedis``) runs in the thread pool, so a slow round trip never holds
 the other connections; one whose missing chunks were all missed for the first time (a fresh
-prompt) is read there by digest, untracked (:data:`FIRST_MISS`); while most of a worker's recent
-attempts in the loop missed, it skips them and sends lookups there at once (:class:`LoopOdds`,
-:data:`LOOP_SKIP`). Every explain and every
+prompt) is read there by digest, untracked (:data:`FIRST_MISS`), or with :data:`MISS_LOOP` on
+(not the default) from the loop itself without blocking it (kvlookup.index.loop_reads); while most
+of a worker's recent attempts in the loop missed, it skips them and sends lookups there at once
+(:class:`LoopOdds`, :data:`LOOP_SKIP`). Every explain and every
 lookup with a large body (decoded and hashed off the loop) runs in a small bounded pool of its
 own (HEAVY_THREADS), so they never delay /health or ordinary lookups; when it is full they are
 answered 503. An explain is answered by a child process of the worker (:mod:`app.explain_pool`),
