@@ -16,9 +16,10 @@ cached reads does no I/O, so it runs in the loop; one that must ask Redis (``loo
 off`` on one Redis or a Cluster, Sentinel, or a chunk or holder not in the copies: kvlookup.index.tracking's
 ``LOCAL_ONLY`` / ``NeedsRedis``) runs in the thread pool, so a slow round trip never holds
 the other connections; one whose missing chunks were all missed for the first time (a fresh
-prompt) is read there by digest, untracked (:data:`FIRST_MISS`); while most of a worker's recent
-attempts in the loop missed, it skips them and sends lookups there at once (:class:`LoopOdds`,
-:data:`LOOP_SKIP`). Every explain and every
+prompt) is read there by digest, untracked (:data:`FIRST_MISS`), or with :data:`MISS_LOOP` on
+(not the default) from the loop itself without blocking it (kvlookup.index.loop_reads); while most
+of a worker's recent attempts in the loop missed, it skips them and sends lookups there at once
+(:class:`LoopOdds`, :data:`LOOP_SKIP`). Every explain and every
 lookup with a large body (decoded and hashed off the loop) runs in a small bounded pool of its
 own (HEAVY_THREADS), so they never delay /health or ordinary lookups; when it is full they are
 answered 503. An explain is answered by a child process of the worker (:mod:`app.explain_pool`),
@@ -47,6 +48,7 @@ from kvlookup.app.errors import ApiError, json_bytes
 from kvlookup.app.explain_pool import ExplainPool
 from kvlookup.app.lookup import EXPLAIN_PATH, LookupRoute
 from kvlookup.index import staged
+from kvlookup.index.loop_reads import LoopRedis, run_in_loop
 from kvlookup.index.mp_copies import NO_COPY
 from kvlookup.index.tracking import LOCAL_ONLY, UNTRACKED, NeedsRedis
 
@@ -83,10 +85,24 @@ LOOP_SKIP = os.environ.get("KVLOOKUP_LOOP_SKIP", "on")
 #: ``off``: /directory/lookup never tries the event loop (from the MP bucket copies), always a thread
 #: (a bench's design knob: docs/benchmarks-notes.md "MP /directory/lookup from whole-bucket copies")
 MP_LOOP = os.environ.get("KVLOOKUP_MP_LOOP", "on")
+#: ``on``: a lookup read by digest (a first miss, or one :class:`LoopOdds` skipped) is read in the event
+#: loop on the worker's own asyncio connection, the lookup suspended in a greenlet meanwhile
+#: (kvlookup.index.loop_reads; no thread hop, the loop serves others while it waits); ``off``: in a
+#: pool thread (the default); ``auto``: on while the worker is not busy (LOOP_READ_BUSY). Where the
+#: store has no such connection (Cluster, Sentinel, TLS) or the read fails, the pool thread answers.
+#: Not the default: over HTTP on the 2-core box, alternating with the thread read in one run, ``on``
+#: gave 0.53-0.63x and ``auto`` 0.90x its req/s (medians of 32 cells), for 3-10% less CPU a lookup
+#: (docs/benchmarks-notes.md "Fresh prompts, sixth pass").
+MISS_LOOP = os.environ.get("KVLOOKUP_MISS_LOOP", "off")
+#: ``auto``: read in the loop only while this worker has at most this many lookups in flight (this
+#: one included); busier, in a pool thread.
+LOOP_READ_BUSY = 1
 #: Where the event-loop attempt leaves, in the request's ``keep``, that the thread reads by digest.
 FIRST_MISS_KEY = "kvlookup.first_miss"
 #: Where :meth:`AsgiController._respond_here` leaves whether it tried the loop (LOOP_ATTEMPTS).
 LOOP_KEY = "kvlookup.loop_attempt"
+#: Where :meth:`AsgiController._respond_in_loop` leaves how its read went (LOOP_READS).
+LOOP_READ_KEY = "kvlookup.loop_read"
 
 
 class LoopOdds:
@@ -143,6 +159,10 @@ class AsgiController:
         #: the same for /directory/lookup from the MP bucket copies (kvlookup.index.mp_copies): under
         #: ingest churn few lookups find every bucket copied, and copying them again is wasted
         self.mp_odds = LoopOdds()
+        #: the same for large lookups, tried in the heavy pool (HEAVY_THREADS is 1: its thread only)
+        self.heavy_odds = LoopOdds() if LOOP_SKIP == "on" else None
+        self._conn: LoopRedis | bool | None = None  # _loop_conn: None not made yet, False none here
+        self._lookups = 0  # lookups and explains in flight (the event loop's thread only)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -177,18 +197,34 @@ class AsgiController:
         args = (path, scope["method"], scope["query_string"].decode("latin-1"), data, keep,
                 ctype.decode("latin-1") if ctype else "")
         heavy = path == EXPLAIN_PATH or len(data) > BIG_BODY_BYTES
-        answer = None if heavy else self._respond_here(path, args)
-        if heavy:
-            answer = await self._heavy(args, path == EXPLAIN_PATH)
-        elif answer is None:  # the request decoded in the loop (in ``keep``) is not decoded again
-            answer = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self._respond_there, args,
-                                                                      keep.pop(FIRST_MISS_KEY, False))
-        status, body, headers = answer
+        self._lookups += 1
+        try:
+            status, body, headers = await self._answer(path, args, keep, heavy)
+        finally:
+            self._lookups -= 1
         await send_json(send, status, body, headers)
         self.route.count(keep)  # counted, and the decoded request freed, after the answer is out
         if (attempt := keep.get(LOOP_KEY)) is not None:
             _attempts(attempt).inc()
+        if (read := keep.get(LOOP_READ_KEY)) is not None:
+            _loop_reads(read).inc()
         keep.clear()
+
+    async def _answer(self, path: str, args: tuple, keep: dict, heavy: bool) -> tuple:
+        """The answer of a lookup or explain: in the loop, from its copies or (a first miss) its
+        own read; else in a pool thread or the heavy pool."""
+        answer = None if heavy else self._respond_here(path, args)
+        if heavy:
+            answer = await self._heavy(args, path == EXPLAIN_PATH)
+        else:  # the request decoded in the loop (in ``keep``) is not decoded again
+            untracked = keep.pop(FIRST_MISS_KEY, False)
+            if answer is None and untracked and (conn := self._loop_conn()) is not None \
+                    and (MISS_LOOP == "on" or self._lookups <= LOOP_READ_BUSY):
+                answer = await self._respond_in_loop(args, conn)
+            if answer is None:
+                answer = await asyncio.get_running_loop().run_in_executor(self.wsgi.executor, self._respond_there,
+                                                                          args, untracked)
+        return answer
 
     async def _heavy(self, args: tuple, explain: bool) -> tuple:
         """Answer in the heavy pool (an explain: in the explain process when there is one);
@@ -200,9 +236,33 @@ class AsgiController:
         try:
             if explain and self.explains is not None:
                 return await loop.run_in_executor(self.heavy, self.explains.respond, args, self.route.respond)
-            return await loop.run_in_executor(self.heavy, self.route.respond, *args)
+            return await loop.run_in_executor(self.heavy, self._respond_heavy, args)
         finally:
             self._heavy_now -= 1
+
+    def _respond_heavy(self, args: tuple) -> tuple:
+        """A large lookup in a heavy thread, read as the loop reads a small one: from the copies
+        when they have it all (a kept answer), else a first miss by digest, taking from the copies
+        what they hold (kvlookup.index.staged ``peek``: a 32k-token prompt with a new last block
+        reads one chunk); the odds of the heavy threads' own tries (:attr:`heavy_odds`) skip the
+        try while it keeps missing."""
+        if args[0] == EXPLAIN_PATH or not self.route.client.store.reads_locally():
+            return self.route.respond(*args)
+        odds = self.heavy_odds
+        untracked = True
+        if odds is None or odds.try_loop():
+            token = LOCAL_ONLY.set(True)
+            try:
+                answer = self.route.respond(*args)
+            except NeedsRedis as exc:
+                answer, untracked = None, exc.first_miss and FIRST_MISS in ("digest", "digest-all")
+            finally:
+                LOCAL_ONLY.reset(token)
+            if odds is not None:
+                odds.note(answer is not None)
+            if answer is not None:
+                return answer
+        return self._respond_there(args, untracked)
 
     def _respond_here(self, path: str, args: tuple) -> tuple | None:
         """The answer from the event loop when it needs nothing from Redis (the chunk sets and
@@ -226,6 +286,26 @@ class AsgiController:
         if odds is not None:
             odds.note(answer is not None)
             args[4][LOOP_KEY] = "tried"
+        return answer
+
+    def _loop_conn(self) -> LoopRedis | None:
+        """This worker's connection for reads by digest from the loop (made on first use, after the
+        fork); None when MISS_LOOP is off or the store has none."""
+        conn = self._conn
+        if conn is None:
+            made = self.route.client.store.loop_redis() if MISS_LOOP != "off" else None
+            conn = self._conn = made if made is not None else False
+        return conn if isinstance(conn, LoopRedis) else None
+
+    async def _respond_in_loop(self, args: tuple, conn: LoopRedis) -> tuple | None:
+        """The answer read by digest in the loop (kvlookup.index.loop_reads); None when something
+        there needs a thread after all (a read failed, the clock is due a measurement, ...)."""
+        try:
+            answer = cast(tuple, await run_in_loop(functools.partial(_untracked_here, self.route, args), conn))
+        except NeedsRedis:
+            args[4][LOOP_READ_KEY] = "thread"
+            return None
+        args[4][LOOP_READ_KEY] = "answered"
         return answer
 
     def _respond_there(self, args: tuple, untracked: bool) -> tuple:
@@ -278,6 +358,20 @@ async def send_bytes(send: Send, status: int, data: bytes | None,
     head += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers or ()]
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": data or b""})
+
+
+def _untracked_here(route: LookupRoute, args: tuple) -> tuple:
+    """``route.respond(*args)`` read by digest, never waiting on Redis (in run_in_loop's greenlet,
+    whose context vars are its own)."""
+    LOCAL_ONLY.set(True)
+    UNTRACKED.set(True)
+    return route.respond(*args)
+
+
+@functools.cache
+def _loop_reads(outcome: str):
+    """``LOOP_READS.labels(outcome)``, kept (answered | thread)."""
+    return fleet_metrics.LOOP_READS.labels(outcome)
 
 
 @functools.cache

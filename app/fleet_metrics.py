@@ -33,6 +33,8 @@ OUTCOMES = Counter("kvlookup_lookup_outcomes_total", "Lookups by outcome and mis
 #: so it went to a thread at once, read by digest).
 LOOP_ATTEMPTS = Counter("kvlookup_lookup_loop_attempts_total", "Lookups the event loop tried from its copies, "
                         "or skipped because its recent tries mostly missed", ["attempt"])
+LOOP_READS = Counter("kvlookup_lookup_loop_reads_total", "Lookups read by digest from the event loop "
+                     "(answered there, or sent on to a thread after all)", ["outcome"])
 #: Every /lookup/explain by the cause it found (kvlookup.index.explain._cause): hit,
 #: profile_mismatch_suspected, namespace, ranks, dead_instance, evicted, short_prompt, no_holder.
 EXPLAINED = Counter("kvlookup_explained_lookups_total", "Explained lookups by the cause found", ["cause"])

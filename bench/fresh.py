@@ -118,12 +118,23 @@ def design_env(design: str) -> dict:
     is read); ``skip`` / ``noskip`` (app.asgi.LOOP_SKIP: whether the event loop skips its
     attempt from the copies while its recent attempts mostly missed); ``digestall`` (main's digest
     read of a first miss: every chunk's head from Redis, not only those the copies lack,
-    kvlookup.index.staged.MISS_COPIES). The other designs
+    kvlookup.index.staged.MISS_COPIES); ``loopread`` / ``threadread`` / ``loopauto`` (app.asgi.MISS_LOOP: a
+    read by digest sent from the event loop on its asyncio connection, from a pool thread, or from
+    the loop only while its worker is not busy); ``base``: another
+    kvlookup tree (``PYTHONPATH=$KVLOOKUP_BENCH_BASE``, e.g. main extracted with ``git archive``). The other designs
     measured in docs/benchmarks-notes.md "Fresh prompts again" (in-loop reads, the LOOKUP script
     for a first miss) lost and are kept only on the branch named there."""
     envs = {"nocork": {"KVLOOKUP_COALESCE_WRITES": "0"}, "digest": {"KVLOOKUP_FIRST_MISS": "digest"},
             "tracked": {"KVLOOKUP_FIRST_MISS": "tracked"}, "skip": {"KVLOOKUP_LOOP_SKIP": "on"},
-            "noskip": {"KVLOOKUP_LOOP_SKIP": "off"}, "digestall": {"KVLOOKUP_FIRST_MISS": "digest-all"}}
+            "noskip": {"KVLOOKUP_LOOP_SKIP": "off"}, "digestall": {"KVLOOKUP_FIRST_MISS": "digest-all"},
+            "loopread": {"KVLOOKUP_MISS_LOOP": "on"}, "threadread": {"KVLOOKUP_MISS_LOOP": "off"},
+            "loopauto": {"KVLOOKUP_MISS_LOOP": "auto"}}
+    if design == "base":
+        base = os.environ.get("KVLOOKUP_BENCH_BASE")
+        if not base:
+            raise ValueError("design 'base' needs KVLOOKUP_BENCH_BASE: a PYTHONPATH whose kvlookup wins over the "
+                             "install (e.g. a sitecustomize dropping the editable finder, then `git archive main`)")
+        return {"PYTHONPATH": base, "PYTHONSAFEPATH": "1"}  # no cwd first on sys.path (it is this tree)
     if design not in envs:
         raise ValueError(f"unknown design {design!r}: one of {', '.join(envs)}")
     return envs[design]

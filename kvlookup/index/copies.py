@@ -75,6 +75,14 @@ class Copies:
             append(value)
         return out
 
+    def peek_many(self, keys: list) -> list:
+        """The copy of each key, or MISS, in order, without marking it used or promoting it (a
+        lookup read by digest, kvlookup.index.tracking.CachedReads.peek: a stream of fresh prompts
+        over a held prefix costs no LRU moves; the prefix's place is kept by the reads that keep
+        it, tracked ones through :meth:`get_many`)."""
+        pget, qget = self.protected.get, self.probation.get
+        return [v if (v := pget(k, MISS)) is not MISS else qget(k, MISS) for k in keys]
+
     def share(self, value):
         """``value`` as kept: a list becomes a tuple, equal to (and the same object as) an equal
         one already kept."""

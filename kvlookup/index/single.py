@@ -13,6 +13,7 @@ from kvlookup.index import keys, scripts, staged
 from kvlookup.index.copies import Digests
 from kvlookup.index.io import SingleIO, purge_step, raise_errors
 from kvlookup.index.kept import KeptLookups
+from kvlookup.index.loop_reads import LOOP_EXECUTE, LoopRedis, loop_redis_for
 from kvlookup.index.records import Chain, HolderWrite, Liveness, Matches
 from kvlookup.index.staged import HolderCache, StagedLookup
 from kvlookup.index.tracking import UNTRACKED, CachedReads
@@ -110,7 +111,8 @@ class SingleNodeRecords:
         if self.cached is not None and not UNTRACKED.get():
             return self.kept.lookup(chains, live, lambda execute: StagedLookup(
                 execute, self._resolve, self.holder_cache, chains, live, memo=True))
-        return StagedLookup(self.io.execute, self._resolve, self.holder_cache, chains, live, memo=True,
+        execute = LOOP_EXECUTE.get() or self.io.execute  # in app.asgi's loop: kvlookup.index.loop_reads
+        return StagedLookup(execute, self._resolve, self.holder_cache, chains, live, memo=True,
                             digests=self.digests, heads=self._heads, peek=self._peek()).run()
 
     def _peek(self):
@@ -120,6 +122,11 @@ class SingleNodeRecords:
 
     def purge_step(self, holder_id: str, space: str, bucket: int, budget: int) -> tuple[int, int]:
         return purge_step(self.io.execute, self._chunk_op, holder_id, space, bucket, budget)
+
+    def loop_redis(self) -> LoopRedis | None:
+        """A new asyncio connection for reads by digest from an event loop (kvlookup.index.loop_reads),
+        or None where it does not apply (caching off, Sentinel, TLS: :func:`loop_redis_for`)."""
+        return loop_redis_for(self.r) if self.cached is not None else None
 
     def reads_locally(self) -> bool:
         return self.cached is not None and self.cached.local_now()

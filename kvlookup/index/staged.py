@@ -11,6 +11,8 @@ extend, and resolve the holders the cache does not know (one RESOLVE on the regi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import compress, repeat
+from operator import is_
 
 from kvlookup.index import keys
 from kvlookup.index.copies import MISS, Digests
@@ -171,8 +173,10 @@ class StagedLookup:
             reads = [(ci, span) for ci, span in reads if span]
             if not reads and not new_hids:
                 break
+            version = first and not new_hids
+            known = self._peek_ahead(reads, version) if self.peek is not None else None
             read_keys = [k for _ci, span in reads for k in span]
-            res = self._round(read_keys, new_hids, first and not new_hids)
+            res = self._round(read_keys, new_hids, version, known)
             rounds += 1
             if new_hids:
                 cache.put(res[-1][0], new_hids, res[-1][1:])
@@ -198,19 +202,53 @@ class StagedLookup:
             self._remember(out, *memo)
         return out
 
-    def _round(self, read_keys: list[str], new_hids: list[str], version: bool) -> list:
-        """One round trip (none when :attr:`peek` has it all): the member lists of ``read_keys``,
-        then RESOLVE's answer of ``new_hids`` or, with ``version``, the registry version."""
-        known = None
+    def _peek_ahead(self, reads: list[tuple[int, list[str]]], version: bool) -> list:
+        """The copies :attr:`peek` holds of the keys of ``reads`` (then, with ``version``, of the
+        registry version), MISS where it holds none. A chain whose span the copies hold whole, each
+        chunk with holders, reads its next stage in this round too (its span in ``reads`` grows in
+        place), until a chunk is lacked or known empty or the chain ends: a held prefix with a new
+        last chunk costs one round trip, not one a stage. After a chunk known empty nothing more
+        of its chain is asked (given as empty: the walk ends there)."""
+        per = self._peek_spans([span for _ci, span in reads], version)
+        ver = per.pop() if version else []
+        while grow := [i for i, (ci, _span) in enumerate(reads) if per[i] and MISS not in per[i]
+                       and all(per[i]) and self.read_upto[ci] < len(self.chains[ci].hashes)]:
+            more = [self._next_span(reads[i][0]) for i in grow]
+            for i, span, got in zip(grow, more, self._peek_spans(more, False), strict=True):
+                reads[i][1].extend(span)
+                per[i].extend(got)
+        for got in per:
+            if () in got:  # known empty (copies are tuples; MISS equals nothing): the rest is never walked
+                j = got.index(())
+                got[j + 1:] = [()] * (len(got) - j - 1)
+        return [v for got in per for v in got] + ver
+
+    def _peek_spans(self, spans: list[list[str]], version: bool) -> list[list]:
+        """:attr:`peek` of the chunk keys of each span (one call), per span; with ``version``, a last
+        list of the registry version's copy."""
+        assert self.peek is not None
+        got = self.peek([("ZRANGE", k) for span in spans for k in span]
+                        + ([("GET", keys.registry_version_key())] if version else []))
+        out, pos = [], 0
+        for span in spans:
+            out.append(got[pos:pos + len(span)])
+            pos += len(span)
+        if version:
+            out.append(got[pos:])
+        return out
+
+    def _round(self, read_keys: list[str], new_hids: list[str], version: bool, known: list | None = None) -> list:
+        """One round trip (none when the copies have it all): the member lists of ``read_keys``,
+        then RESOLVE's answer of ``new_hids`` or, with ``version``, the registry version.
+        known: :meth:`_peek_ahead`'s copies of them (MISS: asked of Redis); None: no copies."""
         got_version = None
-        if self.peek is not None:
-            known = self.peek([("ZRANGE", k) for k in read_keys]
-                              + ([("GET", keys.registry_version_key())] if version else []))
+        if known is not None:
             if version:
                 got_version = known.pop()
                 if got_version is MISS:
                     got_version = None
-            sent = [k for k, v in zip(read_keys, known, strict=True) if v is MISS]
+            lacked = list(compress(range(len(read_keys)), map(is_, known, repeat(MISS))))  # (in C)
+            sent = [read_keys[i] for i in lacked]
         else:
             sent = read_keys
         if self.heads is not None and sent:
@@ -231,10 +269,11 @@ class StagedLookup:
             self._by_digest(sent, res)
         if known is None:
             return res
-        lists = iter(res)
-        out = [next(lists) if v is MISS else v for v in known]
+        out = known[:len(read_keys)]
+        for i, members in zip(lacked, res, strict=False):
+            out[i] = members
         if new_hids or version:
-            out.append(next(lists) if got_version is None else got_version)
+            out.append(res[len(lacked)] if got_version is None else got_version)
         return out
 
     def _by_digest(self, read: list[str], res: list) -> None:

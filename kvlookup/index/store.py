@@ -24,6 +24,7 @@ from kvlookup import kinds
 from kvlookup.index import keys, scripts
 from kvlookup.index.clock import ServerClock
 from kvlookup.index.failover import Journal
+from kvlookup.index.loop_reads import LoopRedis
 from kvlookup.index.records import Chain, HolderWrite, Liveness, Match, Matches, Records
 from kvlookup.index.single import SingleNodeRecords
 from kvlookup.kinds import Kind
@@ -723,6 +724,14 @@ class Store:
         invalidation connection up)? Then most cost no round trip (app.asgi runs them in the
         event loop); False: each asks Redis."""
         return self.records.reads_locally()
+
+    def loop_redis(self) -> LoopRedis | None:
+        """A new asyncio connection (kvlookup.index.loop_reads) on which an event loop may send the reads
+        by digest of a lookup (a fresh prompt's first miss), or None where the backend has none: a
+        Cluster (its reads go to every master through kvlookup.index.cluster_cache), caching off,
+        a Sentinel master, TLS (kvlookup.index.loop_reads.loop_redis_for)."""
+        make = getattr(self.records, "loop_redis", None)
+        return make() if make is not None else None
 
     def lookup(self, chains: Sequence[Chain], now_ms: int | None = None) -> Matches:
         """Walk the chains and return every match, in no particular order (``.miss``: see

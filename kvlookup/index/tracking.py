@@ -86,10 +86,11 @@ class CachedReads:
     """A caching executor of commands for one Redis (see the module docstring).
 
     client: the redis-py client whose connection settings to use. max_keys: copies kept
-    (kvlookup.index.copies: scan-resistant LRU; a chunk nobody holds is never kept, so fresh
-    prompts do not fill it). fence: before each call, take every invalidation Redis has queued
-    for this process (a PING on the invalidation connection, answered after them): a lookup then
-    sees every write that completed before it began, at the cost of that round trip. shared:
+    (kvlookup.index.copies: scan-resistant LRU; a chunk nobody holds is kept only once it was
+    lacked or read empty before, so fresh prompts do not fill it: :meth:`_lacked_again`). fence:
+    before each call, take every invalidation Redis has queued for this process (a PING on the
+    invalidation connection, answered after them): a lookup then sees every write that
+    completed before it began, at the cost of that round trip. shared:
     as :class:`kvlookup.index.copies.Copies` (one dict for every master of a cluster). Thread-
     and greenlet-safe.
     """
@@ -375,7 +376,8 @@ class CachedReads:
                 res, cmd = got[j], commands[i]
                 if cacheable(cmd) and not isinstance(res, Exception):
                     res = as_fields(res) if cmd[0] == "HGETALL" else self._copies.share(res)
-                    if keep and self._fresh(cmd[1], gen) and (res or cmd[0] != "ZRANGE"):  # no misses
+                    empty_kept = not res and cmd[0] == "ZRANGE" and self._lacked_again(cmd[1])
+                    if keep and self._fresh(cmd[1], gen) and (res or cmd[0] != "ZRANGE" or empty_kept):
                         self._copies.put((cmd[0], cmd[1]), res)
                 out[i] = res
         return out
@@ -433,7 +435,7 @@ class CachedReads:
         try:
             if not self._drain(readable):
                 return [_MISS] * len(reads)
-            out = self._copies.get_many(reads)
+            out = self._copies.peek_many(reads)
             self.stats["hits"] += len(out) - out.count(_MISS)  # (count: identity first, in C)
             return out
         finally:
@@ -450,6 +452,20 @@ class CachedReads:
             seen.clear()
         seen.update(dict.fromkeys(lacked))
         return exc
+
+    def _lacked_again(self, key: str) -> bool:
+        """Was chunk ``key``, just read empty (tracked), lacked or read empty before? Then its empty
+        copy is kept (a chunk nobody holds that lookups keep asking for: the LMCache chain of a
+        vLLM-only fleet, a shared prefix's first unheld chunk), so it costs no read until Redis
+        says it changed; a key read empty once is only remembered (the lacked keys,
+        :data:`MISSED_MAX` at most), so a stream of fresh prompts keeps no empty copies."""
+        seen = self._missed
+        if key in seen:
+            return True
+        if len(seen) >= min(self.max_keys, MISSED_MAX):
+            seen.clear()
+        seen[key] = None
+        return False
 
     def _send(self, sent: list) -> list | None:
         """``sent`` on a tracked connection; None when that fails (a reconnect whose REDIRECT

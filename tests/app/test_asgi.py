@@ -283,3 +283,136 @@ def test_mp_directory_lookup_from_bucket_copies_in_the_loop(r, redis_args):
         assert [len(x["placements"]) for x in ask()["results"]][:12] == [0] * 5 + [1] * 5 + [2] * 2
     finally:
         proc.stop()
+def _loop_reads(ctrl) -> dict[str, float]:
+    text = ctrl.session.get(ctrl.http + "/metrics", timeout=10).text
+    found = re.findall(r'^kvlookup_lookup_loop_reads_total\{outcome="(\w+)"\} ([\d.e+]+)$', text, re.M)
+    return {k: float(v) for k, v in found}
+
+
+def _held_fleet(r) -> tuple[list[int], dict]:
+    """Four instances holding 1, 2, 3, 4 chunks of a 1,024-token prompt; (the prompt, its answer
+    with a new last chunk)."""
+    from kvlookup.hashing.lmcache import HashProfile
+    from kvlookup.index.store import ADMIT, Store
+
+    prompt = list(range(40_000, 41_024))
+    hashes = HashProfile().chunk_hashes(prompt)
+    store = Store(r, instance_ttl_s=0)
+    for i in range(4):
+        store.register_worker(f"inst{i}", 0, "127.0.0.1", 8001 + i)
+        store.apply([(f"inst{i}", 0, "LocalCPUBackend", [(ADMIT, h) for h in hashes[:i + 1]])])
+    return prompt, {f"inst{i}": ["LocalCPUBackend", 256 * min(i + 1, 3)] for i in range(4)}
+
+
+@pytest.mark.single_node
+def test_first_misses_read_from_the_event_loop_answer_as_from_a_thread(r, redis_args):
+    """app.asgi.MISS_LOOP=on through real one-worker controllers (unfenced copies): fresh prompts
+    (a held prefix, a new last chunk) are read from the event loop on its own connection and
+    answered exactly as a controller reading them in a thread (off, the default) answers."""
+    prompt, want = _held_fleet(r)
+    rng = random.Random(20)
+    bodies = [prompt[:768] + [rng.randrange(128_000) for _ in range(256)] for _ in range(60)]
+    args = (*redis_args, "--workers", "1", "--instance-ttl", "0", "--lookup-cache", "on")
+    loop, thread = (ControllerProc(*args, env={"KVLOOKUP_MISS_LOOP": m}) for m in ("on", "off"))
+    try:
+        for ctrl in (loop, thread):
+            ctrl.wait_ready()
+            assert [ctrl.layout(prompt) for _ in range(3)][-1] == {**want, "inst3": ["LocalCPUBackend", 1024]}
+        assert [loop.layout(b) for b in bodies] == [want] * 60 == [thread.layout(b) for b in bodies]
+        assert _loop_reads(loop).get("answered", 0) >= 50  # (the first may load the digest script)
+        assert _loop_reads(thread) == {}
+    finally:
+        loop.stop()
+        thread.stop()
+
+
+@pytest.mark.single_node
+def test_a_loop_read_waiting_on_a_hung_redis_never_holds_the_event_loop(tmp_path):
+    """Redis stopped (SIGSTOP) while first misses are read from the event loop (unfenced copies):
+    the loop goes on answering what needs no Redis, and the lookups end (503 once their read and
+    the thread's timed out), and answer again once Redis is back."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import requests
+
+    from kvlookup.proc.redis_server import EmbeddedRedis, connect
+
+    server = EmbeddedRedis(tmp_path / "redis", appendonly=False)
+    url = server.start()
+    ctrl = ControllerProc("--redis-url", url, "--workers", "1", "--instance-ttl", "0", "--lookup-cache", "on",
+                          env={"KVLOOKUP_MISS_LOOP": "on"})
+    try:
+        prompt, want = _held_fleet(connect(url))
+        ctrl.wait_ready()
+        rng = random.Random(21)
+        fresh = [prompt[:768] + [rng.randrange(128_000) for _ in range(256)] for _ in range(8)]
+        assert [ctrl.layout(prompt) for _ in range(3)] and [ctrl.layout(t) for t in fresh[:4]] == [want] * 4
+        assert _loop_reads(ctrl).get("answered", 0) >= 2
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        waiting: list = []
+
+        def lookup(tokens):
+            waiting.append(requests.post(ctrl.http + "/lookup", json={"tokens": tokens}, timeout=60))
+
+        threads = [threading.Thread(target=lookup, args=(t,)) for t in fresh[4:]]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        assert ctrl.session.options(ctrl.http + "/lookup", timeout=5).headers["Allow"] == "OPTIONS, POST"
+        assert _json(_raw(ctrl.port, b"GARBAGE\r\n\r\n"))[0] == "HTTP/1.1 400 Bad Request"
+        assert time.monotonic() - start < 1.0
+        assert any(t.is_alive() for t in threads)
+        os.kill(server.proc.pid, signal.SIGCONT)
+        for t in threads:
+            t.join(60)
+        assert {w.status_code for w in waiting} <= {200, 503}
+        assert [ctrl.layout(t) for t in fresh] == [want] * 8
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        ctrl.stop()
+        server.stop()
+
+
+@pytest.mark.single_node
+def test_large_fresh_bodies_in_the_heavy_pool_answer_as_fenced_reads(r, redis_args):
+    """A packed body over 64 KB (app.asgi.BIG_BODY_BYTES: the heavy pool) with a new last chunk,
+    on an unfenced controller (tried from the copies there, a first miss read by digest with the
+    held prefix from the copies), answers exactly what a fenced controller (every read from Redis)
+    answers, and a hot one likewise."""
+    from array import array
+
+    from kvlookup.hashing.lmcache import HashProfile
+    from kvlookup.index.store import ADMIT, Store
+
+    prompt = list(range(50_000, 50_000 + 68 * 256))  # 68 chunks, 69,632 bytes packed
+    hashes = HashProfile().chunk_hashes(prompt)
+    store = Store(r, instance_ttl_s=0)
+    for i, held in enumerate((68, 40)):
+        store.register_worker(f"big{i}", 0, "127.0.0.1", 8101 + i)
+        store.apply([(f"big{i}", 0, "LocalCPUBackend", [(ADMIT, h) for h in hashes[:held]])])
+    rng = random.Random(22)
+    bodies = [prompt] * 3 + [prompt[:-256] + [rng.randrange(128_000) for _ in range(256)] for _ in range(12)]
+    args = (*redis_args, "--workers", "1", "--instance-ttl", "0")
+    unfenced = ControllerProc(*args, "--lookup-cache", "on")
+    fenced = ControllerProc(*args, "--lookup-cache", "fenced")
+
+    def packed_layout(ctrl, tokens):
+        resp = ctrl.session.post(ctrl.http + "/lookup", data=array("I", tokens).tobytes(), timeout=30,
+                                 headers={"Content-Type": "application/octet-stream"})
+        assert resp.status_code == 200
+        return {k: v for k, v in resp.json().items() if k != "event_id"}
+
+    try:
+        for ctrl in (unfenced, fenced):
+            ctrl.wait_ready()
+        got = [packed_layout(unfenced, t) for t in bodies]
+        assert got == [packed_layout(fenced, t) for t in bodies]
+        hot = {"big0": ["LocalCPUBackend", 68 * 256], "big1": ["LocalCPUBackend", 40 * 256]}
+        assert got == [hot] * 3 + [{**hot, "big0": ["LocalCPUBackend", 67 * 256]}] * 12
+    finally:
+        unfenced.stop()
+        fenced.stop()
