@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -80,6 +81,20 @@ class Held:
     at_ms: int
 
 
+@dataclass
+class InFlight:
+    """A slice whose write was sent (``lmcache_overlap_writes``): its batches (put back at the
+    head of the queue if the write fails), the function that reads its replies, its ops."""
+
+    batches: list[Batch]
+    finish: Callable[[], None]
+    ops: int
+
+
+#: Push messages that only queue chunk ops: the write in flight is not settled before them.
+OP_TAGS = frozenset({"KVAdmitMsg", "KVEvictMsg", "BatchedKVOperationMsg", "FullSyncBatchMsg"})
+
+
 class Unobserved:
     """The :class:`Observer` of an ingest given none: it ignores everything."""
 
@@ -100,12 +115,16 @@ class LMCacheIngest:
     heartbeat_url: advertised to 0.3.12+ workers in RegisterRetMsg so their heartbeats reach
     this sidecar ("" = none). observer: told of every message naming a worker (with its
     connection), of registrations and of departures (:class:`Observer`). policy: which instance
-    ids are accepted (default: any).
+    ids are accepted (default: any). overlap: :meth:`flush` with a budget leaves its slice's write
+    in flight (sent, replies read at the next flush or before any other message is handled:
+    ``lmcache_overlap_writes``); False writes each slice before returning.
     """
 
     def __init__(self, store: Store, sidecar_id: str = "", heartbeat_url: str = "",
-                 observer: Observer | None = None, policy: InstancePolicy | None = None):
+                 observer: Observer | None = None, policy: InstancePolicy | None = None, overlap: bool = False):
         self.store = store
+        self.overlap = overlap
+        self._in_flight: InFlight | None = None  # a slice sent, its replies not read yet (overlap)
         self.sidecar_id = sidecar_id
         self.policy = policy or InstancePolicy()
         self.heartbeat_url = heartbeat_url
@@ -136,6 +155,8 @@ class LMCacheIngest:
             if self._refuse(tag, msg):
                 continue
             metrics.MESSAGES.labels(tag).inc()
+            if self._in_flight is not None and tag not in OP_TAGS:
+                self.settle_quietly()  # a registry message: after the write sent before it, as when written inline
             try:
                 self._seen(conn, msg)
                 self._on_push(tag, msg)
@@ -191,8 +212,8 @@ class LMCacheIngest:
 
     @property
     def queued_ops(self) -> int:
-        """Chunk operations queued, not written yet (folded per chunk and holder)."""
-        return self.queue.queued_ops
+        """Chunk operations queued or in flight, not known written yet (folded per chunk and holder)."""
+        return self.queue.queued_ops + (self._in_flight.ops if self._in_flight is not None else 0)
 
     def drop_queued(self, instance_id: str, worker_id: int, location: str | None = None) -> int:
         """Drop the queued ops of a worker (of one location, when given): its holder is being
@@ -203,7 +224,9 @@ class LMCacheIngest:
         return sum(len(b.ops) for b in gone)
 
     def lag_s(self) -> float:
-        """How long the oldest queued op has waited (seconds; 0 when nothing is queued)."""
+        """How long the oldest queued or in-flight op has waited (seconds; 0 when nothing is queued)."""
+        if self._in_flight is not None and self._in_flight.batches:
+            return max(self.queue.lag_s(), time.monotonic() - self._in_flight.batches[0].queued_at)
         return self.queue.lag_s()
 
     def redis_down(self) -> None:
@@ -226,7 +249,12 @@ class LMCacheIngest:
         errors (BUSY, OOM, READONLY...) up to ``MAX_REDIS_FAILURES`` times, then the ops are
         dropped and counted. First, if a master was replaced since the last look, the journal
         is written again (:meth:`after_failover`).
+
+        With ``overlap``, the write in flight is settled first (:meth:`settle`: its errors raise
+        here, as an inline write's would) and a budgeted slice is left in flight; a flush of all
+        (budget None) completes its write before returning.
         """
+        self.settle()
         if self._failed_over or (not self._down and self.masters.replaced()):  # down: one blocking call a turn
             self.after_failover()
         if self.queue.registry:
@@ -235,9 +263,40 @@ class LMCacheIngest:
         taken = self.queue.take(budget)
         if not taken:
             return 0
+        finish = self._guarded(taken, lambda: self._send(taken), last=False)
+        if finish is not None:
+            if self.overlap and budget is not None:
+                self._in_flight = InFlight(taken, finish, sum(len(b.ops) for b in taken))
+            else:
+                self._guarded(taken, finish)
+        return sum(len(b.ops) for b in taken)
+
+    def settle(self) -> None:
+        """Read the replies of the slice in flight, if any (a no-op without ``overlap``). A failed
+        write is handled as an inline one: its ops go back to the head of the queue (connection
+        errors; other Redis errors up to ``MAX_REDIS_FAILURES`` times, then dropped and counted)
+        and the error raises."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            self._guarded(pending.batches, pending.finish)
+
+    def settle_quietly(self) -> None:
+        """:meth:`settle` before a registry message or request: a Redis error is logged (its ops
+        are back in the queue, Redis marked down on a connection error) and the message goes on."""
         try:
-            self._write(taken)
-            self._redis_failures = 0
+            self.settle()
+        except redis.RedisError as exc:
+            log.warning("the write in flight failed (%s); its ops are queued again", exc)
+
+    def _guarded(self, taken: list[Batch], step: Callable[[], Any], last: bool = True) -> Any:
+        """Run one step of a slice's write (``last``: the step that completes it, whose success
+        resets the failure count); on a Redis error put the slice back (or drop it after
+        ``MAX_REDIS_FAILURES``) and raise; returns what the step returns (None when dropped)."""
+        try:
+            out = step()
+            if last:
+                self._redis_failures = 0
+            return out
         except (redis.ConnectionError, redis.TimeoutError):
             self.queue.put_back(taken)
             self._down = True
@@ -251,27 +310,48 @@ class LMCacheIngest:
             for b in taken:
                 metrics.count_ops(b.ops, "redis_error")
             log.error("dropped %d batches after %d Redis errors: %s", len(taken), MAX_REDIS_FAILURES, exc)
-        return sum(len(b.ops) for b in taken)
+            return None
 
-    def _write(self, taken: list[Batch]) -> None:
+    def _send(self, taken: list[Batch]) -> Callable[[], None] | None:
+        """Send the writable batches' write; returns the function that reads its replies and
+        counts the ops, or None when nothing is left to read (written one by one already)."""
         writable = [b for b in taken if self._writable(b)]
+        todo = [(b.instance_id, b.worker_id, b.location, b.ops) for b in writable]
         try:
-            self._apply(writable)
-        except NotRegistered:  # a worker left the registry since we looked: sort them out one by one
-            self._registered.clear()
+            read = self.store.apply_send(todo, lost_raises=True)
+        except NotRegistered:  # a worker left the registry since we looked (nothing sent)
+            self._one_by_one(writable)
+            return None
+
+        def finish() -> None:
+            try:
+                try:
+                    read()
+                except HoldersLost as exc:  # a holder or registration a failover lost: heal the registry first
+                    log.warning("%s: healing before writing them", exc)
+                    self.after_failover()
+                    self.store.apply(todo)
+            except NotRegistered:
+                self._one_by_one(writable)
+                return
             for b in writable:
-                if self._writable(b):
-                    try:
-                        self._apply([b])
-                    except NotRegistered:
-                        metrics.count_ops(b.ops, "unregistered")
-                        log.info("dropped %d ops of unregistered worker %s/%s", len(b.ops), b.instance_id,
-                                 b.worker_id)
-                        continue
-                    metrics.count_ops(b.ops, "applied")
-            return
+                metrics.count_ops(b.ops, "applied")
+
+        return finish
+
+    def _one_by_one(self, writable: list[Batch]) -> None:
+        """A worker left the registry since we looked: sort the batches out one by one."""
+        self._registered.clear()
         for b in writable:
-            metrics.count_ops(b.ops, "applied")
+            if self._writable(b):
+                try:
+                    self._apply([b])
+                except NotRegistered:
+                    metrics.count_ops(b.ops, "unregistered")
+                    log.info("dropped %d ops of unregistered worker %s/%s", len(b.ops), b.instance_id,
+                             b.worker_id)
+                    continue
+                metrics.count_ops(b.ops, "applied")
 
     def _apply(self, batches: list[Batch]) -> None:
         """Write batches; one that meets a holder or a registration a failover lost heals the
@@ -470,6 +550,7 @@ class LMCacheIngest:
         if refused := self._refuse(tag, msg):
             return proto.encode(proto.ErrorMsg(error=refused))
         metrics.MESSAGES.labels(tag).inc()
+        self.settle_quietly()  # every request reads or writes the registry: after the write sent before it
         try:
             self._seen(conn, msg)
             return proto.encode(self._on_request(tag, msg))
