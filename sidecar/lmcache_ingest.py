@@ -629,5 +629,7 @@ class LMCacheIngest:
 
 def _folded(operations) -> dict[str, str]:
     """A frame's ops as {chunk hash text: its last op (ADMIT or EVICT)}: one dict the queue
-    merges in one ``update`` (a generator of pairs cost ~0.5 us an op more, in Python calls)."""
-    return {text(op.key): (ADMIT if op.op_type == "admit" else EVICT) for op in operations}
+    merges in one ``update`` (a generator of pairs cost ~0.5 us an op more, in Python calls).
+    ``str`` is :func:`chunk_text` for the int and str keys the wire allows, without a Python call
+    an op (0.44-0.53 vs 0.63-0.68 us an op, timeit)."""
+    return {str(op.key): (ADMIT if op.op_type == "admit" else EVICT) for op in operations}
