@@ -250,26 +250,44 @@ class LMCacheIngest:
         dropped and counted. First, if a master was replaced since the last look, the journal
         is written again (:meth:`after_failover`).
 
-        With ``overlap``, the write in flight is settled first (:meth:`settle`: its errors raise
-        here, as an inline write's would) and a budgeted slice is left in flight; a flush of all
-        (budget None) completes its write before returning.
+        With ``overlap``, a budgeted slice is left in flight: the next flush builds its own write
+        first, then settles that one (:meth:`settle`: its errors raise here, as an inline write's
+        would, with both slices back at the head of the queue in order), then sends. Anything
+        else that touches the registry settles first; a flush of all (budget None) completes its
+        write before returning.
         """
-        self.settle()
+        if budget is None or self._failed_over or self.queue.registry or self._down:
+            self.settle()
         if self._failed_over or (not self._down and self.masters.replaced()):  # down: one blocking call a turn
+            self.settle()
             self.after_failover()
         if self.queue.registry:
             self._apply_registry()
         self._down = False
         taken = self.queue.take(budget)
         if not taken:
+            self.settle()
             return 0
-        finish = self._guarded(taken, lambda: self._send(taken), last=False)
-        if finish is not None:
-            if self.overlap and budget is not None:
-                self._in_flight = InFlight(taken, finish, sum(len(b.ops) for b in taken))
-            else:
-                self._guarded(taken, finish)
-        return sum(len(b.ops) for b in taken)
+        n = sum(len(b.ops) for b in taken)
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None and not all((b.instance_id, b.worker_id) in self._registered for b in taken):
+            self._settle(pending, taken)  # the registry is read (maybe written) for them: after the write in flight
+            pending = None
+        try:
+            built = self._guarded(taken, lambda: self._prepare(taken), last=False)
+        except BaseException:
+            self._in_flight = pending  # this slice is back at the head; the one in flight settles next time
+            raise
+        if pending is not None:
+            self._settle(pending, taken)
+        if built is not None:
+            read = self._guarded(taken, built, last=False)
+            if read is not None:
+                if self.overlap and budget is not None:
+                    self._in_flight = InFlight(taken, read, n)
+                else:
+                    self._guarded(taken, read)
+        return n
 
     def settle(self) -> None:
         """Read the replies of the slice in flight, if any (a no-op without ``overlap``). A failed
@@ -278,7 +296,12 @@ class LMCacheIngest:
         and the error raises."""
         pending, self._in_flight = self._in_flight, None
         if pending is not None:
-            self._guarded(pending.batches, pending.finish)
+            self._settle(pending)
+
+    def _settle(self, pending: InFlight, behind: list[Batch] | None = None) -> None:
+        """Read a sent slice's replies; when it fails and stays queued, ``behind`` (a slice taken
+        after it, not sent) goes back too, after it."""
+        self._guarded(pending.batches, pending.finish, behind=behind or [])
 
     def settle_quietly(self) -> None:
         """:meth:`settle` before a registry message or request: a Redis error is logged (its ops
@@ -288,23 +311,25 @@ class LMCacheIngest:
         except redis.RedisError as exc:
             log.warning("the write in flight failed (%s); its ops are queued again", exc)
 
-    def _guarded(self, taken: list[Batch], step: Callable[[], Any], last: bool = True) -> Any:
+    def _guarded(self, taken: list[Batch], step: Callable[[], Any], last: bool = True,
+                 behind: list[Batch] | None = None) -> Any:
         """Run one step of a slice's write (``last``: the step that completes it, whose success
-        resets the failure count); on a Redis error put the slice back (or drop it after
-        ``MAX_REDIS_FAILURES``) and raise; returns what the step returns (None when dropped)."""
+        resets the failure count); on a Redis error put the slice back, ``behind`` after it (or
+        drop the slice after ``MAX_REDIS_FAILURES``) and raise; returns what the step returns
+        (None when dropped)."""
         try:
             out = step()
             if last:
                 self._redis_failures = 0
             return out
         except (redis.ConnectionError, redis.TimeoutError):
-            self.queue.put_back(taken)
+            self.queue.put_back([*taken, *(behind or [])])
             self._down = True
             raise
         except redis.RedisError as exc:
             self._redis_failures += 1
             if self._redis_failures < MAX_REDIS_FAILURES:
-                self.queue.put_back(taken)
+                self.queue.put_back([*taken, *(behind or [])])
                 raise
             self._redis_failures = 0
             for b in taken:
@@ -312,32 +337,37 @@ class LMCacheIngest:
             log.error("dropped %d batches after %d Redis errors: %s", len(taken), MAX_REDIS_FAILURES, exc)
             return None
 
-    def _send(self, taken: list[Batch]) -> Callable[[], None] | None:
-        """Send the writable batches' write; returns the function that reads its replies and
-        counts the ops, or None when nothing is left to read (written one by one already)."""
+    def _prepare(self, taken: list[Batch]) -> Callable[[], Callable[[], None] | None] | None:
+        """Build the writable batches' write (Store.apply_prepare); returns the function that
+        sends it and returns the one that reads its replies and counts the ops (None: nothing
+        to read), or None when there is nothing to send."""
         writable = [b for b in taken if self._writable(b)]
         todo = [(b.instance_id, b.worker_id, b.location, b.ops) for b in writable]
         try:
-            read = self.store.apply_send(todo, lost_raises=True)
+            prepared = self.store.apply_prepare(todo, lost_raises=True)
         except NotRegistered:  # a worker left the registry since we looked (nothing sent)
-            self._one_by_one(writable)
-            return None
+            return lambda: self._one_by_one(writable)
 
-        def finish() -> None:
-            try:
+        def send() -> Callable[[], None]:
+            read = prepared()
+
+            def finish() -> None:
                 try:
-                    read()
-                except HoldersLost as exc:  # a holder or registration a failover lost: heal the registry first
-                    log.warning("%s: healing before writing them", exc)
-                    self.after_failover()
-                    self.store.apply(todo)
-            except NotRegistered:
-                self._one_by_one(writable)
-                return
-            for b in writable:
-                metrics.count_ops(b.ops, "applied")
+                    try:
+                        read()
+                    except HoldersLost as exc:  # a holder or registration a failover lost: heal the registry first
+                        log.warning("%s: healing before writing them", exc)
+                        self.after_failover()
+                        self.store.apply(todo)
+                except NotRegistered:
+                    self._one_by_one(writable)
+                    return
+                for b in writable:
+                    metrics.count_ops(b.ops, "applied")
 
-        return finish
+            return finish
+
+        return send
 
     def _one_by_one(self, writable: list[Batch]) -> None:
         """A worker left the registry since we looked: sort the batches out one by one."""
