@@ -24,6 +24,15 @@ sync at its next heartbeat: engines that never heartbeat (LMCache 0.5.6's defaul
 Ops of a worker this process registered are never dropped as unregistered because the registry
 lost the registration: it is written again first (unless the departures log shows the worker left).
 
+With ``overlap`` (the sidecar's ``lmcache_overlap_writes``, default on) a slice's write is left in
+flight (issue 18 item 3): the next flush builds its own write while Redis works, then reads the
+replies of the one in flight, then sends; the loop reads and decodes messages meanwhile. The write
+in flight is settled (its replies read) before anything that reads or writes the registry: any
+request, any push message other than chunk ops, a worker not known registered, a failover's heal,
+a probe or a reap, a flush of all; so order per worker and against retirements is that of inline
+writes. A failed write goes back to the head of the queue (the slice built behind it after it),
+as an inline one does.
+
 A registration or deregistration arriving while Redis cannot answer (a stopped server, a
 failover) waits in the op queue (sidecar.opqueue ``registry``) and is applied, before any op,
 once Redis answers; a 0.5-era worker gets its ``RegisterRetMsg`` at once (its push loop waits
