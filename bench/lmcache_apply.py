@@ -9,7 +9,7 @@ tiers of 8,192 CPU and 24,576 disk chunks), pre-encoded as the same LMCache 0.5.
 sidecar's loop does) writing to a fresh throwaway Redis per round. Reported per round: this
 process's CPU (decode, queue, fold, encode, reply parsing) and Redis's CPU (/proc), in
 microseconds per op, and records written (checked against the replay's final state).
-``KVLOOKUP_OVERLAP=0`` writes each slice inline (``lmcache_overlap_writes`` off).
+``KVLOOKUP_LMCACHE_OVERLAP_WRITES=false`` writes each slice inline (the sidecar's setting, off).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import tempfile
 import time
 
 from kvlookup.bench import feed
+from kvlookup.config import FALSE
 from kvlookup.bench.workload import ChunkHasher, Fleet, load_trace, replay
 from kvlookup.index import keys
 from kvlookup.index.store import Store
@@ -127,4 +128,5 @@ def run(requests: int = 3000, rounds: int = 2, overlap: bool = True) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(*(int(a) for a in sys.argv[1:3]), overlap=os.environ.get("KVLOOKUP_OVERLAP", "1") != "0")))
+    overlap = os.environ.get("KVLOOKUP_LMCACHE_OVERLAP_WRITES", "true").strip().lower() not in FALSE
+    print(json.dumps(run(*(int(a) for a in sys.argv[1:3]), overlap=overlap)))
