@@ -22,8 +22,8 @@ import tempfile
 import time
 
 from kvlookup.bench import feed
-from kvlookup.config import FALSE
 from kvlookup.bench.workload import ChunkHasher, Fleet, load_trace, replay
+from kvlookup.config import FALSE
 from kvlookup.index import keys
 from kvlookup.index.store import Store
 from kvlookup.proc.redis_server import EmbeddedRedis, connect
