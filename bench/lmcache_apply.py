@@ -9,6 +9,7 @@ tiers of 8,192 CPU and 24,576 disk chunks), pre-encoded as the same LMCache 0.5.
 sidecar's loop does) writing to a fresh throwaway Redis per round. Reported per round: this
 process's CPU (decode, queue, fold, encode, reply parsing) and Redis's CPU (/proc), in
 microseconds per op, and records written (checked against the replay's final state).
+``KVLOOKUP_LMCACHE_OVERLAP_WRITES=false`` writes each slice inline (the sidecar's setting, off).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 
 from kvlookup.bench import feed
 from kvlookup.bench.workload import ChunkHasher, Fleet, load_trace, replay
+from kvlookup.config import FALSE
 from kvlookup.index import keys
 from kvlookup.index.store import Store
 from kvlookup.proc.redis_server import EmbeddedRedis, connect
@@ -48,14 +50,14 @@ def _expected(streams) -> dict[tuple[str, str], int]:
     return out
 
 
-def one_round(encoded, n_ops: int) -> dict:
+def one_round(encoded, n_ops: int, overlap: bool = True) -> dict:
     slice_ops = Limits().slice_ops
     with tempfile.TemporaryDirectory() as tmp:
         server = EmbeddedRedis(tmp, appendonly=False)
         url = server.start()
         try:
             r = connect(url)
-            ingest = LMCacheIngest(Store(r, instance_ttl_s=0))
+            ingest = _ingest(Store(r, instance_ttl_s=0), overlap)
             for e in encoded:  # registered through the store: the ingest takes each instance at its first write
                 ingest.store.register_worker(e.instance_id, 0, "127.0.0.1", e.port)
             pid = server.proc.pid
@@ -69,6 +71,7 @@ def one_round(encoded, n_ops: int) -> dict:
                             ingest.flush(slice_ops)
             while ingest.queued_ops:
                 ingest.flush(slice_ops)
+            getattr(ingest, "settle", lambda: None)()
             cpu, rcpu, wall = time.process_time() - c0, _cpu_s(pid) - r0, time.monotonic() - t0
             records = {}
             for e in encoded:
@@ -84,6 +87,15 @@ def one_round(encoded, n_ops: int) -> dict:
             "redis_us_per_op": round(rcpu * 1e6 / n_ops, 2), "records": records, "commands_us_per_op": stats}
 
 
+def _ingest(store: Store, overlap: bool) -> LMCacheIngest:
+    """The ingest under test: ``overlap`` leaves each slice's write in flight while the next
+    messages decode (``lmcache_overlap_writes``); a kvlookup without the setting ignores it."""
+    try:
+        return LMCacheIngest(store, overlap=overlap)  # type: ignore[call-arg]
+    except TypeError:
+        return LMCacheIngest(store)
+
+
 def _workload(requests: int):
     reqs = load_trace(requests)
     fleet = Fleet(8, 8192, 24576)
@@ -92,7 +104,7 @@ def _workload(requests: int):
     return reqs, streams, encoded
 
 
-def run(requests: int = 3000, rounds: int = 2) -> dict:
+def run(requests: int = 3000, rounds: int = 2, overlap: bool = True) -> dict:
     cache = os.environ.get("KVLOOKUP_BENCH_CACHE")  # a pickle of the replay, reused between runs
     if cache and os.path.exists(cache):
         with open(cache, "rb") as fh:
@@ -107,7 +119,7 @@ def run(requests: int = 3000, rounds: int = 2) -> dict:
     evicts = sum(o.op == "evict" for ops in streams for o in ops)
     out: dict = {"requests": len(reqs), "ops": n_ops, "evicts": evicts, "rounds": []}
     for _ in range(rounds):
-        res = one_round(encoded, n_ops)
+        res = one_round(encoded, n_ops, overlap)
         got = res.pop("records")
         res["records_exact"] = all(got.get(k, 0) == v + (k[1] == "LocalCPUBackend") for k, v in want.items())
         out["rounds"].append(res)
@@ -116,4 +128,5 @@ def run(requests: int = 3000, rounds: int = 2) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(*(int(a) for a in sys.argv[1:3]))))
+    overlap = os.environ.get("KVLOOKUP_LMCACHE_OVERLAP_WRITES", "true").strip().lower() not in FALSE
+    print(json.dumps(run(*(int(a) for a in sys.argv[1:3]), overlap=overlap)))

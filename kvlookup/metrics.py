@@ -39,8 +39,8 @@ def count_ops(ops, outcome: str) -> None:
     or a folded {chunk hash text: op} mapping."""
     from kvlookup.index.store import ADMIT
 
-    admits = sum(1 for op in ops.values() if op == ADMIT) if isinstance(ops, dict) else \
-        sum(1 for op, _ in ops if op == ADMIT)
+    admits = list(ops.values()).count(ADMIT) if isinstance(ops, dict) else \
+        sum(1 for op, _ in ops if op == ADMIT)  # list.count: in C (a generator cost ~0.25 us an op)
     if admits:
         INGEST_OPS.labels("admit", outcome).inc(admits)
     if len(ops) - admits:

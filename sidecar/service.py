@@ -85,7 +85,8 @@ class Sidecar:
     grace_s, probe_timeout_s, probe_retries, address_allowed: liveness evidence (sidecar.liveness).
     peers: addresses that may connect to the bound sockets (``allowed_peers``, loopback by
     default); allowed_instance_ids: instances whose LMCache messages are accepted (() = any).
-    See sidecar.admission.
+    See sidecar.admission. overlap_writes: leave each LMCache slice's write in flight while the
+    next turn reads and decodes (``lmcache_overlap_writes``; sidecar.lmcache_ingest).
     """
 
     def __init__(self, store: Store, pull_url: str | None, reply_url: str | None = None, *,
@@ -93,7 +94,8 @@ class Sidecar:
                  advertise_reply: str = "", vllm: tuple[VllmSource, ...] = (), limits: Limits | None = None,
                  grace_s: float = 5.0, probe_timeout_s: float = 2.0, probe_retries: int = 1,
                  address_allowed: Callable[[str], bool] = lambda _ip: True,
-                 peers: Networks = LOOPBACK_NETWORKS, allowed_instance_ids: tuple[str, ...] = ()):
+                 peers: Networks = LOOPBACK_NETWORKS, allowed_instance_ids: tuple[str, ...] = (),
+                 overlap_writes: bool = True):
         self.store = store
         self.sidecar_id = sidecar_id or default_sidecar_id(pull_url, reply_url, *(v.endpoint for v in vllm))
         self.limits = limits or Limits()
@@ -109,7 +111,8 @@ class Sidecar:
         hb_url = advertise_reply or (_host_port(reply_url) if reply_url else "")
         self.ownership = OwnershipGate(store.other_writer, self.sidecar_id)  # issue 20 item 10: one writer per instance
         self.lmcache = LMCacheIngest(store, self.sidecar_id, heartbeat_url=hb_url, observer=self.liveness,
-                                     policy=InstancePolicy(allowed_instance_ids, self.ownership))
+                                     policy=InstancePolicy(allowed_instance_ids, self.ownership),
+                                     overlap=overlap_writes)
         self.claimed = tuple(allowed_instance_ids)
         self._stop = threading.Event()
         self.started_at = time.time()
@@ -280,6 +283,8 @@ class Sidecar:
         now = time.monotonic()
         down: redis.RedisError | None = None
         try:
+            if now >= self._next_tick or now >= self._next_reap:
+                self.lmcache.settle()  # probes and reaps retire workers: after the write in flight
             if now >= self._next_tick:
                 self._tick()
                 self._next_tick = now + self.heartbeat_s
@@ -333,6 +338,7 @@ class Sidecar:
                 return
             if not self.lmcache.queued_ops:
                 time.sleep(0.005)
+        self.lmcache.settle_quietly()
         log.warning("sidecar %s: stopped with %d op(s) unwritten after %.0f s of draining", self.sidecar_id,
                     self.lmcache.queued_ops, DRAIN_S)
 

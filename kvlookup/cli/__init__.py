@@ -352,7 +352,8 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
                       grace_s=settings.disconnect_grace_s, probe_timeout_s=settings.control_timeout_s,
                       probe_retries=settings.control_retries, peers=settings.peer_networks(),
                       allowed_instance_ids=tuple(settings.allowed_instance_ids),
-                      address_allowed=settings.worker_address_allowed)
+                      address_allowed=settings.worker_address_allowed,
+                      overlap_writes=settings.lmcache_overlap_writes)
     _stop_on_signals(sidecar.stop)
     if settings.mp_listen:
         from kvlookup.app.coordinator import serve_standalone

@@ -256,6 +256,17 @@ class Settings:
             "{reason=\"instance_owned\"}`). Set it on every sidecar that serves workers of one instance "
             "together (a multi-node instance whose workers talk to their own node's sidecar). Claims "
             "(`allowed_instance_ids`) and LMCache MP registrations are never shared")
+    lmcache_overlap_writes: bool = setting(
+        True, readers=(SIDECAR, EMBEDDED),
+        help="leave each LMCache slice's Redis write in flight while the sidecar reads the next messages "
+             "(default: on)",
+        doc="leave each slice of LMCache ops' Redis write in flight (one at a time: sent, its replies read at "
+            "the next slice, on the same connection) while the sidecar reads and decodes the next messages and "
+            "builds the next slice's write (a Redis Cluster writes at once); its replies are read before any "
+            "registration, deregistration, heartbeat, full-sync request, probe or reap, so order per worker and "
+            "against retirements is that "
+            "of inline writes, and a failed write goes back to the head of the queue as an inline one does "
+            "(kvlookup/sidecar/lmcache_ingest.py). `false`: every slice is written before the next turn")
     # -- vLLM (sidecar) ---------------------------------------------------------------------------
     vllm_endpoint: str | None = setting(
         None, readers=(SIDECAR,),

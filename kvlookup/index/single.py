@@ -63,19 +63,30 @@ class SingleNodeRecords:
                    then: Sequence[tuple] = ()) -> Callable[[], list[bool]]:
         """:meth:`apply` in two steps: the commands are sent now, the returned function (call it
         once) reads the replies and returns what apply returns (SingleIO.send)."""
+        return self.apply_prepare(writes, score, then)()
+
+    def apply_prepare(self, writes: Sequence[HolderWrite], score: int,
+                      then: Sequence[tuple] = ()) -> Callable[[], Callable[[], list[bool]]]:
+        """:meth:`apply_send` with its commands built now and sent when the returned function is
+        called (once); that returns the reader :meth:`apply_send` returns."""
         cmds: list[tuple] = []
         where: list[list[tuple[int, int]]] = [[] for _ in writes]  # (command, holder position) of each write
         for space, pieces in _calls(writes):
             for j, (i, _part, _na) in enumerate(pieces):
                 where[i].append((len(cmds), j))
             cmds.append(self._call(space, [(writes[i].holder_id, part, na) for i, part, na in pieces], score))
-        read = self.io.send([*cmds, *then])
+        cmds.extend(then)
 
-        def done() -> list[bool]:
-            results = raise_errors(read())
-            return [all(int(results[c][j]) >= 0 for c, j in w) for w in where]
+        def send() -> Callable[[], list[bool]]:
+            read = self.io.send(cmds)
 
-        return done
+            def done() -> list[bool]:
+                results = raise_errors(read())
+                return [all(int(results[c][j]) >= 0 for c, j in w) for w in where]
+
+            return done
+
+        return send
 
     def _call(self, space: str, pieces: list[tuple[str, list[str], int]], score: int) -> tuple:
         """One APPLY_OPS command: each piece (holder id, chunk hashes (admits first), admits among them)."""

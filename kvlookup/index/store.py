@@ -543,6 +543,23 @@ class Store:
         returns, writing again any batch whose holder was retired meanwhile, so the caller works
         while Redis does (sidecar.vllm_writer). NotRegistered raises now (nothing sent); the
         rest raises from the function. A backend without a two-step write (a cluster) writes now."""
+        return self.apply_prepare(batches, space=space, now_ms=now_ms, then=then, lost_raises=lost_raises)()
+
+    def apply_prepare(
+        self,
+        batches: Batches,
+        *,
+        space: str = "",
+        now_ms: int | None = None,
+        then: Sequence[tuple] = (),
+        lost_raises: bool = False,
+    ) -> Callable[[], Callable[[], int]]:
+        """:meth:`apply_send` in three steps: holders resolved and commands built now (so the
+        caller builds the next write while the one before is in flight: sidecar.lmcache_ingest),
+        sent when the returned function is called (once), which returns :meth:`apply_send`'s
+        reader. A holder retired between the steps is written again by the reader, as one retired
+        while in flight. NotRegistered raises now; a backend without a two-step write writes at
+        the send."""
         score = int(time.time() * 1000) if now_ms is None else now_ms
         merged: dict[tuple[str, str, str], dict[str, str]] = {}  # one write per holder: backends reorder
         for inst, wid, loc, ops in batches:
@@ -555,13 +572,18 @@ class Store:
                         last[chunk_hash if isinstance(chunk_hash, str) else str(chunk_hash)] = op  # chunk_text
         todo = [(*k, ops) for k, ops in merged.items()]
         writes = self._holder_writes(todo, space)
-        send = getattr(self.records, "apply_send", None)
-        if send is not None:
-            read = send(writes, score, then)
-        else:
-            ok = self.records.apply(writes, score, then) if then else self.records.apply(writes, score)
-            read = lambda: ok  # noqa: E731
-        return lambda: self._applied(todo, writes, read(), score, space, lost_raises)
+        prepare = getattr(self.records, "apply_prepare", None)
+        built = prepare(writes, score, then) if prepare is not None else None
+
+        def send() -> Callable[[], int]:
+            if built is not None:
+                read = built()
+            else:
+                ok = self.records.apply(writes, score, then) if then else self.records.apply(writes, score)
+                read = lambda: ok  # noqa: E731
+            return lambda: self._applied(todo, writes, read(), score, space, lost_raises)
+
+        return send
 
     def _holder_writes(self, todo: list, space: str) -> list[HolderWrite]:
         return [HolderWrite(self.holder_id(inst, wid, loc, space), space,

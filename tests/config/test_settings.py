@@ -36,7 +36,7 @@ SIDECAR_VALUES = {
     "allowed_instance_ids": ["pod-z"], "shared_instance_ownership": True,
     "vllm_endpoint": "tcp://pod-z:5557", "vllm_replay_endpoint": "tcp://pod-z:5558", "vllm_dp_size": 2,
     "vllm_bind": True, "vllm_topic": "kv@pod-z", "vllm_replay_timeout_s": 0.5, "vllm_url": "http://pod-z:8000",
-    "vllm_overlap_writes": False,
+    "vllm_overlap_writes": False, "lmcache_overlap_writes": False,
     "model": "model-z", "mp_listen": "127.0.0.1:9333", "mp_chunk_size": 512, "mp_instance_timeout_s": 12.0,
     "mp_replica_acks": 1, "native": "off",
 }

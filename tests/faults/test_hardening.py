@@ -66,7 +66,7 @@ def test_redis_errors_keep_ops_pending_then_drop_them(store, monkeypatch):
     ingest = LMCacheIngest(store)
     store.register_worker("busy", 0)
     frame = proto.encode(proto.KVAdmitMsg("busy", 0, SEED_HASH, CPU))
-    real, failures = store.apply, [1]
+    real, failures = store.apply_prepare, [1]  # the ingest's write (built, sent, then its replies read)
 
     def flaky(*args, **kwargs):
         if failures[0]:
@@ -74,7 +74,7 @@ def test_redis_errors_keep_ops_pending_then_drop_them(store, monkeypatch):
             raise redis.ResponseError("BUSY Valkey is busy running a script")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(store, "apply", flaky)
+    monkeypatch.setattr(store, "apply_prepare", flaky)
     ingest.handle_push([frame])
     with pytest.raises(redis.ResponseError):
         ingest.flush()
