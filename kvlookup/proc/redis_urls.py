@@ -8,6 +8,7 @@ Sentinels' own password, when they have one) and ``ssl=true``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
@@ -92,10 +93,10 @@ def connect_sentinel(url: str, max_connections: int | None = None, **kwargs):
     from redis.sentinel import Sentinel
 
     u = parse_sentinel(url)
-    timeouts = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout") if k in kwargs}
+    timeouts: dict[str, Any] = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout") if k in kwargs}
     sentinel = Sentinel(list(u.sentinels), sentinel_kwargs={"password": u.sentinel_password, **timeouts},
                         **timeouts)
-    pool = {} if max_connections is None else {"connection_pool_class": BlockingSentinelConnectionPool,
+    pool: dict[str, Any] = {} if max_connections is None else {"connection_pool_class": BlockingSentinelConnectionPool,
                                                "max_connections": max_connections, "timeout": 5}
     return sentinel.master_for(u.master, db=u.db, username=u.username, password=u.password, ssl=u.ssl,
                                decode_responses=True, **pool, **kwargs)
