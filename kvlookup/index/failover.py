@@ -39,6 +39,14 @@ JOURNAL_S = 60.0
 JOURNAL_MAX_OPS = 1_000_000
 
 
+def slot_ranges(slots: list) -> list[tuple]:
+    """A shard's ``slots`` from redis-py's ``cluster_shards()`` as ``[(start, end), ...]``: redis-py
+    up to 8.1 gives the server's flat ``[start, end, start, end, ...]``, 8.2 pairs them."""
+    if slots and isinstance(slots[0], (list, tuple)):
+        return [tuple(pair) for pair in slots]
+    return [(slots[i], slots[i + 1]) for i in range(0, len(slots), 2)]
+
+
 def serving_masters(client) -> frozenset[str] | None:
     """The ``run_id`` of every master serving the index now, or None when that cannot be told
     (a master unreachable, slots without a serving master: a failover in progress).
@@ -62,7 +70,7 @@ def serving_masters(client) -> frozenset[str] | None:
                 client.nodes_manager.initialize()
                 return None
             ids.add(client.info("server", target_nodes=node)["run_id"])
-            covered += sum(int(slots[i + 1]) - int(slots[i]) + 1 for i in range(0, len(slots), 2))
+            covered += sum(int(end) - int(start) + 1 for start, end in slot_ranges(slots))
         return frozenset(ids) if covered == SLOTS else None
     except (redis.RedisError, OSError, KeyError, ValueError) as exc:
         log.debug("cannot tell the serving masters: %s", exc)
