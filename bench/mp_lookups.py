@@ -27,9 +27,7 @@ import http.client
 import json
 import os
 import random
-import re
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -42,6 +40,7 @@ import requests
 from kvlookup.bench import progress
 from kvlookup.bench.mp import MODEL, _bodies, _env, _ingest, _lmcache_python, _post, _version
 from kvlookup.bench.procs import Procs, free_port, gunicorn_conf, wait_http
+from kvlookup.bench.wrkload import DONE, run_script
 from kvlookup.hashing import mp as mphash
 
 #: wrk cycling through the bodies of a file, one a line (each thread from its own offset).
@@ -54,27 +53,14 @@ request = function()
   i = i % #bodies + 1
   return wrk.format(nil, nil, nil, bodies[i])
 end
-done = function(summary, latency, requests)
-  io.write(string.format("RESULT %d %d %f %f %f\\n", summary.requests, summary.errors.status + summary.errors.read
-    + summary.errors.write + summary.errors.timeout + summary.errors.connect, latency:percentile(50),
-    latency:percentile(99), summary.duration))
-end
-"""
+""" + DONE
 
 
 def wrk_many(url: str, bodies: Path, seconds: float, tmp: Path) -> dict:
     """wrk, one connection, POSTing the bodies of ``bodies`` in turn: req/s, p50/p99 ms, errors."""
     script = tmp / f"many-{bodies.stem}.lua"
     script.write_text(LUA.format(bodies=bodies))
-    cmd = ["wrk", "-t", "1", "-c", "1", "-d", f"{max(1, round(seconds))}s", "-s", str(script),
-           url + "/directory/lookup"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
-    m = re.search(r"RESULT (\d+) (\d+) ([\d.]+) ([\d.]+) ([\d.]+)", out.stdout)
-    if not m:
-        raise RuntimeError(f"wrk gave no result ({url}): {out.stdout[-800:]!r} {out.stderr[-800:]!r}")
-    n, errors, p50, p99, dur = int(m[1]), int(m[2]), float(m[3]), float(m[4]), float(m[5])
-    return {"req_s": round(n / (dur / 1e6)), "p50_ms": round(p50 / 1000, 3), "p99_ms": round(p99 / 1000, 3),
-            "errors": errors}
+    return run_script(script, url, "/directory/lookup", 1, seconds)
 
 
 class Churn:

@@ -24,21 +24,31 @@ WARMUP_S = 1.0
 #: Seconds of load on each target before the first point.
 FIRST_WARMUP_S = 3.0
 
-LUA = """wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-local f = io.open("{body}", "rb"); wrk.body = f:read("*a"); f:close()
-done = function(summary, latency, requests)
+#: wrk's ``done`` hook printing the line :func:`run_script` reads (no braces: it can follow a
+#: ``str.format`` template).
+DONE = """done = function(summary, latency, requests)
   io.write(string.format("RESULT %d %d %f %f %f\\n", summary.requests, summary.errors.status + summary.errors.read
     + summary.errors.write + summary.errors.timeout + summary.errors.connect, latency:percentile(50),
     latency:percentile(99), summary.duration))
 end
 """
+LUA = """wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local f = io.open("{body}", "rb"); wrk.body = f:read("*a"); f:close()
+""" + DONE
 
 
 def wrk(url: str, body_path: Path, concurrency: int, seconds: float, tmp: Path, path: str = "/lookup") -> dict:
     """One wrk run of POSTs of ``body_path`` to ``url + path``: req/s, p50/p99 (ms), errors."""
     script = tmp / f"post-{body_path.stem}.lua"
     script.write_text(LUA.format(body=body_path))
+    return run_script(script, url, path, concurrency, seconds)
+
+
+def run_script(script: Path, url: str, path: str, concurrency: int, seconds: float) -> dict:
+    """wrk with ``script`` (ending in :data:`DONE`) on ``url + path``, ``concurrency`` connections
+    on up to 4 threads, for ``seconds`` (at least 1): req/s, p50/p99 (ms), errors. Raises
+    RuntimeError when wrk prints no result."""
     cmd = ["wrk", "-t", str(min(concurrency, 4)), "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s",
            "-s", str(script), url + path]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
