@@ -51,11 +51,25 @@ def find_server_binary() -> str:
     )
 
 
+#: Ports free_port has handed out in this process: a caller that asks for two ports before
+#: binding either (a controller's port and its monitor ports) must never get the same one twice.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port that was free on ``host`` a moment ago and that this process was not given before.
+
+    The kernel may hand a just-closed ephemeral port out again at once, so two calls before
+    either port is bound could otherwise return the same number. Raises OSError after 100 tries.
+    """
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no fresh free port on {host} after 100 tries")
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:

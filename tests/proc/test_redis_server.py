@@ -26,6 +26,12 @@ def test_binary_comes_from_path_or_the_valkey_wheel():
     assert path.endswith(("redis-server", "valkey-server"))
 
 
+def test_free_port_never_hands_the_same_port_out_twice():
+    """CI once gave a controller the port its monitor reply socket had been given a moment before."""
+    ports = [redis_server.free_port() for _ in range(300)]
+    assert len(set(ports)) == 300
+
+
 def test_password_and_unix_socket_urls(tmp_path):
     sock = str(tmp_path / "r.sock")
     server = EmbeddedRedis(tmp_path / "d", password="s3cret", unix_socket=sock, appendonly=False)
