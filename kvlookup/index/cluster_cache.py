@@ -35,7 +35,7 @@ from redis.exceptions import AskError, ClusterDownError, RedisError, TryAgainErr
 
 from kvlookup.index.cluster_io import ClusterIO, slot_of
 from kvlookup.index.copies import MISS, Copies
-from kvlookup.index.tracking import LOCAL_ONLY, CachedReads, NeedsRedis, as_fields, cacheable
+from kvlookup.index.tracking import LOCAL_ONLY, CachedReads, MasterHung, NeedsRedis, as_fields, cacheable
 
 #: Keys whose slot a ClusterCachedReads remembers (all forgotten at once past it): about
 #: 150 B a key (the dict entry and the key string it keeps alive), so ~30 MiB per worker at most.
@@ -137,12 +137,13 @@ class ClusterCachedReads:
             if reads is None:
                 rest += idx
             else:
-                masters.append((reads, idx))
-        readable = _readable([sock for reads, _idx in masters for sock in reads.watched()])
-        for reads, idx in masters:
+                masters.append((addr, reads, idx))
+        readable = _readable([sock for _addr, reads, _idx in masters for sock in reads.watched()])
+        for addr, reads, idx in masters:
             try:
                 got = reads.execute([commands[i] for i in idx], readable)
-            except (RedisError, OSError):  # the master is gone: ClusterIO retries and refreshes
+            except (RedisError, OSError) as exc:  # the master is gone: ClusterIO retries and refreshes
+                self._hung(addr, exc)
                 if local:
                     raise NeedsRedis() from None
                 rest += idx
@@ -179,14 +180,15 @@ class ClusterCachedReads:
             groups[slots[s]].append(i)
         out: list = [None] * len(names)
         rest: list[int] = []
-        masters = [(self._master(addr) if addr[0] else None, idx) for addr, idx in groups.items()]
-        readable = _readable([sock for reads, _idx in masters if reads is not None for sock in reads.watched()])
-        for reads, idx in masters:
+        masters = [(addr, self._master(addr) if addr[0] else None, idx) for addr, idx in groups.items()]
+        readable = _readable([sock for _addr, reads, _idx in masters if reads is not None for sock in reads.watched()])
+        for addr, reads, idx in masters:
             try:
                 if reads is None:
                     raise NeedsRedis() if local else RedisError("no master")
                 got = reads.whole_hashes([names[i] for i in idx], script, readable)
-            except (RedisError, OSError):  # gone or redirected: ClusterIO follows, refreshes
+            except (RedisError, OSError) as exc:  # gone or redirected: ClusterIO follows, refreshes
+                self._hung(addr, exc)
                 if local:
                     raise NeedsRedis() from None
                 rest += idx
@@ -233,6 +235,13 @@ class ClusterCachedReads:
                 out[i] = res
         return out
 
+    def _hung(self, addr: tuple[str, int], exc: Exception) -> None:
+        """A master that left a round trip unanswered (tracking.MasterHung): read the slot map again
+        first (it asked last), so the reads go to the replica that took over, not to wait out the
+        socket timeout on the hung one (a master that is only slow is still named and waited for)."""
+        if isinstance(exc, MasterHung):
+            self.io.refresh(avoid=addr)
+
     def _drop_gone(self, slots: list[tuple[str, int]]) -> None:
         """A new slot map: forget (and disconnect) the copies of masters that serve no slot now
         (failed over, removed), so they hold no connection and are not asked :meth:`local_now`."""
@@ -256,7 +265,7 @@ class ClusterCachedReads:
                         return None
                     made = self._make_copies() if self._make_copies is not None else None
                     reads = self._masters[addr] = CachedReads(node, max_keys=self.max_keys, fence=self.fence,
-                                                              shared=self._shared, copies=made)
+                                                              shared=self._shared, copies=made, hung_raises=True)
         return reads
 
 

@@ -10,6 +10,7 @@ connection pools, RESP parsing, the redirection errors; hiredis packs the comman
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from binascii import crc_hqx
@@ -17,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import hiredis
-from redis.cluster import PRIMARY, ClusterNode, RedisCluster
+from redis.cluster import PRIMARY, ClusterNode, NodesManager, RedisCluster, get_node_name
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
@@ -40,6 +41,8 @@ Command = tuple
 #: Pause before retrying after a lost node or CLUSTERDOWN (a replica takes over meanwhile).
 RETRY_PAUSE_S = 0.1
 SLOTS = 16384
+#: redis-py >= 8.1 can be told which node failed, to ask it last when it reads the topology again.
+_DEFERS_FAILED = "last_failed_node_name" in inspect.signature(NodesManager.initialize).parameters
 
 
 def slot_of(key: str) -> int:
@@ -73,6 +76,7 @@ class ClusterIO:
         self.stats = dict.fromkeys(("moved", "ask", "tryagain", "clusterdown", "node_lost", "noscript"), 0)
         self._slots: list[tuple[str, int]] | None = None  # slot -> its master (host, port)
         self._scripts: dict[str, str] = {}  # sha -> source, for masters that lack a script
+        self._unanswered: tuple[str, int] | None = None  # the last node that timed out (asked last)
 
     def register(self, script: str) -> str:
         """A Lua script's sha, for ``("EVALSHA", sha, ...)``; a master that answers NOSCRIPT gets
@@ -100,16 +104,25 @@ class ClusterIO:
                 raise error or RedisConnectionError("cluster commands kept being redirected")
             if error is not None:
                 time.sleep(RETRY_PAUSE_S)
-                self._refresh()
+                self._refresh(self._unanswered)
+                self._unanswered = None
             todo = retry
         return results
 
     # -- topology ----------------------------------------------------------------------------
 
-    def _refresh(self) -> None:
+    def refresh(self, avoid: tuple[str, int] | None = None) -> None:
+        """Read the slot map again now, asking the master at ``avoid`` (one that left a round trip
+        unanswered: hung, or failed over while frozen) last. Never raises."""
+        self._refresh(avoid)
+
+    def _refresh(self, avoid: tuple[str, int] | None = None) -> None:
         self._slots = None
         try:
-            self.rc.nodes_manager.initialize()
+            if avoid is not None and _DEFERS_FAILED:
+                self.rc.nodes_manager.initialize(last_failed_node_name=get_node_name(*avoid))
+            else:
+                self.rc.nodes_manager.initialize()
         except RedisError as exc:  # the next round fails fast and we retry until the deadline
             log.debug("cluster topology refresh failed: %s", exc)
 
@@ -145,14 +158,22 @@ class ClusterIO:
                 retry.extend(idx)
                 error = exc
                 self.stats["node_lost"] += len(idx)
+                self._note_unanswered(addr, exc)
         for addr, idx, pool, conn in sent:
             r, e, missing = self._read(conn, commands, idx, asking, results)
             pool.release(conn)
+            self._note_unanswered(addr, e)
             for sha in missing:
                 self._client(addr).script_load(self._scripts[sha])
             retry.extend(r)
             error = e or error
         return retry, error
+
+    def _note_unanswered(self, addr: tuple[str, int], exc: Exception | None) -> None:
+        """A node that timed out (hung, or frozen while a replica takes over) is asked last when
+        the slot map is read again: asking it first would wait out the socket timeout again."""
+        if isinstance(exc, (RedisTimeoutError, TimeoutError)):
+            self._unanswered = addr
 
     def _client(self, addr: tuple[str, int]):
         """The redis-py client of one master. A node named by an ASK before this client's slot

@@ -82,6 +82,13 @@ class NeedsRedis(Exception):
     first_miss = False
 
 
+class MasterHung(redis.TimeoutError):
+    """Raised by a :class:`CachedReads` made with ``hung_raises`` instead of reading plainly from a
+    server that left a PING (or a tracked read) unanswered: a hung or partitioned master keeps its
+    sockets open, so every read would wait out the socket timeout. A cluster caller reads the
+    slot map again (a replica may have taken over) and sends the reads where it now points."""
+
+
 class CachedReads:
     """A caching executor of commands for one Redis (see the module docstring).
 
@@ -96,9 +103,11 @@ class CachedReads:
     """
 
     def __init__(self, client: redis.Redis, max_keys: int = 200_000, fence: bool = False,
-                 shared: dict | None = None, copies: Copies | None = None):
+                 shared: dict | None = None, copies: Copies | None = None, hung_raises: bool = False):
         self.max_keys = max_keys
         self.fence = fence
+        self.hung_raises = hung_raises
+        self.hung = False  # the server left a round trip unanswered; cleared by a reconnection
         # RESP2: invalidations arrive as pub/sub messages on the listener (RESP3 pushes them in-band)
         kwargs = {**client.connection_pool.connection_kwargs, "protocol": 2}
         for resp3_only in ("redis_connect_func", "maint_notifications_config", "event_dispatcher"):
@@ -144,8 +153,10 @@ class CachedReads:
         except (redis.RedisError, OSError) as exc:
             conn.disconnect()
             log.debug("client-side caching off for now: %s", exc)
+            self._unanswered(exc)
             return False
         self._listener = conn
+        self.hung = False
         self._heard, self._pings, self._buffered = time.monotonic(), 0, False
         self._disconnect_tracked()  # every tracked connection must redirect here
         return True
@@ -276,8 +287,20 @@ class CachedReads:
             self._listener.disconnect()
             self._listener = None
             self._reset(f"invalidation connection lost: {exc}")
+            self._unanswered(exc)
             return False
         return True
+
+    def _unanswered(self, exc: Exception) -> None:
+        """After a failed round trip: a timeout means a hung server (no EOF, so a reconnection
+        would wait out the connect timeout too): reconnect no sooner than :data:`RECONNECT_S`."""
+        if isinstance(exc, (redis.TimeoutError, TimeoutError)):
+            self.hung = True
+            self._retry_at = time.monotonic() + RECONNECT_S
+
+    def _hung_check(self) -> None:
+        if self.hung and self.hung_raises:
+            raise MasterHung("the server left a round trip unanswered")
 
     def _take_arrived(self) -> bool:
         fence, self.fence = self.fence, False  # what arrived is enough here: no second fence
@@ -368,6 +391,7 @@ class CachedReads:
             where.append(len(sent) - 1)
         got = self._send(sent) if caching else None
         if got is None:  # caching is off, or the tracked connection failed: read plainly
+            self._hung_check()
             self._plain_reads += 1
             return self._fill(out, missing, self.plain.execute([commands[i] for i in missing]))
         with self._lock:
@@ -411,6 +435,7 @@ class CachedReads:
         call = ("EVAL", script, len(want), *want)
         got = self._send([("CLIENT", "CACHING", "YES"), call]) if caching else None
         if got is None:  # caching is off, or the tracked connection failed: read plainly
+            self._hung_check()
             self._plain_reads += 1
             return self._fill(out, missing, [as_fields(v) for v in _raised(self.plain.execute([call]))[0]])
         replies = _raised(got)[1]
@@ -479,6 +504,7 @@ class CachedReads:
                     self._listener = None
                 self._reset(f"tracked read failed: {exc}")
                 self._retry_at = 0.0
+                self._unanswered(exc)
                 self._disconnect_tracked()
             return None
 
