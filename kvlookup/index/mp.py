@@ -67,9 +67,8 @@ class MPDirectory(MPBlend):
             bound = bound or (store and any(e.token_ids for e in b.entries))
         order = sorted(buckets)  # KEYS[11..]: the chunk bucket of every entry (keys.mp_chunks_key)
         prefix = K.mp_chunks_prefix()
-        applied, dup, stale = self._apply(keys=K.mp_script_keys() + [prefix + b for b in order],
-                                          args=[args[0], args[1], ",".join(order), *args[2:]])
-        self._replicated()
+        applied, dup, stale = self._written(self._apply, K.mp_script_keys() + [prefix + b for b in order],
+                                            [args[0], args[1], ",".join(order), *args[2:]])
         if bound:
             self._index_blend(batches)
         if fresh:

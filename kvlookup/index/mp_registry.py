@@ -10,6 +10,9 @@ import json
 import time
 import uuid
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MovedError
+
 from kvlookup.hashing import mp as mphash
 from kvlookup.index import keys as K
 from kvlookup.index import mp_scripts as S
@@ -70,17 +73,30 @@ class MPRegistry:
         self._unbound_at = -1e9
         self._spaces: tuple[float, dict[str, str]] = (-1e9, {})
 
-    def _replicated(self) -> None:
-        """WAIT for ``replica_acks`` replicas of the ``{mp}`` master (counted in ``short_acks`` when fewer answer)."""
+    def _written(self, script, keys: list, args: list):
+        """``script(keys, args)``'s reply; with ``replica_acks``, once that many replicas of the
+        ``{mp}`` master have it (fewer within ``replica_timeout_ms``: counted in ``short_acks``).
+        WAIT counts only the writes of the connection it is sent on, so the script and its WAIT go
+        down one connection (a pipeline); another pooled connection's WAIT answers at once."""
         if not self.replica_acks:
-            return
-        args = ("WAIT", self.replica_acks, self.replica_timeout_ms)
-        if hasattr(self.r, "get_node_from_key"):  # Redis Cluster: the master of the {mp} slot
-            got = self.r.execute_command(*args, target_nodes=self.r.get_node_from_key(K.MP))
-        else:
-            got = self.r.execute_command(*args)
-        if int(got) < self.replica_acks:
-            self.short_acks += 1
+            return script(keys=keys, args=args)
+        cluster = hasattr(self.r, "get_node_from_key")
+        for attempt in (1, 2):
+            # Redis Cluster: a pipeline of the {mp} slot's master itself (every key is in that slot)
+            client = self.r.get_redis_connection(self.r.get_node_from_key(K.MP)) if cluster else self.r
+            pipe = client.pipeline(transaction=False)
+            script(keys=keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", self.replica_acks, self.replica_timeout_ms)
+            try:
+                reply, acks = pipe.execute()
+            except (MovedError, RedisConnectionError):
+                if not cluster or attempt == 2:
+                    raise
+                self.r.nodes_manager.initialize()  # failed over: the {mp} slot has a new master
+                continue
+            if int(acks) < self.replica_acks:
+                self.short_acks += 1
+            return reply
 
     def chunk_size(self) -> int:
         """The bound chunk size (kept once read: a binding never changes), or the configured one
@@ -147,10 +163,9 @@ class MPRegistry:
             self.bind_chunk_size(req.chunk_size)
         info = {"instance_id": instance_id, "ip": req.ip, "http_port": req.http_port, "registration_time": now,
                 "metadata": req.metadata, "p2p_advertised_url": req.p2p_advertised_url, "mq_port": req.mq_port}
-        existed = self._register(keys=[K.mp_instances_key(), K.mp_heartbeats_key(), K.mp_departed_key()],
-                                 args=[instance_id, json.dumps(info), int(now * 1000)])
+        existed = self._written(self._register, [K.mp_instances_key(), K.mp_heartbeats_key(), K.mp_departed_key()],
+                                [instance_id, json.dumps(info), int(now * 1000)])
         self.hold(instance_id)
-        self._replicated()
         return instance_id, bool(existed)
 
     def heartbeat(self, instance_id: str, now: float | None = None) -> bool:
@@ -168,9 +183,8 @@ class MPRegistry:
         """``DELETE /instances/{id}``: registration, L1 placements, cursor and capacity go (any id;
         only the MP directory's data: an instance a sidecar writes for keeps its records)."""
         now = time.time() if now is None else now
-        self._depart(keys=K.mp_script_keys(), args=[instance_id, int(now * 1000), "1", ""])
+        self._written(self._depart, K.mp_script_keys(), [instance_id, int(now * 1000), "1", ""])
         self.hold(instance_id, release=True)
-        self._replicated()
 
     def reap(self, now: float | None = None) -> list[str]:
         """Depart every instance silent for ``instance_timeout_s`` (its capacity stays); the ids reaped."""
