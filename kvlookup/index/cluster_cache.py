@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import select
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -35,7 +36,7 @@ from redis.exceptions import AskError, ClusterDownError, RedisError, TryAgainErr
 
 from kvlookup.index.cluster_io import ClusterIO, slot_of
 from kvlookup.index.copies import MISS, Copies
-from kvlookup.index.tracking import LOCAL_ONLY, CachedReads, MasterHung, NeedsRedis, as_fields, cacheable
+from kvlookup.index.tracking import LOCAL_ONLY, RECONNECT_S, CachedReads, MasterHung, NeedsRedis, as_fields, cacheable
 
 #: Keys whose slot a ClusterCachedReads remembers (all forgotten at once past it): about
 #: 150 B a key (the dict entry and the key string it keeps alive), so ~30 MiB per worker at most.
@@ -64,6 +65,7 @@ class ClusterCachedReads:
         self._map: list | None = None  # the slot map the masters were last pruned by
         self._plain = 0  # cacheable reads sent through ClusterIO (untracked)
         self._lock = threading.Lock()
+        self._refreshed: dict[tuple[str, int], float] = {}  # hung master -> when the slot map was read for it
 
     def register(self, script: str) -> str:
         """A Lua script's sha for ``("EVALSHA", sha, ...)`` (scripts always go through ClusterIO)."""
@@ -240,7 +242,10 @@ class ClusterCachedReads:
         first (it asked last), so the reads go to the replica that took over, not to wait out the
         socket timeout on the hung one (a master that is only slow is still named and waited for)."""
         if isinstance(exc, MasterHung):
-            self.io.refresh(avoid=addr)
+            now = time.monotonic()
+            if now - self._refreshed.get(addr, -1e9) >= RECONNECT_S:  # one refresh per hung master a second
+                self._refreshed[addr] = now
+                self.io.refresh(avoid=addr)
 
     def _drop_gone(self, slots: list[tuple[str, int]]) -> None:
         """A new slot map: forget (and disconnect) the copies of masters that serve no slot now

@@ -196,3 +196,48 @@ def test_frozen_master_failed_over_copies_do_not_answer(six, cache_reads):
         assert victim.port not in masters and replica.port in masters
     writer_rc.close()
     reader_rc.close()
+
+
+def test_a_master_frozen_briefly_is_waited_for_not_lost(tmp_path):
+    """A master frozen 2 s (under the cluster-node-timeout: nobody takes over) while lookups run
+    with cached reads: its unanswered PING marks it hung, the slot map is read again (at most
+    once a second) and still names it, so its reads wait for it. Every answer stays exact, no
+    lookup fails, and once thawed the copies come back."""
+    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=0, node_timeout_ms=15000)
+    cluster.start()
+    try:
+        rc = connect(cluster.url, cluster=True, socket_timeout=5)
+        store = Store(rc, purge_grace_s=0, cache_reads=True)
+        client = Client(store=store)
+        prompt = make_prompts(seed=9, n=1)[0]
+        chain = PROFILE.chunk_hashes(prompt)
+        store.register_worker("a", 0)
+        store.touch_instance("a")
+        store.apply([("a", 0, CPU, [(ADMIT, h) for h in chain])])
+        want = [("a", CPU, len(prompt))]
+
+        def answer():
+            return [(m.instance_id, m.location, m.matched_prefix_length) for m in client.matches(prompt)]
+
+        assert answer() == answer() == want
+        victim = cluster.node_of(keys.chunk_key(chain[-1]))
+        cluster.freeze(victim)
+        thaw = threading.Timer(2.0, cluster.thaw, (victim,))
+        thaw.start()
+        got, t0 = [], time.monotonic()
+        while time.monotonic() - t0 < 3.5:
+            got.append(answer())
+            time.sleep(0.05)
+        thaw.join()
+        def local():  # lookups answered from copies: chunk reads, or whole lookups vouched for (kept)
+            return store.records.cached.stats["hits"] + store.records.cached.stats["kept"]
+
+        before, deadline = local(), time.monotonic() + 10
+        while local() == before:  # reconnected (RECONNECT_S after the PING went unanswered)
+            assert answer() == want and time.monotonic() < deadline, "the copies did not come back"
+            time.sleep(0.1)
+        report("master frozen 2 s", lookups=len(got))
+        assert got == [want] * len(got)
+        rc.close()
+    finally:
+        cluster.stop()
