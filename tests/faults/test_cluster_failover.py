@@ -95,6 +95,23 @@ def test_add_master_and_rebalance_while_ingest_and_lookups_run(six, fleet):
     assert not f.sidecar.lines("failover: wrote the ops")  # adding a master loses nothing
 
 
+def _held(rc, seed: int, cache_reads: bool):
+    """A Store on ``rc`` whose instance "a" holds one prompt's whole chain: (store, chain hashes,
+    the exact answer, answer() reading it again)."""
+    store = Store(rc, purge_grace_s=0, cache_reads=cache_reads)
+    client = Client(store=store)
+    prompt = make_prompts(seed=seed, n=1)[0]
+    chain = PROFILE.chunk_hashes(prompt)
+    store.register_worker("a", 0)
+    store.touch_instance("a")
+    store.apply([("a", 0, CPU, [(ADMIT, h) for h in chain])])
+
+    def answer():
+        return [(m.instance_id, m.location, m.matched_prefix_length) for m in client.matches(prompt)]
+
+    return store, chain, [("a", CPU, len(prompt))], answer
+
+
 @pytest.mark.parametrize("cache_reads", [False, True])
 def test_half_moved_slots_ask_and_tryagain_are_followed(six, cache_reads):
     """One slot moved by hand, key by key: a lookup follows ASK to a master the client has never
@@ -105,18 +122,7 @@ def test_half_moved_slots_ask_and_tryagain_are_followed(six, cache_reads):
     cluster = six
     new = cluster.add_master(rebalance=False)  # a master with no slot yet
     rc = connect(cluster.url, cluster=True)
-    store = Store(rc, purge_grace_s=0, cache_reads=cache_reads)
-    client = Client(store=store)
-    prompt = make_prompts(seed=5, n=1)[0]
-    chain = PROFILE.chunk_hashes(prompt)
-    store.register_worker("a", 0)
-    store.touch_instance("a")
-    store.apply([("a", 0, CPU, [(ADMIT, h) for h in chain])])
-    want = [("a", CPU, len(prompt))]
-
-    def answer():
-        return [(m.instance_id, m.location, m.matched_prefix_length) for m in client.matches(prompt)]
-
+    store, chain, want, answer = _held(rc, seed=5, cache_reads=cache_reads)
     assert answer() == want
     stats = store.records.io.stats
     key = keys.chunk_key(chain[2])
@@ -207,18 +213,7 @@ def test_a_master_frozen_briefly_is_waited_for_not_lost(tmp_path):
     cluster.start()
     try:
         rc = connect(cluster.url, cluster=True, socket_timeout=5)
-        store = Store(rc, purge_grace_s=0, cache_reads=True)
-        client = Client(store=store)
-        prompt = make_prompts(seed=9, n=1)[0]
-        chain = PROFILE.chunk_hashes(prompt)
-        store.register_worker("a", 0)
-        store.touch_instance("a")
-        store.apply([("a", 0, CPU, [(ADMIT, h) for h in chain])])
-        want = [("a", CPU, len(prompt))]
-
-        def answer():
-            return [(m.instance_id, m.location, m.matched_prefix_length) for m in client.matches(prompt)]
-
+        store, chain, want, answer = _held(rc, seed=9, cache_reads=True)
         assert answer() == answer() == want
         victim = cluster.node_of(keys.chunk_key(chain[-1]))
         cluster.freeze(victim)
