@@ -113,6 +113,9 @@ class CachedReads:
         for resp3_only in ("redis_connect_func", "maint_notifications_config", "event_dispatcher"):
             kwargs.pop(resp3_only, None)
         self._kwargs = kwargs
+        # the client's own kind of connection: TCP, TLS, a unix socket, or Sentinel-managed (it asks
+        # the Sentinels where the master is on every connect, so a failover moves the listener too)
+        self._connection_class = client.connection_pool.connection_class
         self._lock = threading.Lock()
         self._copies = Copies(max_keys, shared) if copies is None else copies
         self._missed: dict[str, None] = {}  # chunk keys a LOCAL_ONLY read lacked (first_miss)
@@ -125,7 +128,7 @@ class CachedReads:
         self._buffered = False  # a message may wait in the listener's read buffer (its socket quiet)
         self._pings = 0  # PINGs sent on it whose PONG has not been read
         self.tracked = redis.Redis(connection_pool=redis.BlockingConnectionPool(
-            connection_class=client.connection_pool.connection_class, max_connections=16, timeout=5,
+            connection_class=self._connection_class, max_connections=16, timeout=5,
             redis_connect_func=self._track, **kwargs))
         self.io = SingleIO(self.tracked)
         self.plain = SingleIO(client)  # reads while caching is off: no REDIRECT to a gone listener
@@ -141,7 +144,7 @@ class CachedReads:
     # -- the invalidation connection ------------------------------------------------------
 
     def _connect_listener(self) -> bool:
-        conn = redis.Connection(**self._kwargs)
+        conn = self._connection_class(**self._kwargs)
         try:
             conn.connect()
             bound_tracking_table(conn, self.max_keys)

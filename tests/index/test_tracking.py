@@ -51,6 +51,28 @@ def test_known_chunks_cost_no_round_trip_and_changes_arrive(redis_url, r, writer
     assert client.store.records.cached.stats["invalidations"] >= 2
 
 
+def test_cached_reads_over_a_unix_socket(tmp_path):
+    """The invalidation connection is the client's own kind (a unix socket here; TLS, Sentinel):
+    a plain TCP one was built from its options, and every lookup over ``unix://`` raised TypeError."""
+    from kvlookup.devtools.local_cluster import Node, spawn, stop_all
+    from kvlookup.proc.redis_server import free_port
+
+    sock = tmp_path / "r.sock"
+    node = spawn(Node(free_port(), tmp_path / "data"), ["--unixsocket", str(sock)])
+    try:
+        url = f"unix://{sock}"
+        writer = Store(connect(url), purge_grace_s=0)
+        writer.register_worker("a", 0)
+        writer.apply([("a", 0, CPU, [(ADMIT, SEED_HASH)])])
+        client = Client(url, cache_reads=True)
+        assert [layout(client) for _ in range(3)] == [{"a": 12}] * 3
+        assert client.store.records.cached.stats["hits"] + client.store.records.cached.stats["kept"] >= 1
+        writer.apply([("a", 0, CPU, [(EVICT, SEED_HASH)])])
+        assert wait_for(lambda: layout(client), {}, timeout=2) == {}  # its invalidation arrived
+    finally:
+        stop_all([node])
+
+
 def test_fenced_reads_see_every_completed_write(redis_url, writer):
     client = Client(redis_url, cache_reads="fenced")
     for i in range(30):
