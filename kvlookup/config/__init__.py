@@ -28,8 +28,8 @@ LOOKUP_RESPONSES = ("flat", "layout_info")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 #: Controller read caching (kvlookup.index.tracking): on (copies Redis keeps coherent, no round trip
 #: for a lookup whose chunks are known), fenced (one round trip that makes every completed write
-#: visible), off (each lookup reads the chunks' digests: kvlookup.index.staged). One Redis only: a
-#: cluster or Sentinel URL reads uncached.
+#: visible), off (each lookup reads the chunks' digests: kvlookup.index.staged). One Redis, a
+#: Sentinel-managed master, or each master of a cluster.
 LOOKUP_CACHE = ("on", "fenced", "off")
 #: gunicorn worker classes the controller runs: uvicorn (default: an asyncio loop per process,
 #: uvloop + httptools, /lookup answered in the loop, the rest in threads; kvlookup.app.asgi_worker),
@@ -140,7 +140,8 @@ class Settings:
             "sees every write completed before it; `off` reads each chunk's holder-set digest (one "
             "`CHUNK_HEADS` script call) and a member list only for a digest not seen before. On a Redis "
             "Cluster each master keeps its own copies coherent (kvlookup/index/cluster_cache.py; "
-            "`lookup_cache_keys` per master); with a Sentinel URL lookups read uncached")
+            "`lookup_cache_keys` per master); through Sentinel the invalidation connection follows the master "
+            "as the data connections do")
     lookup_cache_keys: int = setting(
         200_000, readers=(CONTROLLER,),
         help="(lookup_cache on/fenced) the most chunk sets each worker process keeps",
@@ -435,9 +436,10 @@ class Settings:
         return HashProfile.from_settings(self.hash)
 
     def cache_reads(self) -> bool | str:
-        """What the controller's store caches (Store ``cache_reads``): off through Sentinel (a
-        cluster caches per master, kvlookup.index.cluster_cache)."""
-        if self.lookup_cache == "off" or (not self.redis_cluster and self.redis_url and is_sentinel(self.redis_url)):
+        """What the controller's store caches (Store ``cache_reads``; a cluster caches per master,
+        kvlookup.index.cluster_cache; through Sentinel the invalidation connection follows the
+        master as the data connections do)."""
+        if self.lookup_cache == "off":
             return False
         return "fenced" if self.lookup_cache == "fenced" else True
 
