@@ -204,12 +204,25 @@ class Sidecar:
                 log.warning("sidecar %s: not taking instance %s (--instance-id): %s", self.sidecar_id, instance_id,
                             exc)
         killed = staleness.unclean_stop(self.store.r, self.sidecar_id)
+        self._let_go_unserved()
         owned = self.store.renew(self.sidecar_id, SIDECAR_LEASE_S)
         log.info("sidecar %s: resuming %d owned instance(s)", self.sidecar_id, owned)
         if killed is not None:
             self._mark_possibly_stale(killed)
         if self.vllm is not None:
             self.vllm.start()
+
+    def _let_go_unserved(self) -> None:
+        """A vLLM-only sidecar serves exactly its ``--instance-id``s: instances an earlier run under
+        the same sidecar id owned and this one does not serve are let go (their leases lapse and
+        they are reaped), not renewed for ever. A sidecar with LMCache sockets keeps them all: its
+        workers register again."""
+        if self.pull is not None or self.router is not None:
+            return
+        gone = self.store.owned(self.sidecar_id) - set(self.pinned)
+        if gone and self.store.disown(self.sidecar_id, gone):
+            log.warning("sidecar %s: no longer serving %s (owned by an earlier run with other --instance-id): "
+                        "their leases are left to lapse", self.sidecar_id, ", ".join(sorted(gone)[:10]))
 
     def _mark_possibly_stale(self, last: dict) -> None:
         """The previous run was killed (it never signed off): ops it had received and not

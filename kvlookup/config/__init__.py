@@ -201,7 +201,9 @@ class Settings:
         None, readers=(SIDECAR,), default_text="`<hostname>/<first bound address>`",
         help="this sidecar's name in the registry; a restart with the same id resumes its instances",
         doc="its name in the registry: the owner of the instances whose traffic it ingests; a restart with the "
-            "same id resumes renewing their leases (docs/operations.md, \"Liveness\"). 1..256 printable "
+            "same id resumes renewing their leases (docs/operations.md, \"Liveness\"); a vLLM-only sidecar "
+            "resumes only its `instance_id`s and lets the others it owned lapse. The default comes from the host "
+            "and the first bound address, so two sidecars on one host and endpoint share it. 1..256 printable "
             "characters")
     metrics_port: int | None = setting(
         None, readers=(SIDECAR,), help="serve this sidecar's /metrics and /health on this port")

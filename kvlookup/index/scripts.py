@@ -378,6 +378,20 @@ if revive then bump(KEYS[8]) end
 return 1
 """
 
+#: Let instances go that a sidecar owned and no longer serves (a vLLM sidecar started with other
+#: ``--instance-id``s under the same sidecar id): they leave its set, and the owner entry where it
+#: still names this sidecar, so nothing renews their leases and they are reaped as any lapsed
+#: instance. KEYS[1] owners, KEYS[2] this sidecar's instance set; ARGV[1] sidecar id, ARGV[2..]
+#: instance ids. Returns how many left the set.
+DISOWN = """
+local n = 0
+for i = 2, #ARGV do
+  n = n + redis.call('SREM', KEYS[2], ARGV[i])
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+return n
+"""
+
 #: Hold an instance id for the LMCache MP coordinator (renew, ARGV[2] ms from Redis server time)
 #: or let it go (ARGV[2] '0'). KEYS[1] MP-held; ARGV[1] instance_id.
 MP_HOLD = _CLOCK + """

@@ -160,7 +160,7 @@ class Store:
         self.records = records or make_records(client, cache_reads, cache_keys)
         s = {name: client.register_script(getattr(scripts, name)) for name in (
             "REGISTER", "DEREGISTER", "REAP_WORKER", "RETIRE_LOCATION", "HOLDER", "HEARTBEAT", "MARK_PROBED", "OWN",
-            "TOUCH", "TOUCH_LEASES", "FORGET_HOLDER", "RETIRE_UNKNOWN", "LEASE_CLOCK", "FOREIGN", "MP_HOLD")}
+            "TOUCH", "TOUCH_LEASES", "FORGET_HOLDER", "RETIRE_UNKNOWN", "LEASE_CLOCK", "FOREIGN", "MP_HOLD", "DISOWN")}
         self._scripts = s
         self.clock = ServerClock(client)
         self.reaper_run: tuple[int, int] | None = None  # (since, last) of a periodic reaper (fleet.reap)
@@ -465,6 +465,15 @@ class Store:
     def owned(self, sidecar_id: str) -> set[str]:
         """The instance ids ``sidecar_id`` owns."""
         return set(self.r.smembers(keys.sidecar_instances_key(sidecar_id)))
+
+    def disown(self, sidecar_id: str, instance_ids: Iterable[str]) -> int:
+        """``sidecar_id`` stops owning ``instance_ids`` (scripts.DISOWN): their leases are no longer
+        renewed, so they lapse and are reaped; returns how many it owned."""
+        ids = sorted(instance_ids)
+        if not ids:
+            return 0
+        return int(self._scripts["DISOWN"](keys=[keys.owners_key(), keys.sidecar_instances_key(sidecar_id)],
+                                           args=[sidecar_id, *ids]))
 
     def retire_location(self, instance_id: str, worker_id: int | str, location: str) -> int:
         """Stop counting one (worker, location)'s records (full sync start); returns 0 or 1."""

@@ -21,8 +21,9 @@ from kvlookup.index.explain import Explainer
 from kvlookup.index.store import Store
 from kvlookup.proc.redis_server import connect, free_port
 from tests.conftest import SEED_HASH, SEED_TOKENS
-from tests.support.helpers import wait_for
+from tests.support.helpers import until, wait_for
 from tests.support.procs import SidecarProc
+from tests.support.vllm_helpers import LoopbackPublisher
 
 CPU = "LocalCPUBackend"
 
@@ -85,3 +86,29 @@ def test_kill9_marks_unhealed_instances_possibly_stale_until_they_heal(own_redis
         for w in (old, new):
             w.close()
         sidecar.kill()
+
+
+
+def test_a_vllm_sidecar_restarted_with_another_instance_lets_the_old_one_go(r, redis_args, tmp_path):
+    """A vLLM sidecar killed, then started on the same endpoint (so the same default sidecar id)
+    with another ``--instance-id``: it resumes only what it serves. The old instance leaves its
+    set and the owners hash and its lease is not renewed again, so lookups stop counting it once
+    it lapses (a newcomer found pod-v answering lookups minutes after its server was gone)."""
+    pub = LoopbackPublisher()
+    args = [*redis_args, "--instance-ttl", "2", "--vllm-endpoint", pub.endpoint,
+            "--vllm-replay-endpoint", pub.replay_endpoint]
+    first = SidecarProc(*args, "--instance-id", "pod-v").start()
+    until(lambda: r.hget(keys.owners_key(), "pod-v"))
+    sidecar_id = r.hget(keys.owners_key(), "pod-v")
+    first.kill()
+    second = SidecarProc(*args, "--instance-id", "pod-w", log=tmp_path / "second.log").start()
+    try:
+        assert wait_for(lambda: r.smembers(keys.sidecar_instances_key(sidecar_id)), {"pod-w"}) == {"pod-w"}
+        assert (r.hget(keys.owners_key(), "pod-v"), r.hget(keys.owners_key(), "pod-w")) == (None, sidecar_id)
+        assert second.lines("no longer serving pod-v")
+        lease, renewed = r.zscore(keys.alive_key(), "pod-v"), r.zscore(keys.alive_key(), "pod-w")
+        time.sleep(2.5)  # past pod-v's lease (instance_ttl 2 s); the sidecar renews every ~0.7 s
+        assert r.zscore(keys.alive_key(), "pod-v") in (lease, None)  # never renewed again: lapsed
+        assert r.zscore(keys.alive_key(), "pod-w") > renewed
+    finally:
+        second.kill()
