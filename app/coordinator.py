@@ -411,14 +411,20 @@ def standalone_app(redis_client, settings):
 
 def serve_standalone(settings):
     """Serve :func:`standalone_app` on ``settings.mp_listen`` (host:port) in a daemon thread
-    (werkzeug's threaded server); returns the server (``shutdown()`` stops it)."""
-    from werkzeug.serving import make_server
+    (werkzeug's threaded server, which logs no line a request: an MP server posts a batch every
+    few ms; /metrics counts them); returns the server (``shutdown()`` stops it)."""
+    from werkzeug.serving import WSGIRequestHandler, make_server
+
+    class Quiet(WSGIRequestHandler):
+        def log_request(self, code="-", size="-") -> None:
+            pass
 
     from kvlookup.proc.redis_server import connect
 
     host, _, port = settings.mp_listen.rpartition(":")
     client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10)
-    server = make_server(host or "127.0.0.1", int(port), standalone_app(client, settings), threaded=True)
+    server = make_server(host or "127.0.0.1", int(port), standalone_app(client, settings), threaded=True,
+                         request_handler=Quiet)
     threading.Thread(target=server.serve_forever, name="mp-http", daemon=True).start()
     log.info("MP coordinator paths on http://%s:%s", host, port)
     return server

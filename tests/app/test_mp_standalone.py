@@ -20,7 +20,8 @@ def test_standalone_mp_ingest_feeds_the_controller(redis_args, redis_settings):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "kvlookup", "sidecar", *redis_args, "--mp-listen",
-                             f"127.0.0.1:{port}", "--log-level", "WARNING"], start_new_session=True)
+                             f"127.0.0.1:{port}", "--log-level", "INFO"], start_new_session=True,
+                            stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -41,4 +42,6 @@ def test_standalone_mp_ingest_feeds_the_controller(redis_args, redis_settings):
         assert answer["mp-side"] == ["l1/dram", 256]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(15) == 0
+        _out, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0
+    assert "MP coordinator paths on" in err and "/events" not in err  # no log line a request (werkzeug's)
