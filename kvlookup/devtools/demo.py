@@ -224,7 +224,10 @@ def quickstart(port: int, monitor_port: int, data_dir: str | None) -> int:
         print(f"Embedded Redis: joining the one already serving {chosen} ({served.get('url', 'starting')}): "
               "its index is shared with the processes using it. Pass --data-dir DIR for a separate one.", flush=True)
     else:
-        print(f"Embedded Redis: this demo's own, data dir {chosen}", flush=True)
+        shared = "" if chosen.name.startswith("demo-") else (
+            " (the default one: a `kvlookup controller` or sidecar started later without --data-dir shares "
+            "this index)")
+        print(f"Embedded Redis: started by this demo, data dir {chosen}{shared}", flush=True)
     engines: list[SimEngine] = []
     # its own process group: a terminal's Ctrl-C reaches the quickstart alone, which stops the controller with
     # one SIGTERM (a SIGINT from the terminal and then the SIGTERM below made gunicorn stop twice, ~1 s slower);

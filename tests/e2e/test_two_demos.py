@@ -87,7 +87,7 @@ def test_stopping_a_second_demo_leaves_the_first_one_whole(tmp_path):
     second = None
     try:
         first.wait_seed()
-        assert f"Embedded Redis: this demo's own, data dir {tmp_path / 'kvlookup' / f'demo-{first.port}'}\n" \
+        assert f"Embedded Redis: started by this demo, data dir {tmp_path / 'kvlookup' / f'demo-{first.port}'}\n" \
             in first.lines
         before = first.instances()
         assert before == ["instance-b", "lmcache_default_instance"]
@@ -98,7 +98,7 @@ def test_stopping_a_second_demo_leaves_the_first_one_whole(tmp_path):
         assert wait_for(lambda: first.ingested() > ingested, True, timeout=30)  # and cache churn (every 5 s)
         second = Demo(tmp_path)
         second.wait_seed()
-        assert f"Embedded Redis: this demo's own, data dir {tmp_path / 'kvlookup' / f'demo-{second.port}'}\n" \
+        assert f"Embedded Redis: started by this demo, data dir {tmp_path / 'kvlookup' / f'demo-{second.port}'}\n" \
             in second.lines
         assert second.layout() == SEED_ANSWER
         assert second.stop() == 0
