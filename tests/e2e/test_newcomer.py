@@ -312,3 +312,31 @@ def test_the_demo_engines_stay_indexed_while_it_runs(redis_args, capsys):
         for e in engines:
             e.close()
         ctrl.stop()
+
+
+def test_the_demo_says_when_the_sidecar_stored_nothing(redis_args, capsys):
+    """A sidecar that accepts only pod-a and pod-b (allowed_instance_ids, README step 2): the demo's
+    default engines are dropped there, and the demo says so on stderr instead of only printing
+    "Stored"; named with --instance-ids (start_engines' instances) they are stored and answered."""
+    from kvlookup.devtools.demo import start_engines
+    from kvlookup.hashing.lmcache import HashProfile
+
+    pull = free_port()
+    ctrl = ControllerProc(*redis_args, "--monitor-port", str(free_port())).wait_ready()
+    sidecar = SidecarProc(*redis_args, "--allowed-instance-ids", "pod-a,pod-b",
+                          pull_url=f"127.0.0.1:{pull}").start()
+    engines = []
+    try:
+        engines = start_engines(f"127.0.0.1:{pull}", None, ctrl.http, "0.3", HashProfile())
+        err = capsys.readouterr().err
+        assert "names no 'lmcache_default_instance' for the seed prompt" in err and "--instance-ids" in err
+        for e in engines:
+            e.close()
+        engines = start_engines(f"127.0.0.1:{pull}", None, ctrl.http, "0.3", HashProfile(), ("pod-a", "pod-b"))
+        out = capsys.readouterr()
+        assert "names no" not in out.err and '"pod-a":["LocalCPUBackend",12]' in out.out
+    finally:
+        for e in engines:
+            e.close()
+        sidecar.kill()
+        ctrl.stop()
