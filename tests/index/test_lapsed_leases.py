@@ -133,3 +133,21 @@ def test_a_kept_out_lapsed_holder_counts_for_a_lookup_judged_earlier(store, r):
     assert held(now) == held(now) == set(LIVE[:2])  # kept: lapsed, not asked again
     assert held(now - 20_000) == set(LIVE[:2]) | set(DEAD[:3])
     assert held(now) == set(LIVE[:2])
+
+
+def test_with_leases_off_a_sidecars_own_and_renew_write_no_lease_and_keep_the_version(r):
+    """``instance_ttl_s: 0`` is "no leases": owning and renewing (OWN, TOUCH, every second in a
+    sidecar) write no instance lease and never move the registry version. They used to write a
+    lease expiring at once, so every renewal counted as a revival and moved the version, dropping
+    every answer lookups kept, once a second."""
+    off = Store(r, instance_ttl_s=0, purge_grace_s=0)
+    _fleet(off, LIVE[:2], "sc-off")
+    version = r.get(keys.registry_version_key())
+    assert off.renew("sc-off") == 2
+    off.own("sc-off", LIVE[0])
+    assert off.renew("sc-off") == 2
+    assert r.get(keys.registry_version_key()) == version
+    assert r.zrange(keys.alive_key(), 0, -1) == []
+    assert r.smembers(keys.sidecar_instances_key("sc-off")) == set(LIVE[:2])
+    assert r.hgetall(keys.owners_key()) == dict.fromkeys(LIVE[:2], "sc-off")
+    assert _held(Client(store=off)) == set(LIVE[:2])  # lookups check no lease
