@@ -362,6 +362,7 @@ return foreign(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2], ARGV[3], AR
 #: KEYS[7] MP-held, KEYS[8] registry version (moved when the lease was lapsed or missing: _REVIVE);
 #: ARGV[1] instance_id, ARGV[2] sidecar id, ARGV[3] previous owner the caller
 #: saw ('' none), ARGV[4] lease lifetime (ms, from Redis server time), ARGV[5] shared ('1'/'0').
+#: A lifetime of 0 (instance_ttl_s 0: no leases) writes no lease.
 #: Returns 1, RETRY, or the other writer ('claim:<id>', 'owner:<id>', 'mp').
 OWN = _CLOCK + _FOREIGN + _REVIVE + """
 local prev = redis.call('HGET', KEYS[1], ARGV[1]) or ''
@@ -372,9 +373,11 @@ if other ~= '' then return other end
 if prev ~= '' and prev ~= ARGV[2] then redis.call('SREM', KEYS[3], ARGV[1]) end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[1])
-local revive = revived(KEYS[4], {ARGV[1]}, now)
-redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), ARGV[1])
-if revive then bump(KEYS[8]) end
+if tonumber(ARGV[4]) > 0 then  -- a lifetime of 0: no leases (nothing to renew, no version to move)
+  local revive = revived(KEYS[4], {ARGV[1]}, now)
+  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), ARGV[1])
+  if revive then bump(KEYS[8]) end
+end
 return 1
 """
 
@@ -405,7 +408,7 @@ return redis.call('ZADD', KEYS[1], string.format('%d', server_ms() + tonumber(AR
 #: over leave this sidecar's set. Leases run from Redis server time.
 #: KEYS[1] owners, KEYS[2] this sidecar's instance set, KEYS[3] alive, KEYS[4] sidecars,
 #: KEYS[5] lease clock, KEYS[6] registry version (moved when a lease renewed was lapsed: _REVIVE);
-#: ARGV[1] sidecar id, ARGV[2] instance lease lifetime, ARGV[3] sidecar
+#: ARGV[1] sidecar id, ARGV[2] instance lease lifetime (0: no leases, none written), ARGV[3] sidecar
 #: lease lifetime, ARGV[4] outage gap (ms), ARGV[5] SSCAN cursor ('0' to start), ARGV[6]
 #: instances per slice (SSCAN's COUNT). Returns {next cursor ('0' when done), instances renewed}.
 TOUCH = _CLOCK + _REVIVE + """
@@ -429,11 +432,13 @@ for i, inst in ipairs(page[2]) do
     gone[#gone + 1] = inst
   end
 end
-local revive = revived(KEYS[3], mine, now)
-if #renew > 0 then redis.call('ZADD', KEYS[3], unpack(renew)) end
+if tonumber(ARGV[2]) > 0 then  -- a lifetime of 0: no instance leases (nothing written, no version moved)
+  local revive = revived(KEYS[3], mine, now)
+  if #renew > 0 then redis.call('ZADD', KEYS[3], unpack(renew)) end
+  if revive then bump(KEYS[6]) end
+end
 if #gone > 0 then redis.call('SREM', KEYS[2], unpack(gone)) end
-if revive then bump(KEYS[6]) end
-return {page[1], #renew / 2}
+return {page[1], #mine}
 """
 
 #: Renew instances' leases directly (no owning sidecar: Store.touch_instances). KEYS[1] alive,

@@ -419,7 +419,8 @@ class Store:
 
     def renew(self, sidecar_id: str, sidecar_lease_s: float = 5.0) -> int:
         """Renew the leases of every instance ``sidecar_id`` owns, and its own (for
-        ``sidecar_lease_s``); returns how many instances it renewed. A restarted sidecar calls
+        ``sidecar_lease_s``); returns how many instances it renewed (with ``instance_ttl_s`` 0, no
+        leases: how many it still owns; no instance lease is written). A restarted sidecar calls
         this first and resumes where it stopped. Runs in slices of :data:`RENEW_SLICE`
         instances, one short script each, so Redis serves everyone else in between."""
         keys_ = [keys.owners_key(), keys.sidecar_instances_key(sidecar_id), keys.alive_key(), keys.sidecars_key(),

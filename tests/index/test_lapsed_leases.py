@@ -43,9 +43,17 @@ def _held(client: Client) -> set[str]:
     return set(client.lookup(TOKENS)[1])
 
 
+def _measure_clock_once(store: Store) -> None:
+    """The server clock's offset measured at the first lookup and kept: its measurement is an
+    EVALSHA too (SERVER_TIME, every second), which a slow run's lookups would span and
+    :func:`_resolves` count. Leases here are judged seconds apart; the offset does not drift."""
+    store.clock.refresh_s = float("inf")
+
+
 def _resolves(r, store: Store, before: dict[str, int]) -> int:
     """RESOLVE calls since ``before`` (command_calls): every EVALSHA a lookup sends, less the one
-    CHUNK_HEADS call a lookup sends on one Redis with ``lookup_cache: off``."""
+    CHUNK_HEADS call a lookup sends on one Redis with ``lookup_cache: off`` (the store's clock
+    measured once: :func:`_measure_clock_once`)."""
     spent = command_calls(r).get("evalsha", 0) - before.get("evalsha", 0)
     heads = LOOKUPS if not store.cluster and store.records.cached is None else 0
     return spent - heads
@@ -56,6 +64,7 @@ def fleet(store, r):
     _fleet(store, LIVE, "sc-live")
     _fleet(store, DEAD, "sc-dead")
     r.zadd(keys.alive_key(), dict.fromkeys(DEAD, 0))  # their sidecar stopped renewing long ago
+    _measure_clock_once(store)
     return store
 
 
@@ -104,6 +113,7 @@ def test_a_renewal_of_a_live_lease_keeps_the_answers(fleet, r):
 def test_a_lease_that_lapses_while_kept_is_asked_once(store, r):
     """Leases that held when resolved and lapse later: the first lookup after the slack asks
     RESOLVE once, the next ones do not; the owner renewing them brings them back at once."""
+    _measure_clock_once(store)
     short = Store(r, purge_grace_s=0, instance_ttl_s=1.0)
     _fleet(short, DEAD[:6], "sc-short")
     client = Client(store=store)
@@ -133,3 +143,21 @@ def test_a_kept_out_lapsed_holder_counts_for_a_lookup_judged_earlier(store, r):
     assert held(now) == held(now) == set(LIVE[:2])  # kept: lapsed, not asked again
     assert held(now - 20_000) == set(LIVE[:2]) | set(DEAD[:3])
     assert held(now) == set(LIVE[:2])
+
+
+def test_with_leases_off_a_sidecars_own_and_renew_write_no_lease_and_keep_the_version(r):
+    """``instance_ttl_s: 0`` is "no leases": owning and renewing (OWN, TOUCH, every second in a
+    sidecar) write no instance lease and never move the registry version. They used to write a
+    lease expiring at once, so every renewal counted as a revival and moved the version, dropping
+    every answer lookups kept, once a second."""
+    off = Store(r, instance_ttl_s=0, purge_grace_s=0)
+    _fleet(off, LIVE[:2], "sc-off")
+    version = r.get(keys.registry_version_key())
+    assert off.renew("sc-off") == 2
+    off.own("sc-off", LIVE[0])
+    assert off.renew("sc-off") == 2
+    assert r.get(keys.registry_version_key()) == version
+    assert r.zrange(keys.alive_key(), 0, -1) == []
+    assert r.smembers(keys.sidecar_instances_key("sc-off")) == set(LIVE[:2])
+    assert r.hgetall(keys.owners_key()) == dict.fromkeys(LIVE[:2], "sc-off")
+    assert _held(Client(store=off)) == set(LIVE[:2])  # lookups check no lease
