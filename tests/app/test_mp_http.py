@@ -377,3 +377,52 @@ def test_backend_holding_a_separator_is_422(http, backend):
     assert send(http, "GET", "/directory/keys")[0] == 200
     assert send(http, "POST", "/lookup", {"tokens": toks, "model_name": MODEL})[1]["mp-test-1"] == ["l1/dram", 512]
     assert send(http, "POST", "/events", {"batches": [batch(2, backend="a|b é", entries=[entry()])]})[0] == 200
+
+
+_FIELDS = [("batch", f) for f in ("instance_id", "incarnation", "seq", "event_type", "tier", "backend", "entries",
+                                  "shared", "ts", "capacity_bytes", "capacity_revision", "dropped_events")] + \
+          [("entry", f) for f in ("size_bytes", "token_ids", "token_offset")] + \
+          [("key", f) for f in ("chunk_hash_hex", "model_name", "kv_rank", "object_group_id", "cache_salt")]
+
+
+def _any_json():
+    from hypothesis import strategies as st
+
+    leaf = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.sampled_from([2**53 - 1, 2**53, 2**63])
+            | st.floats(allow_nan=False, allow_infinity=False) | st.text("ab,;|\t\x1e\x1f.:@/ é0", max_size=6))
+    return st.recursive(leaf, lambda inner: st.lists(inner, max_size=3)
+                        | st.dictionaries(st.text(max_size=4), inner, max_size=2), max_leaves=6)
+
+
+def test_any_value_in_any_field_is_applied_or_422_and_the_directory_stays_whole(make_http):
+    """Every field of a store (or config) batch replaced by any JSON value: 200 or 422, never a
+    5xx, and the directory keeps working (a store, the key listing and a model lookup after
+    each): how size_bytes 2**63 and a backend holding a tab or a comma were found."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    http = make_http()
+    toks = list(range(1000, 1512))
+    assert send(http, "POST", "/instances", REG)[0] == 200
+    seq = iter(range(1, 10**6))
+
+    edgy = st.one_of(st.sampled_from([-1, 0, 2**53 - 1, 2**53, 2**63, 2**64, 1e300]),
+                     st.text("a,;|\t\x1e\x1f.:@/ é", min_size=1, max_size=4), _any_json())
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
+    @given(st.sampled_from(_FIELDS), edgy, st.sampled_from(["store", "config"]))
+    def one(field, value, etype):
+        b = batch(1, etype=etype, inst="fuzz", entries=[] if etype == "config" else [entry(C1, tokens=range(256),
+                                                                                          offset=256)])
+        where = {"batch": b, "entry": (b["entries"] or [{}])[0], "key": (b["entries"] or [{"key": {}}])[0]["key"]}
+        where[field[0]][field[1]] = value
+        status, out = send(http, "POST", "/events", {"batches": [b]})
+        assert status in (200, 422), (field, value, status, out)
+        assert send(http, "POST", "/events", {"batches": [batch(next(seq), entries=[entry(), entry(C1)])]}) == (
+            200, {"applied": 1, "duplicates": 0, "stale": 0})
+        assert send(http, "GET", "/directory/keys")[0] == 200
+        assert send(http, "POST", "/lookup", {"tokens": toks, "model_name": MODEL})[1]["mp-test-1"] == ["l1/dram", 512]
+        assert send(http, "DELETE", "/instances/fuzz")[0] == 204
+        assert send(http, "POST", "/instances", {**REG, "instance_id": "fuzz"})[0] == 200
+
+    one()
