@@ -33,6 +33,7 @@ import redis
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from kvlookup.app import mp_metrics
+from kvlookup.app.body import RequestBody
 from kvlookup.app.errors import json_bytes
 from kvlookup.index.mp import ChunkSizeConflict, HeldBySidecar, MPDirectory
 from kvlookup.index.tracking import LOCAL_ONLY, NeedsRedis
@@ -406,6 +407,9 @@ def standalone_app(redis_client, settings):
     app.extensions["kvlookup"] = {"settings": settings, "redis": redis_client}
     errors.init_app(app)
     init_app(app, redis_client, settings)
+    # the controller's body limits (413 over max_body_bytes, unread): without them a 64 MiB
+    # POST /events was read and decoded whole
+    app.wsgi_app = RequestBody(app.wsgi_app, settings.max_body_bytes, settings.body_timeout_s)
     return app
 
 
@@ -415,16 +419,18 @@ def serve_standalone(settings):
     few ms; /metrics counts them); returns the server (``shutdown()`` stops it)."""
     from werkzeug.serving import WSGIRequestHandler, make_server
 
-    class Quiet(WSGIRequestHandler):
+    from kvlookup.proc.redis_server import connect
+
+    class Handler(WSGIRequestHandler):
+        timeout = settings.body_timeout_s  # a client silent this long mid-request (or idle) is dropped
+
         def log_request(self, code="-", size="-") -> None:
             pass
-
-    from kvlookup.proc.redis_server import connect
 
     host, _, port = settings.mp_listen.rpartition(":")
     client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=10)
     server = make_server(host or "127.0.0.1", int(port), standalone_app(client, settings), threaded=True,
-                         request_handler=Quiet)
+                         request_handler=Handler)
     threading.Thread(target=server.serve_forever, name="mp-http", daemon=True).start()
     log.info("MP coordinator paths on http://%s:%s", host, port)
     return server

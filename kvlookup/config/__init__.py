@@ -152,12 +152,12 @@ class Settings:
             "sets are kept once")
     max_tokens: int = setting(1_048_576, readers=(CONTROLLER,), flag="", help="longer prompts get 413")
     max_body_bytes: int = setting(
-        16 * 1024 * 1024, readers=(CONTROLLER,), flag="", default_text="16 MiB",
-        help="larger bodies get 413 (declared ones are refused unread)")
+        16 * 1024 * 1024, readers=(CONTROLLER, SIDECAR), flag="", default_text="16 MiB",
+        help="larger bodies get 413 (declared ones are refused unread; also the sidecar's `--mp-listen` paths)")
     body_timeout_s: float = setting(
-        10.0, readers=(CONTROLLER,), flag="",
+        10.0, readers=(CONTROLLER, SIDECAR), flag="",
         help="a request body not fully received this long after its headers gets 408 (uvicorn and gevent "
-             "workers)")
+             "workers; the sidecar's `--mp-listen` drops a client silent this long)")
     api_token: str | None = setting(
         None, readers=(CONTROLLER,), flag="",
         help="when set, `/clear`, `/pin`, `/compress`, `/decompress`, `/move` need `Authorization: Bearer "

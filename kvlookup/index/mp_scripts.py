@@ -172,10 +172,12 @@ local function fence_name(inst)
   local iid = redis.call('HGET', NAMES, 'n:i' .. inst)
   if iid then fence(iid) end
 end
-local function flush()
-  for f, n in pairs(delta) do
-    local v = redis.call('HINCRBY', STATS, f, n)
-    if v == 0 and string.sub(f, 1, 4) == 'l1k:' then redis.call('HDEL', STATS, f) end
+local function flush()  -- no HINCRBY: Lua passes a number >= 1e14 as '1e+14', which it refuses, half-way
+  for f, n in pairs(delta) do  -- through a request; sums beyond 2^53 (huge sizes) stay at 2^53
+    local v = tonumber(redis.call('HGET', STATS, f) or '0') + n
+    if v > 9007199254740992 then v = 9007199254740992 elseif v < -9007199254740992 then v = -9007199254740992 end
+    if v == 0 and string.sub(f, 1, 4) == 'l1k:' then redis.call('HDEL', STATS, f)
+    else redis.call('HSET', STATS, f, fmt(v)) end
   end
   delta = {}
 end

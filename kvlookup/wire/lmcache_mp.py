@@ -14,13 +14,27 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-NonNeg = Annotated[int, Meta(ge=0)]
+#: The largest integer kvlookup takes in a field that reaches its Redis scripts (2**53 - 1): Lua
+#: numbers are doubles, exact only up to here, and the scripts write them with ``%d`` (beyond
+#: int64 a wrong number, or a script error half-way through a request). The coordinator takes any
+#: int; no emitter sends more (seqs and incarnations count from 1 or are unix seconds, sizes are
+#: bytes): larger is refused (422, naming the field).
+MAX_EXACT = 2**53 - 1
+#: The largest world size a packed ``kv_rank`` holds (8 bits: kvlookup.hashing.mp.kv_rank); a
+#: directory lookup answers one key per rank, so a larger one would only build a huge answer.
+MAX_WORLD_SIZE = 255
+#: The latest ``ts`` (unix seconds) taken: the scripts keep it in milliseconds, within MAX_EXACT.
+MAX_TS = MAX_EXACT / 1000
+NonNeg = Annotated[int, Meta(ge=0, le=MAX_EXACT)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
 EventType = Literal["store", "delete", "access", "config"]
 Tier = Literal["l1", "l2"]
 #: Characters a ``cache_salt`` may not hold (LMCache ``ObjectKey``), and its longest length.
 SALT_FORBIDDEN = ("@", "/", "\\", "\0")
 SALT_MAX = 128
+#: Characters a batch's ``backend`` may not hold in kvlookup (the coordinator takes any): they
+#: separate fields of its placement and capacity values (kvlookup.index.mp_scripts).
+BACKEND_FORBIDDEN = ("\t", ",", ";", "\x1e", "\x1f")
 
 
 class MPBodyError(ValueError):
@@ -37,13 +51,13 @@ class RegisterRequest(Struct, kw_only=True):
     metadata: dict[str, str] = {}
     p2p_advertised_url: str = ""
     mq_port: Annotated[int, Meta(ge=0, le=65535)] = 0
-    chunk_size: Annotated[int, Meta(ge=1)] | None = None
+    chunk_size: Annotated[int, Meta(ge=1, le=MAX_EXACT)] | None = None
 
 
 class ChunkSizeRequest(Struct):
     """``PUT /config/chunk-size`` (0.5.7): ``{"chunk_size": n}``, n >= 1."""
 
-    chunk_size: Annotated[int, Meta(ge=1)]
+    chunk_size: Annotated[int, Meta(ge=1, le=MAX_EXACT)]
 
 
 class EncodedObjectKey(Struct, kw_only=True, gc=False):
@@ -53,7 +67,7 @@ class EncodedObjectKey(Struct, kw_only=True, gc=False):
     chunk_hash_hex: str
     model_name: str
     kv_rank: int
-    object_group_id: NonNeg = 0
+    object_group_id: Annotated[int, Meta(ge=0)] = 0  # text only (a space's name): any size
     cache_salt: str = ""
 
 
@@ -63,7 +77,7 @@ class CacheEventEntry(Struct, kw_only=True, gc=False):
     key: EncodedObjectKey
     size_bytes: NonNeg = 0
     token_ids: list[int] = []
-    token_offset: Annotated[int, Meta(ge=-1)] = -1
+    token_offset: Annotated[int, Meta(ge=-1, le=MAX_EXACT)] = -1
 
 
 class CacheEventBatch(Struct, kw_only=True, gc=False):
@@ -72,13 +86,13 @@ class CacheEventBatch(Struct, kw_only=True, gc=False):
 
     instance_id: Annotated[str, Meta(min_length=1)]
     incarnation: NonNeg
-    seq: Annotated[int, Meta(ge=1)]
+    seq: Annotated[int, Meta(ge=1, le=MAX_EXACT)]
     event_type: EventType
     tier: Tier
     backend: str = ""
     entries: list[CacheEventEntry] = []
     shared: bool = False
-    ts: Annotated[float, Meta(ge=0.0)] = 0.0
+    ts: Annotated[float, Meta(ge=0.0, le=MAX_TS)] = 0.0
     capacity_bytes: NonNeg = 0
     capacity_revision: NonNeg = 0
     dropped_events: NonNeg = 0
@@ -96,7 +110,7 @@ class DirectoryLookupRequest(Struct, kw_only=True):
     keys: list[EncodedObjectKey] = []
     token_ids: list[int] = []
     model_name: str | None = None
-    world_size: Annotated[int, Meta(ge=1)] = 1
+    world_size: Annotated[int, Meta(ge=1, le=MAX_WORLD_SIZE)] = 1
     cache_salt: str = ""
 
 
@@ -105,7 +119,7 @@ class BlendLookupRequest(Struct, kw_only=True):
 
     tokens_b64: str = ""
     model_name: str | None = None
-    world_size: Annotated[int, Meta(ge=1)] = 1
+    world_size: Annotated[int, Meta(ge=1, le=MAX_WORLD_SIZE)] = 1
     cache_salt: str = ""
 
 
@@ -144,6 +158,9 @@ def check(msg) -> None:
 def _check_batch(batch: CacheEventBatch, where: str) -> None:
     if not batch.backend and batch.event_type != "access":
         raise MPBodyError(f"backend must be non-empty for {batch.event_type} batches - at `{where}.backend`")
+    if any(c in batch.backend for c in BACKEND_FORBIDDEN):
+        # kvlookup's own rule: these separate fields in its index (no LMCache adapter name holds them)
+        raise MPBodyError(f"backend must not contain tab, ',', ';', \\x1e or \\x1f - at `{where}.backend`")
     if batch.event_type == "config" and batch.entries:
         raise MPBodyError(f"config batches declare capacity and carry no entries - at `{where}.entries`")
     if _plain(batch.entries, where):

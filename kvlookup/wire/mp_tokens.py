@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from kvlookup import native
+from kvlookup.wire import lmcache_mp as W
 
 try:  # optional: without them every body takes msgspec's path
     import numpy
@@ -92,7 +93,7 @@ def _native_form(ext: Any, body: bytes) -> TokensForm | None:
     if type(rest) is not dict or len(rest) != members or not _FIELDS.issuperset(rest):  # a repeated or other member
         return None
     model, salt, ws = rest.get("model_name"), rest.get("cache_salt", ""), rest.get("world_size", 1)
-    if type(model) is not str or type(salt) is not str or type(ws) is not int or ws < 1:
+    if type(model) is not str or type(salt) is not str or type(ws) is not int or not 1 <= ws <= W.MAX_WORLD_SIZE:
         return None
     return TokensForm(memoryview(packed), len(packed) // 4, model, ws, salt)
 
@@ -111,7 +112,7 @@ def _ids(body: bytes) -> tuple[str, int, str, Any] | None:
             return None
         model, salt, ws = doc.get("model_name"), doc.get("cache_salt", ""), doc.get("world_size", 1)
         ids = doc["token_ids"]
-        if type(model) is not str or type(salt) is not str or type(ws) is not int or ws < 1 \
+        if type(model) is not str or type(salt) is not str or type(ws) is not int or not 1 <= ws <= W.MAX_WORLD_SIZE \
                 or not isinstance(ids, simdjson.Array):
             return None
         return model, ws, salt, ids.as_buffer(of_type="u")  # uint64, native (little-endian) order; flat

@@ -307,3 +307,122 @@ def test_lookup_model_name_in_msgpack_and_packed_bodies(http):
     resp = http.post(f"/lookup?model_name={MODEL}&world_size=2", data=packed,
                      headers={"Content-Type": "application/octet-stream"})
     assert "mp-test-1" not in resp.get_json()
+
+
+BIG = 2**63  # beyond int64: Lua wrote it as -2**63 and failed half-way through a request (mpbreak)
+
+
+@pytest.mark.parametrize("where, value, field", [
+    ("batch", {"seq": BIG}, "$.batches[1].seq"), ("batch", {"incarnation": 2**64}, "$.batches[1].incarnation"),
+    ("batch", {"ts": 1e300}, "$.batches[1].ts"), ("batch", {"dropped_events": 2**64}, "$.batches[1].dropped_events"),
+    ("batch", {"capacity_bytes": 2**64}, "$.batches[1].capacity_bytes"),
+    ("batch", {"capacity_revision": 2**64}, "$.batches[1].capacity_revision"),
+    ("entry", {"size": BIG}, "$.batches[1].entries[0].size_bytes"),
+    ("entry", {"size": 2**53}, "$.batches[1].entries[0].size_bytes"),
+    ("entry", {"tokens": range(256), "offset": BIG}, "$.batches[1].entries[0].token_offset")])
+def test_numbers_beyond_what_lua_holds_are_422_and_nothing_applied(http, where, value, field):
+    """A number the scripts cannot hold exactly (> 2**53 - 1) is refused whole, naming the field:
+    size_bytes 2**63 used to leave a record the scripts could not parse (every later store of that
+    chunk, by anyone, 503 for good), seq 2**63 a 503 after part of the request was written."""
+    bad = {**batch(2, entries=[entry(C1)]), **value} if where == "batch" else batch(2, entries=[entry(C1, **value)])
+    status, out = send(http, "POST", "/events", {"batches": [batch(1, entries=[entry()], inst="other"), bad]})
+    assert status == 422 and field in out["error"] and "<= 9007199254740" in out["error"]
+    assert send(http, "GET", "/directory/stats")[1]["num_keys"] == 0
+    ok = {"batches": [batch(1, entries=[entry(), entry(C1, size=2**50)]), batch(2, tier="l2", backend="fs",
+                                                                            entries=[entry(C1)])]}
+    assert send(http, "POST", "/events", ok) == (200, {"applied": 2, "duplicates": 0, "stale": 0})
+    assert send(http, "GET", "/directory/keys")[0] == 200
+    stats = send(http, "GET", "/directory/stats")[1]  # a sum > 1e14: HINCRBY was passed "1.1258999068426e+15"
+    assert (stats["num_keys"], stats["l1_size_bytes"]) == (2, 33554432 + 2**50)
+
+
+def test_chunk_size_beyond_what_lua_holds_is_422_and_binds_nothing(http):
+    """chunk_size 2**64 used to bind the fleet to -2**63 (Lua's %d of it), after which every
+    tokens-form lookup was 400 and every registration with a chunk size 409, for good."""
+    for path, method, body in (("/config/chunk-size", "PUT", {"chunk_size": 2**64}),
+                               ("/instances", "POST", {**REG, "chunk_size": 2**64})):
+        status, out = send(http, method, path, body)
+        assert status == 422 and "$.chunk_size" in out["error"]
+    assert send(http, "POST", "/directory/lookup", {"token_ids": [1] * 300, "model_name": "m"})[0] == 200
+    assert send(http, "PUT", "/config/chunk-size", {"chunk_size": 256}) == (200, {"chunk_size": 256})
+
+
+@pytest.mark.parametrize("ids", [300, 20_000])  # 20k ids: the body over 32 KiB takes the packed-ids decoders
+def test_world_size_beyond_a_packed_rank_is_422(http, ids):
+    """A world size of 2**24 used to build 2**24 keys for one lookup (a worker busy for minutes, its
+    memory growing; 2**40 never came back): a packed kv_rank holds 8 bits of it, so > 255 is 422."""
+    status, out = send(http, "POST", "/directory/lookup", {"token_ids": [1] * ids, "model_name": "m",
+                                                          "world_size": 2**24})
+    assert status == 422 and "$.world_size" in out["error"]
+    status, out = send(http, "POST", "/directory/blend-lookup", {"tokens_b64": "AQAAAA==", "model_name": "m",
+                                                                "world_size": 256})
+    assert status == 422 and "$.world_size" in out["error"]
+    status, out = send(http, "POST", "/directory/lookup", {"token_ids": [1] * ids, "model_name": "m",
+                                                          "world_size": 255})
+    assert status == 200 and len(out["results"]) == 255 * (ids // 256)
+
+
+@pytest.mark.parametrize("backend", ["x\t1", "a,b", "a;b", "a\x1eb", "a\x1fb"])
+def test_backend_holding_a_separator_is_422(http, backend):
+    """A backend holding a tab used to make GET /directory/keys 500 for good (its placement's
+    tier/backend/shared text split in 4), a ',' or ';' in a config batch's backend made the
+    capacity declarations unreadable: POST /lookup with model_name answered no MP instance at all."""
+    toks = list(range(1000, 1512))
+    assert send(http, "POST", "/instances", REG)[0] == 200
+    assert send(http, "POST", "/events", {"batches": [batch(1, entries=[entry(), entry(C1)])]})[1]["applied"] == 1
+    for etype, kw in (("store", {"entries": [entry()]}), ("config", {"capacity_bytes": 1, "capacity_revision": 1})):
+        status, out = send(http, "POST", "/events", {"batches": [batch(1, etype=etype, backend=backend, inst="evil",
+                                                                       shared=True, **kw)]})
+        assert status == 422 and "$.batches[0].backend" in out["error"]
+    assert send(http, "GET", "/directory/keys")[0] == 200
+    assert send(http, "POST", "/lookup", {"tokens": toks, "model_name": MODEL})[1]["mp-test-1"] == ["l1/dram", 512]
+    assert send(http, "POST", "/events", {"batches": [batch(2, backend="a|b é", entries=[entry()])]})[0] == 200
+
+
+_FIELDS = [("batch", f) for f in ("instance_id", "incarnation", "seq", "event_type", "tier", "backend", "entries",
+                                  "shared", "ts", "capacity_bytes", "capacity_revision", "dropped_events")] + \
+          [("entry", f) for f in ("size_bytes", "token_ids", "token_offset")] + \
+          [("key", f) for f in ("chunk_hash_hex", "model_name", "kv_rank", "object_group_id", "cache_salt")]
+
+
+def _any_json():
+    from hypothesis import strategies as st
+
+    leaf = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.sampled_from([2**53 - 1, 2**53, 2**63])
+            | st.floats(allow_nan=False, allow_infinity=False) | st.text("ab,;|\t\x1e\x1f.:@/ é0", max_size=6))
+    return st.recursive(leaf, lambda inner: st.lists(inner, max_size=3)
+                        | st.dictionaries(st.text(max_size=4), inner, max_size=2), max_leaves=6)
+
+
+def test_any_value_in_any_field_is_applied_or_422_and_the_directory_stays_whole(make_http):
+    """Every field of a store (or config) batch replaced by any JSON value: 200 or 422, never a
+    5xx, and the directory keeps working (a store, the key listing and a model lookup after
+    each): how size_bytes 2**63 and a backend holding a tab or a comma were found."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    http = make_http()
+    toks = list(range(1000, 1512))
+    assert send(http, "POST", "/instances", REG)[0] == 200
+    seq = iter(range(1, 10**6))
+
+    edgy = st.one_of(st.sampled_from([-1, 0, 2**53 - 1, 2**53, 2**63, 2**64, 1e300]),
+                     st.text("a,;|\t\x1e\x1f.:@/ é", min_size=1, max_size=4), _any_json())
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
+    @given(st.sampled_from(_FIELDS), edgy, st.sampled_from(["store", "config"]))
+    def one(field, value, etype):
+        b = batch(1, etype=etype, inst="fuzz", entries=[] if etype == "config" else [entry(C1, tokens=range(256),
+                                                                                          offset=256)])
+        where = {"batch": b, "entry": (b["entries"] or [{}])[0], "key": (b["entries"] or [{"key": {}}])[0]["key"]}
+        where[field[0]][field[1]] = value
+        status, out = send(http, "POST", "/events", {"batches": [b]})
+        assert status in (200, 422), (field, value, status, out)
+        assert send(http, "POST", "/events", {"batches": [batch(next(seq), entries=[entry(), entry(C1)])]}) == (
+            200, {"applied": 1, "duplicates": 0, "stale": 0})
+        assert send(http, "GET", "/directory/keys")[0] == 200
+        assert send(http, "POST", "/lookup", {"tokens": toks, "model_name": MODEL})[1]["mp-test-1"] == ["l1/dram", 512]
+        assert send(http, "DELETE", "/instances/fuzz")[0] == 204
+        assert send(http, "POST", "/instances", {**REG, "instance_id": "fuzz"})[0] == 200
+
+    one()

@@ -45,3 +45,40 @@ def test_standalone_mp_ingest_feeds_the_controller(redis_args, redis_settings):
         _out, err = proc.communicate(timeout=15)
     assert proc.returncode == 0
     assert "MP coordinator paths on" in err and "/events" not in err  # no log line a request (werkzeug's)
+
+
+def test_standalone_mp_paths_keep_the_body_limit(redis_args):
+    """``--mp-listen`` answers 413 over ``max_body_bytes`` without reading the body, as the
+    controller does (a 64 MiB POST /events used to be read and decoded whole), and drops a client
+    that stops sending mid-body after ``body_timeout_s`` (it used to hold its thread for good)."""
+    import socket
+
+    port = free_port()
+    env = {**os.environ, "KVLOOKUP_MAX_BODY_BYTES": "100000", "KVLOOKUP_BODY_TIMEOUT_S": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvlookup", "sidecar", *redis_args, "--mp-listen",
+                             f"127.0.0.1:{port}", "--log-level", "WARNING"], start_new_session=True, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(base + "/healthz", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /events HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100001\r\n\r\n")
+            assert s.recv(100).startswith(b"HTTP/1.1 413")
+        body = {"batches": [batch(1, inst="mp-big", entries=[entry(C0)])], "pad": "x" * 100_000}
+        got = requests.post(base + "/events", json=body, timeout=10)
+        assert got.status_code == 413 and got.json() == {"error": "request body too large"}
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /events HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 50\r\n\r\n{\"batches\"")
+            assert s.recv(100) == b""  # dropped after ~1 s (the 10 s socket timeout would raise)
+        assert requests.post(base + "/events", json={"batches": [batch(1, inst="mp-big", entries=[entry(C0)])]},
+                             timeout=5).json() == {"applied": 1, "duplicates": 0, "stale": 0}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(15) == 0

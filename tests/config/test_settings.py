@@ -28,6 +28,7 @@ PASSWORD_FILE = Path(__file__).with_name("embedded_redis_password.txt")
 SIDECAR_VALUES = {
     "redis_url": "redis://10.0.0.9:6380/2", "redis_cluster": False, "data_dir": "/tmp/kvl-x",
     "instance_ttl_s": 12.5, "worker_ttl_s": 7.0, "log_level": "DEBUG", "host": "127.0.0.2",
+    "max_body_bytes": 123456, "body_timeout_s": 3.5,
     "control_timeout_s": 0.7, "control_retries": 3, "worker_networks": ["10.0.0.0/8"],
     "instance_id": "pod-z", "advertise_reply": "pod-z.internal:9002", "sidecar_id": "box-1/embedded",
     "metrics_port": 9555, "disconnect_grace_s": 0.25, "max_frame_bytes": 1000, "max_message_bytes": 2000,
