@@ -651,10 +651,11 @@ def load(path: str | None = None, overrides: Mapping[str, Any] | None = None,
             env_layer[name] = raw  # typed by Settings.validate
     layers.append(env_layer)
     layers.append({k: v for k, v in (overrides or {}).items() if v is not None})
-    for layer in layers:
+    for i, layer in enumerate(layers):
+        where = f"config {path!r}: " if path and i == 0 else ""  # the YAML file's keys: name the file
         for key, value in layer.items():
             if key not in _FIELD_TYPES:
-                raise ValueError(f"unknown setting {key!r}{names.setting_hint(key, setting_names())}")
+                raise ValueError(f"{where}unknown setting {key!r}{names.setting_hint(key, setting_names())}")
             if key == "hash":
                 settings.hash = {**settings.hash, **_as_hash("hash", value)}
             else:

@@ -70,8 +70,9 @@ def test_bench_report_without_matplotlib(tmp_path):
 
 @pytest.mark.parametrize(("flag", "yaml", "message"), [
     ("--lmcache-config", "chunk_size: big\n", "lmcache_config '{path}': chunk_size: 'big' is not an integer"),
-    ("--config", "chunk_size: 512\n", "unknown setting 'chunk_size' (did you mean hash.chunk_size?)"),
-    ("--config", "instance_tll_s: 5\n", "unknown setting 'instance_tll_s' (did you mean instance_ttl_s?)"),
+    ("--config", "chunk_size: 512\n", "config '{path}': unknown setting 'chunk_size' (did you mean hash.chunk_size?)"),
+    ("--config", "instance_tll_s: 5\n",
+     "config '{path}': unknown setting 'instance_tll_s' (did you mean instance_ttl_s?)"),
 ])
 def test_a_bad_yaml_key_is_named_with_a_hint(tmp_path, flag, yaml, message):
     path = tmp_path / "c.yaml"
