@@ -16,20 +16,25 @@ from kvlookup.proc.redis_server import free_port
 from tests.index.test_mp_index import C0, MODEL, batch, entry
 
 
-def test_standalone_mp_ingest_feeds_the_controller(redis_args, redis_settings):
+def _standalone(redis_args, log_level: str, **popen) -> tuple[subprocess.Popen, str]:
+    """``kvlookup sidecar --mp-listen`` on a free port, once its /healthz answers: (process, base URL)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "kvlookup", "sidecar", *redis_args, "--mp-listen",
-                             f"127.0.0.1:{port}", "--log-level", "INFO"], start_new_session=True,
-                            stderr=subprocess.PIPE, text=True)
+                             f"127.0.0.1:{port}", "--log-level", log_level], start_new_session=True, **popen)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(base + "/healthz", timeout=1).status_code == 200:
+                break
+        except requests.RequestException:
+            time.sleep(0.1)
+    return proc, base
+
+
+def test_standalone_mp_ingest_feeds_the_controller(redis_args, redis_settings):
+    proc, base = _standalone(redis_args, "INFO", stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(base + "/healthz", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                time.sleep(0.1)
         reg = {"instance_id": "mp-side", "ip": "127.0.0.1", "http_port": 1}
         assert requests.post(base + "/instances", json=reg).json() == {"instance_id": "mp-side",
                                                                        "re_registered": False}
@@ -53,19 +58,10 @@ def test_standalone_mp_paths_keep_the_body_limit(redis_args):
     that stops sending mid-body after ``body_timeout_s`` (it used to hold its thread for good)."""
     import socket
 
-    port = free_port()
     env = {**os.environ, "KVLOOKUP_MAX_BODY_BYTES": "100000", "KVLOOKUP_BODY_TIMEOUT_S": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvlookup", "sidecar", *redis_args, "--mp-listen",
-                             f"127.0.0.1:{port}", "--log-level", "WARNING"], start_new_session=True, env=env)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = _standalone(redis_args, "WARNING", env=env)
+    port = int(base.rsplit(":", 1)[1])
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(base + "/healthz", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                time.sleep(0.1)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(b"POST /events HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100001\r\n\r\n")
