@@ -25,7 +25,9 @@ def add_parser(sub) -> None:
                                   "it starts with <|begin_of_text|> as an engine's prompt does (and the dashboard's)")
     e.add_argument("--no-bos", action="store_true", help="with --text: do not add <|begin_of_text|>")
     e.add_argument("--lora-name", help="the request's LoRA adapter (vLLM namespaces)")
-    e.add_argument("--cache-salt", help="the request's vLLM cache salt")
+    e.add_argument("--cache-salt", help="the request's cache salt (vLLM; LMCache MP)")
+    e.add_argument("--model-name", help="scope the lookup to one model; explains LMCache MP instances too")
+    e.add_argument("--world-size", type=int, help="with --model-name: the MP servers' world size (default 1)")
     e.add_argument("--url", default="http://127.0.0.1:9000", help="controller base URL (http://127.0.0.1:9000)")
     e.add_argument("--json", action="store_true", help="print the raw JSON answer")
     e.set_defaults(func=cmd_explain)
@@ -56,7 +58,9 @@ def read_tokens(args: argparse.Namespace) -> list[int]:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     body = {"tokens": read_tokens(args)}
-    body.update({k: v for k, v in (("lora_name", args.lora_name), ("cache_salt", args.cache_salt)) if v})
+    body.update({k: v for k, v in (("lora_name", args.lora_name), ("cache_salt", args.cache_salt),
+                                   ("model_name", getattr(args, "model_name", None)),
+                                   ("world_size", getattr(args, "world_size", None))) if v})
     req = urllib.request.Request(args.url.rstrip("/") + "/lookup/explain", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     try:
@@ -87,6 +91,8 @@ def render(out: dict) -> None:
                   f"[bold]{out['cause']}[/]")
     for line in out["diagnosis"]:
         console.print(f"- {line}", highlight=False)
+    if out.get("mp"):
+        render_mp(console, out["mp"])
     if not out["instances"]:
         return
     table = Table()
@@ -101,3 +107,17 @@ def render(out: dict) -> None:
                       str(s.get("chunk", "")), str(s.get("token_offset", "")), s.get("reason", "complete"),
                       s.get("explanation", ""))
     console.print(table)
+
+
+def render_mp(console, mp: dict) -> None:
+    """The LMCache MP part (``mp`` of /lookup/explain): one line an MP instance, its matched prefix
+    and each cause, e.g. ``other_namespace (model_name=..., cache_salt=, world_size=1)``."""
+    if "error" in mp:
+        console.print(f"LMCache MP: {mp['error']}", highlight=False)
+        return
+    console.print(f"LMCache MP ({mp['model_name']}, world_size {mp['world_size']}, chunk_size {mp['chunk_size']}, "
+                  f"{mp['chunks']} chunks):", highlight=False)
+    for inst, e in mp["instances"].items():
+        causes = "; ".join(c["cause"] + (" (" + ", ".join(f"{k}={v}" for k, v in c.items() if k != "cause") + ")"
+                                         if len(c) > 1 else "") for c in e["causes"]) or "hit"
+        console.print(f"- {inst}: matched {e['matched_prefix_length']}: {causes}", highlight=False)

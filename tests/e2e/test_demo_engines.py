@@ -115,3 +115,19 @@ def test_python_env_rebuilds_a_venv_of_another_version(tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"kvlookup: .venv has Python 3.11, PYTHON={py312} is 3.12: building it again" in done.stderr
     assert f"{py312} -m venv .venv" in log.read_text()
+
+
+def test_explain_renders_the_mp_causes(capsys):
+    """``kvlookup explain --model-name``: the MP part of the answer is shown per instance with its causes."""
+    from kvlookup.cli.explain import render
+
+    render({"profile": {"chunk_size": 256, "none_hash": 0, "extra_keys": "empty", "algorithm": "builtin"},
+            "tokens": 256, "chunks": 1, "cause": "no_holder", "diagnosis": [], "instances": [],
+            "mp": {"model_name": "other/model", "world_size": 1, "cache_salt": "", "chunk_size": 256, "chunks": 1,
+                   "instances": {"pod-a": {"matched_prefix_length": 0, "causes": [
+                       {"cause": "other_namespace", "model_name": "meta-llama/Llama-3.1-8B-Instruct",
+                        "cache_salt": "", "world_size": 1}]}}}})
+    out = capsys.readouterr().out
+    assert "LMCache MP (other/model, world_size 1, chunk_size 256, 1 chunks):" in out
+    assert ("- pod-a: matched 0: other_namespace (model_name=meta-llama/Llama-3.1-8B-Instruct, cache_salt=, "
+            "world_size=1)") in out.replace("\n", " ").replace("  ", " ")
