@@ -501,11 +501,9 @@ def _two_ids(text: str) -> tuple[str, str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvlookup.devtools.demo import run_demo
+    from kvlookup.devtools.demo import DEMO_INSTANCES, run_demo
 
     settings = kvconfig.load(None, overrides=_overrides(args, ("lmcache_config",)))
-    from kvlookup.devtools.demo import DEMO_INSTANCES
-
     return run_demo(args.pull_url, args.reply_url, args.http, args.era, settings.profile(), keep=not args.exit,
                     instances=args.instance_ids or DEMO_INSTANCES)
 

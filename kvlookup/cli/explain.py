@@ -59,8 +59,7 @@ def read_tokens(args: argparse.Namespace) -> list[int]:
 def cmd_explain(args: argparse.Namespace) -> int:
     body = {"tokens": read_tokens(args)}
     body.update({k: v for k, v in (("lora_name", args.lora_name), ("cache_salt", args.cache_salt),
-                                   ("model_name", getattr(args, "model_name", None)),
-                                   ("world_size", getattr(args, "world_size", None))) if v})
+                                   ("model_name", args.model_name), ("world_size", args.world_size)) if v})
     req = urllib.request.Request(args.url.rstrip("/") + "/lookup/explain", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     try:

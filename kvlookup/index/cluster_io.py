@@ -104,7 +104,7 @@ class ClusterIO:
                 raise error or RedisConnectionError("cluster commands kept being redirected")
             if error is not None:
                 time.sleep(RETRY_PAUSE_S)
-                self._refresh(self._unanswered)
+                self.refresh(self._unanswered)
                 self._unanswered = None
             todo = retry
         return results
@@ -114,9 +114,6 @@ class ClusterIO:
     def refresh(self, avoid: tuple[str, int] | None = None) -> None:
         """Read the slot map again now, asking the master at ``avoid`` (one that left a round trip
         unanswered: hung, or failed over while frozen) last. Never raises."""
-        self._refresh(avoid)
-
-    def _refresh(self, avoid: tuple[str, int] | None = None) -> None:
         self._slots = None
         try:
             if avoid is not None and _DEFERS_FAILED:
@@ -180,7 +177,7 @@ class ClusterIO:
         map lists it (a new, still empty master receiving its first slot) is added to the map's
         nodes, as redis-py adds the node of a MOVED."""
         if not addr[0]:  # a slot no master serves (yet)
-            self._refresh()
+            self.refresh()
             raise RedisConnectionError("a slot is not served by any cluster node")
         node = self.rc.get_node(addr[0], addr[1])
         if node is None:
